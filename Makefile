@@ -1,0 +1,34 @@
+# Two commands do all the set-up on a fresh machine: `make run` and `make test`.
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+# The WebGPU plugin EP hides software adapters unless asked; lavapipe's shader cache is kept in the
+# tree so that test processes share compiled shaders.
+export ORT_WEBGPU_EP_ALLOW_SOFTWARE_ADAPTER := 1
+export XDG_CACHE_HOME ?= $(CURDIR)/.cache
+export XDG_RUNTIME_DIR ?= $(CURDIR)/.cache/xdg-runtime
+
+.PHONY: setup system-deps run test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	touch $@
+
+setup: $(STAMP)
+	@mkdir -p $(XDG_RUNTIME_DIR) && chmod 700 $(XDG_RUNTIME_DIR)
+
+system-deps:
+	bash scripts/install-system-deps.sh
+
+run: setup system-deps
+	$(VENV)/bin/pagedhybrid run
+
+lint: setup
+	$(VENV)/bin/ruff check src tests benchmarks
+
+test: setup system-deps lint
+	$(VENV)/bin/pytest -q
+
+clean:
+	rm -rf $(VENV) .cache .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,44 @@
+"""Typed errors of pagedhybrid.
+
+Every rejection names what was wrong so a user can act on it:
+
+* ``ContractViolation`` -- a tensor or attribute breaks an operator contract (which op, which
+  port or attribute, the rule, and what was received).
+* ``UnsupportedConfiguration`` -- a valid request that this build does not serve (a quantised
+  cache, an unsupported model type, an execution provider without a kernel); the reason says what
+  to do instead.
+* ``CapacityError`` -- a request that can never fit the configured pools.
+"""
+
+from __future__ import annotations
+
+
+class PagedHybridError(Exception):
+    """Base class of every error pagedhybrid raises on purpose."""
+
+
+class ContractViolation(PagedHybridError, ValueError):
+    """An input breaks an operator contract.
+
+    ``op`` is the operator (``com.microsoft.PagedAttention``), ``where`` the port or attribute
+    name, ``rule`` the rule that failed and ``got`` what was received.
+    """
+
+    def __init__(self, op: str, where: str, rule: str, got: object = None) -> None:
+        self.op, self.where, self.rule, self.got = op, where, rule, got
+        msg = f"{op}: '{where}' {rule}"
+        if got is not None:
+            msg += f" (got {got})"
+        super().__init__(msg)
+
+
+class UnsupportedConfiguration(PagedHybridError, NotImplementedError):
+    """A well-formed request this build does not serve; ``reason`` says what to do instead."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(reason)
+
+
+class CapacityError(PagedHybridError, RuntimeError):
+    """A request that can never fit the configured KV pages or state slots."""

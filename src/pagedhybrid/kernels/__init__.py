@@ -1,0 +1,1 @@
+"""Implementations of the operator contracts beside the references in ``pagedhybrid.ops``."""
