@@ -12,6 +12,7 @@ Validation helpers here raise ``ContractViolation(op, port_or_attr, rule, got)``
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from itertools import pairwise
 from typing import Any, NamedTuple
 
 import torch
@@ -218,7 +219,7 @@ def check_cu_seqlens(spec: OpSpec, port: str, cu: torch.Tensor, total_tokens: in
                tuple(cu.shape))
     vals = [int(v) for v in cu.tolist()]
     spec.check(vals[0] == 0, port, "must start at 0", vals[0])
-    for a, b in zip(vals, vals[1:], strict=False):
+    for a, b in pairwise(vals):
         spec.check(b >= a, port, "must be non-decreasing", vals)
         if not allow_empty_sequences:
             spec.check(b > a, port, "must be strictly increasing (every sequence needs a token)",

@@ -1,0 +1,67 @@
+"""Command line: ``pagedhybrid conformance | run | kernels ...``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def _conformance(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from pagedhybrid import conformance as conf
+
+    if args.write_cases:
+        conf.write_cases(args.cases or conf.CASES_FILE)
+        print(f"wrote {args.cases or conf.CASES_FILE}")
+        return 0
+    cases = conf.load_cases(args.cases) if args.cases else conf.load_cases()
+    backends = conf.BACKENDS if args.backend == "all" else (args.backend,)
+    console = Console()
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task("conformance", total=len(cases))
+        results = conf.run(cases, backends, progress=lambda: bar.advance(task))
+    table = Table(title="pagedhybrid conformance: implementations vs the float64 reference")
+    for col in ("case", "shapes", "backend", "max error", "tolerance", "result"):
+        table.add_column(col)
+    for r in results:
+        verdict = "[green]pass" if r.passed else f"[red]FAIL {r.error}"[:200]
+        table.add_row(r.case.id, r.shapes, r.backend, f"{r.max_error:.2e}",
+                      f"{r.tolerance:.0e}", verdict)
+    console.print(table)
+    failed = sum(not r.passed for r in results)
+    console.print(f"{len(results) - failed} passed, {failed} failed")
+    return 1 if failed or not results else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pagedhybrid", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("conformance", help="run the operator conformance cases")
+    c.add_argument("--backend", choices=("reference", "onnxruntime", "all"), default="all")
+    c.add_argument("--cases", help="cases JSON file (default: the one shipped with the package)")
+    c.add_argument("--write-cases", action="store_true",
+                   help="regenerate the cases file from the OpSpecs and exit")
+    c.set_defaults(func=_conformance)
+
+    r = sub.add_parser("run", help="the main job on the built-in default model")
+    r.set_defaults(func=_run)
+    return p
+
+
+def _run(args: argparse.Namespace) -> int:
+    ns = argparse.Namespace(backend="all", cases=None, write_cases=False)
+    return _conformance(ns)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
