@@ -27,7 +27,7 @@ def test_ports_match_onnxruntime(op):
     for ours, theirs in ((spec.inputs, schema.inputs), (spec.outputs, schema.outputs)):
         assert [p.name for p in ours] == [p.name for p in theirs]
         assert [p.type_param for p in ours] == [p.typeStr for p in theirs]
-        single = C.OpSchema.FormalParameterOption.Single
+        single = C.schemadef.OpSchema.FormalParameterOption.Single
         assert [p.optional for p in ours] == [p.option != single for p in theirs]
 
 
