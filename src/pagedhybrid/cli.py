@@ -20,7 +20,7 @@ def _conformance(args: argparse.Namespace) -> int:
         return 0
     cases = conf.load_cases(args.cases) if args.cases else conf.load_cases()
     backends = conf.BACKENDS if args.backend == "all" else (args.backend,)
-    console = Console()
+    console = Console(width=max(Console().width, 150))
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("conformance", total=len(cases))
         results = conf.run(cases, backends, progress=lambda: bar.advance(task))

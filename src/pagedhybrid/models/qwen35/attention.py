@@ -1,0 +1,112 @@
+"""Full-attention layer of Qwen3.5 (HF ``Qwen3_5Attention``), dense and packed paged.
+
+Per token ``x[hidden]``:
+
+1. ``q_proj`` gives ``2·H·hd`` values, viewed ``[H, 2·hd]`` and split per head into
+   ``query | gate`` (``gate`` flattened back to ``[H·hd]``); ``k_proj``/``v_proj`` give
+   ``[Hkv, hd]``.
+2. OffsetRMSNorm ``q_norm`` / ``k_norm`` per head (``1 + w``).
+3. Interleaved partial MRoPE on the first ``rotary_dim`` channels (``rope.py``).
+4. Causal GQA attention, scale ``hd^-0.5``; query head ``h`` reads KV head ``h // (H/Hkv)``.
+   Dense path: plain torch over a contiguous cache ``[B, L, Hkv, hd]`` (fp32 math).
+   Packed path: ``PagedAttention`` through the op backend, with norms and RoPE done outside the
+   op (``do_rotary=0``) exactly as the export does; pages are written in place.
+5. ``o_proj(attn · sigmoid(gate))``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedhybrid.models.qwen35.backend import OpBackend
+from pagedhybrid.models.qwen35.config import Qwen35Config
+from pagedhybrid.models.qwen35.layers import OffsetRMSNorm, linear
+from pagedhybrid.models.qwen35.rope import apply_rope
+
+
+class FullAttention(nn.Module):
+    def __init__(self, config: Qwen35Config, dtype: torch.dtype) -> None:
+        super().__init__()
+        h, hkv, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = h, hkv, hd
+        self.q_proj = linear(config.hidden_size, 2 * h * hd, dtype)
+        self.k_proj = linear(config.hidden_size, hkv * hd, dtype)
+        self.v_proj = linear(config.hidden_size, hkv * hd, dtype)
+        self.o_proj = linear(h * hd, config.hidden_size, dtype)
+        self.q_norm = OffsetRMSNorm(hd, config.rms_norm_eps, dtype)
+        self.k_norm = OffsetRMSNorm(hd, config.rms_norm_eps, dtype)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q ``[T, H, hd]``, k ``[T, Hkv, hd]``, v ``[T, Hkv, hd]``, gate ``[T, H·hd]``."""
+        t = x.shape[0]
+        h, hkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        query, gate = self.q_proj(x).view(t, h, 2 * hd).chunk(2, dim=-1)  # [T, H, hd] x2
+        gate = gate.reshape(t, h * hd)  # [T, H*hd]
+        q = apply_rope(self.q_norm(query), cos, sin)  # [T, H, hd]
+        k = apply_rope(self.k_norm(self.k_proj(x).view(t, hkv, hd)), cos, sin)  # [T, Hkv, hd]
+        v = self.v_proj(x).view(t, hkv, hd)  # [T, Hkv, hd]
+        return q, k, v, gate
+
+    def output(self, attn: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(attn * torch.sigmoid(gate))  # [T, hidden]
+
+    def forward_dense(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        past_key: torch.Tensor | None,
+        past_value: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x[B, S, hidden]`` -> (out ``[B, S, hidden]``, keys, values ``[B, L, Hkv, hd]``)."""
+        b, s, _ = x.shape
+        h, hkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        q, k, v, gate = self.project(x.reshape(b * s, -1), cos, sin)
+        q = q.view(b, s, h, hd)
+        k = k.view(b, s, hkv, hd)
+        v = v.view(b, s, hkv, hd)
+        if past_key is not None and past_value is not None:
+            k = torch.cat((past_key, k), dim=1)  # [B, L, Hkv, hd]
+            v = torch.cat((past_value, v), dim=1)
+        big_l, past = k.shape[1], k.shape[1] - s
+        group = h // hkv
+        kf = k.float().repeat_interleave(group, dim=2)  # [B, L, H, hd]
+        vf = v.float().repeat_interleave(group, dim=2)
+        scores = torch.einsum("bshd,blhd->bhsl", q.float(), kf) * hd ** -0.5  # [B, H, S, L]
+        allowed = (torch.arange(big_l, device=x.device)[None, :]
+                   <= torch.arange(s, device=x.device)[:, None] + past)  # [S, L]
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        attn = torch.einsum("bhsl,blhd->bshd", probs, vf).to(x.dtype)  # [B, S, H, hd]
+        out = self.output(attn.reshape(b * s, h * hd), gate)  # [B*S, hidden]
+        return out.view(b, s, -1), k, v
+
+    def forward_packed(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        past_seqlens: torch.Tensor,
+        block_table: torch.Tensor,
+        attention_metadata: torch.Tensor | None,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        backend: OpBackend,
+    ) -> torch.Tensor:
+        """``x[N, hidden]`` -> ``[N, hidden]``; this layer's pages are written in place."""
+        n = x.shape[0]
+        q, k, v, gate = self.project(x, cos, sin)
+        attn, key_out, value_out = backend.paged_attention(
+            q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1),  # [N, H*hd], [N, Hkv*hd] x2
+            key_cache, value_cache, cu_seqlens, past_seqlens, block_table,
+            attention_metadata=attention_metadata,
+            num_heads=self.num_heads, kv_num_heads=self.num_kv_heads, scale=0.0,
+        )
+        if key_out is not key_cache:  # a backend that returns fresh caches
+            key_cache.copy_(key_out)
+        if value_out is not value_cache:
+            value_cache.copy_(value_out)
+        return self.output(attn, gate)  # [N, hidden]

@@ -1,0 +1,81 @@
+"""Gated DeltaNet layer of Qwen3.5 (HF ``Qwen3_5GatedDeltaNet``), one path for dense and packed.
+
+Tokens come packed ``x[T, hidden]`` with ``cu_seqlens int32[B+1]`` (the dense path packs its
+``B`` rows of ``S`` tokens as ``B`` sequences). Per layer:
+
+1. ``qkv = in_proj_qkv(x)`` ``[T, conv_dim]``, ``z = in_proj_z(x)`` ``[T, Hv·Dv]``,
+   ``b = in_proj_b(x)``, ``a = in_proj_a(x)`` ``[T, Hv]``.
+2. Depthwise causal conv + SiLU over time per sequence, ``VarlenCausalConvWithState`` (no bias),
+   carrying the last ``K-1`` inputs per channel: conv state ``[B, conv_dim, K-1]``.
+3. Split ``[Hk·Dk, Hk·Dk, Hv·Dv]`` -> ``q, k [T, Hk, Dk]``, ``v [T, Hv, Dv]``.
+4. ``GatedDeltaNet`` (``gate_activation=qwen``: ``g = -exp(A_log)·softplus(a + dt_bias)`` in fp32;
+   ``beta = sigmoid(b)``; per-head L2 norm of q, k; scale ``Dk^-0.5``; value head ``hv`` reads
+   key head ``hv // (Hv/Hk)``) with the fp32 recurrent state ``[B, Hv, Dv, Dk]`` (V-major).
+   ``a`` and ``b`` are passed raw in fp32, ``A_log``/``dt_bias`` are fp32 parameters.
+5. Gated RMSNorm per value head with the raw weight, ``silu(z)`` gate; ``out_proj``.
+
+Both operators are called through the ``OpBackend`` seam; there is no second copy of this math.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedhybrid.models.qwen35.backend import OpBackend
+from pagedhybrid.models.qwen35.config import Qwen35Config
+from pagedhybrid.models.qwen35.layers import GatedRMSNorm, linear
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, config: Qwen35Config, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_k_heads = config.linear_num_key_heads
+        self.num_v_heads = config.linear_num_value_heads
+        self.head_k_dim = config.linear_key_head_dim
+        self.head_v_dim = config.linear_value_head_dim
+        self.key_dim, self.value_dim = config.key_dim, config.value_dim
+        self.conv_dim, self.kernel = config.conv_dim, config.linear_conv_kernel_dim
+        hidden = config.hidden_size
+        self.in_proj_qkv = linear(hidden, self.conv_dim, dtype)
+        self.in_proj_z = linear(hidden, self.value_dim, dtype)
+        self.in_proj_b = linear(hidden, self.num_v_heads, dtype)
+        self.in_proj_a = linear(hidden, self.num_v_heads, dtype)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim,
+                                bias=False, padding=self.kernel - 1, dtype=dtype)
+        self.conv1d.weight.requires_grad_(False)  # [conv_dim, 1, K], weight holder only
+        # Gate parameters stay fp32 whatever the model dtype (exp overflows in fp16).
+        self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads, dtype=torch.float32),
+                                    requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(self.num_v_heads, dtype=torch.float32),
+                                  requires_grad=False)
+        self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps, dtype)
+        self.out_proj = linear(self.value_dim, hidden, dtype)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        conv_state: torch.Tensor,
+        recurrent_state: torch.Tensor,
+        backend: OpBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x[T, hidden]`` -> (out ``[T, hidden]``, conv state, recurrent state), new tensors."""
+        t = x.shape[0]
+        qkv = self.in_proj_qkv(x)  # [T, conv_dim]
+        z = self.in_proj_z(x).view(t, self.num_v_heads, self.head_v_dim)  # [T, Hv, Dv]
+        b = self.in_proj_b(x).float()  # [T, Hv]
+        a = self.in_proj_a(x).float()  # [T, Hv]
+        mixed, conv_final = backend.varlen_causal_conv(
+            qkv, self.conv1d.weight, cu_seqlens, None, conv_state, activation="silu",
+        )  # [T, conv_dim], [B, conv_dim, K-1]
+        q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(t, self.num_k_heads, self.head_k_dim)  # [T, Hk, Dk]
+        k = k.reshape(t, self.num_k_heads, self.head_k_dim)  # [T, Hk, Dk]
+        v = v.reshape(t, self.num_v_heads, self.head_v_dim)  # [T, Hv, Dv]
+        core, recurrent_final = backend.gated_delta_net(
+            q, k, v, cu_seqlens, a, b, recurrent_state, self.A_log, self.dt_bias,
+            gate_activation="qwen", beta_activation="sigmoid", qk_l2_norm=1, scale=0.0,
+        )  # [T, Hv, Dv], fp32 [B, Hv, Dv, Dk]
+        y = self.norm(core, z).reshape(t, self.value_dim)  # [T, Hv*Dv]
+        return self.out_proj(y), conv_final, recurrent_final

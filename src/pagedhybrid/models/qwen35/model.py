@@ -1,0 +1,279 @@
+"""Qwen3.5 hybrid decoder in PyTorch: HF checkpoints, dense forward and packed paged forward.
+
+Stack (HF ``Qwen3_5ForCausalLM``): ``embed_tokens`` -> layers -> final OffsetRMSNorm ->
+``lm_head``. Each decoder layer is pre-norm residual, ``h = x + mixer(input_layernorm(x))``,
+``y = h + mlp(post_attention_layernorm(h))``; the mixer is ``FullAttention`` where
+``layer_types[i] == "full_attention"`` and ``GatedDeltaNet`` otherwise. Parameter names are HF's
+state-dict keys, so ``state_dict()`` of this module is the checkpoint layout.
+
+Two forwards share every weight and every layer's math:
+
+* ``forward_dense(input_ids[B, S], past)`` -- the ordinary path (parity with HF, in-repo
+  reference). ``DenseCache`` holds a contiguous K/V ``[B, L, Hkv, hd]`` per full layer and the
+  conv ``[B, conv_dim, K-1]`` / fp32 recurrent ``[B, Hv, Dv, Dk]`` states per linear layer.
+  Linear layers run through the op seam with one packed sequence per batch row.
+* ``forward_packed(batch, cache, logits_rows)`` -- the serving path over a ``PackedBatch`` and a
+  ``PagedHybridCache`` (pages and state slots updated in place).
+
+Logits are returned as float32 (as the exported graph does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from pagedhybrid.errors import ContractViolation, UnsupportedConfiguration
+from pagedhybrid.models.qwen35.attention import FullAttention
+from pagedhybrid.models.qwen35.backend import OpBackend, reference_backend
+from pagedhybrid.models.qwen35.config import FULL_ATTENTION, Qwen35Config
+from pagedhybrid.models.qwen35.layers import MLP, OffsetRMSNorm, linear
+from pagedhybrid.models.qwen35.linear_attention import GatedDeltaNet
+from pagedhybrid.models.qwen35.packed import OP, PackedBatch, PagedHybridCache
+from pagedhybrid.models.qwen35.rope import mrope_cos_sin
+from pagedhybrid.models.qwen35.weights import load_state_dict
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+DENSE_OP = "pagedhybrid.Qwen35.forward_dense"
+
+
+@dataclass(frozen=True)
+class DenseCache:
+    """State of a dense batch after ``seq_len`` tokens (all rows advance together)."""
+
+    seq_len: int
+    keys: dict[int, torch.Tensor]  # full layer -> [B, L, Hkv, hd]
+    values: dict[int, torch.Tensor]  # full layer -> [B, L, Hkv, hd]
+    conv: dict[int, torch.Tensor]  # linear layer -> [B, conv_dim, K-1]
+    recurrent: dict[int, torch.Tensor]  # linear layer -> fp32 [B, Hv, Dv, Dk]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: Qwen35Config, index: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.index = index
+        self.is_full = config.layer_types[index] == FULL_ATTENTION
+        if self.is_full:
+            self.self_attn = FullAttention(config, dtype)
+        else:
+            self.linear_attn = GatedDeltaNet(config, dtype)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, dtype)
+        self.input_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps,
+                                                      dtype)
+
+    def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Qwen35TextModel(nn.Module):
+    def __init__(self, config: Qwen35Config, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers)
+        )
+        self.norm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+
+class Qwen35ForCausalLM(nn.Module):
+    """The Qwen3.5 text decoder. Build on the meta device and ``load``, or use ``load()``."""
+
+    def __init__(self, config: Qwen35Config, dtype: torch.dtype = torch.float32,
+                 backend: OpBackend | None = None) -> None:
+        super().__init__()
+        if dtype not in SUPPORTED_DTYPES:
+            raise UnsupportedConfiguration(
+                f"model dtype {dtype} is not served; use one of {list(SUPPORTED_DTYPES)}")
+        self.config = config
+        self.dtype = dtype
+        self._backend = backend
+        self.model = Qwen35TextModel(config, dtype)
+        self.lm_head = linear(config.hidden_size, config.vocab_size, dtype)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    # -- ops seam ---------------------------------------------------------------------------------
+    @property
+    def backend(self) -> OpBackend:
+        if self._backend is None:
+            self._backend = reference_backend()
+        return self._backend
+
+    @backend.setter
+    def backend(self, value: OpBackend) -> None:
+        self._backend = value
+
+    # -- weights ----------------------------------------------------------------------------------
+    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Checkpoint tensor name -> shape (``lm_head.weight`` absent when tied)."""
+        shapes = {k: tuple(v.shape) for k, v in self.state_dict().items()}
+        if self.config.tie_word_embeddings:
+            shapes.pop("lm_head.weight", None)
+        return shapes
+
+    def parameter_dtype(self, name: str) -> torch.dtype:
+        return torch.float32 if name.endswith((".A_log", ".dt_bias")) else self.dtype
+
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Adopt the tensors (no copy) as parameters; re-tie ``lm_head`` when tied."""
+        self.load_state_dict(state, strict=not self.config.tie_word_embeddings, assign=True)
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+    # -- dense path -------------------------------------------------------------------------------
+    def empty_dense_cache(self, batch: int, device: torch.device | str = "cpu") -> DenseCache:
+        cfg = self.config
+        hkv, hd = cfg.num_key_value_heads, cfg.head_dim
+        return DenseCache(
+            seq_len=0,
+            keys={i: torch.zeros(batch, 0, hkv, hd, dtype=self.dtype, device=device)
+                  for i in cfg.full_attention_layers},
+            values={i: torch.zeros(batch, 0, hkv, hd, dtype=self.dtype, device=device)
+                    for i in cfg.full_attention_layers},
+            conv={i: torch.zeros(PagedHybridCache.conv_state_shape(cfg, batch), dtype=self.dtype,
+                                 device=device) for i in cfg.linear_attention_layers},
+            recurrent={i: torch.zeros(PagedHybridCache.recurrent_state_shape(cfg, batch),
+                                      dtype=torch.float32, device=device)
+                       for i in cfg.linear_attention_layers},
+        )
+
+    @torch.no_grad()
+    def forward_dense(self, input_ids: torch.Tensor, past: DenseCache | None = None
+                      ) -> tuple[torch.Tensor, DenseCache]:
+        """``input_ids`` int64 ``[B, S]`` -> (float32 logits ``[B, S, V]``, new ``DenseCache``)."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 \
+                or input_ids.dtype != torch.int64 or input_ids.shape[1] == 0:
+            raise ContractViolation(DENSE_OP, "input_ids", "must be int64 [B, S] with S >= 1",
+                                    getattr(input_ids, "shape", type(input_ids).__name__))
+        self._check_ids(DENSE_OP, input_ids)
+        b, s = input_ids.shape
+        device = input_ids.device
+        if past is None:
+            past = self.empty_dense_cache(b, device)
+        first = next(iter({**past.keys, **past.conv}.values()), None)
+        if first is not None and first.shape[0] != b:
+            raise ContractViolation(DENSE_OP, "past", f"was built for batch {first.shape[0]}", b)
+        positions = torch.arange(past.seq_len, past.seq_len + s, device=device)  # [S]
+        position_ids = positions.repeat(b).view(1, -1).expand(3, -1)  # [3, B*S]
+        cos, sin = mrope_cos_sin(self.config, position_ids)  # [B*S, rd] x2
+        cu = (torch.arange(b + 1, device=device) * s).to(torch.int32)  # [B+1]
+        h = self.model.embed_tokens(input_ids).reshape(b * s, -1)  # [B*S, hidden]
+        keys, values, conv, recurrent = {}, {}, {}, {}
+        for layer in self.model.layers:
+            i = layer.index
+            x = layer.input_layernorm(h)
+            if layer.is_full:
+                out, keys[i], values[i] = layer.self_attn.forward_dense(
+                    x.view(b, s, -1), cos, sin, past.keys[i], past.values[i])
+                out = out.reshape(b * s, -1)
+            else:
+                out, conv[i], recurrent[i] = layer.linear_attn(
+                    x, cu, past.conv[i], past.recurrent[i], self.backend)
+            h = layer.feed_forward(h + out)
+        logits = self.lm_head(self.model.norm(h)).float().view(b, s, -1)  # [B, S, V]
+        return logits, DenseCache(past.seq_len + s, keys, values, conv, recurrent)
+
+    # -- packed paged path ------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward_packed(self, batch: PackedBatch, cache: PagedHybridCache,
+                       logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """One packed step; returns float32 logits ``[N, V]`` (or ``[len(logits_rows), V]``).
+
+        KV pages of the full layers and the state slots ``batch.state_slots`` of the linear
+        layers are updated in place. ``logits_rows`` (int ``[R]``) selects token rows before the
+        LM head, e.g. ``batch.last_token_rows()`` for pruned prefill.
+        """
+        batch.validate(self.config, cache)
+        self._check_cache(cache)
+        n = batch.num_tokens
+        if logits_rows is not None:
+            ok = (isinstance(logits_rows, torch.Tensor) and logits_rows.dim() == 1
+                  and logits_rows.dtype in (torch.int32, torch.int64))
+            if ok and logits_rows.numel():
+                ok = int(logits_rows.min()) >= 0 and int(logits_rows.max()) < n
+            if not ok:
+                raise ContractViolation(OP, "logits_rows", f"must be int rows in [0, {n}) [R]",
+                                        getattr(logits_rows, "shape", logits_rows))
+        slots = batch.state_slots.long()  # [B]
+        fresh = (batch.past_seqlens == 0)  # [B]: new sequences start from zero state
+        cos, sin = mrope_cos_sin(self.config, batch.position_ids)  # [N, rd] x2
+        h = self.model.embed_tokens(batch.input_ids)  # [N, hidden]
+        for layer in self.model.layers:
+            i = layer.index
+            x = layer.input_layernorm(h)
+            if layer.is_full:
+                out = layer.self_attn.forward_packed(
+                    x, cos, sin, batch.cu_seqlens, batch.past_seqlens, batch.block_table,
+                    batch.attention_metadata, cache.key_cache[i], cache.value_cache[i],
+                    self.backend)
+            else:
+                conv_pool, rec_pool = cache.conv_state[i], cache.recurrent_state[i]
+                conv0 = conv_pool.index_select(0, slots)  # [B, conv_dim, K-1]
+                rec0 = rec_pool.index_select(0, slots)  # [B, Hv, Dv, Dk]
+                conv0[fresh] = 0
+                rec0[fresh] = 0
+                out, conv1, rec1 = layer.linear_attn(x, batch.cu_seqlens, conv0, rec0,
+                                                     self.backend)
+                conv_pool.index_copy_(0, slots, conv1.to(conv_pool.dtype))
+                rec_pool.index_copy_(0, slots, rec1.to(rec_pool.dtype))
+            h = layer.feed_forward(h + out)
+        if logits_rows is not None:
+            h = h.index_select(0, logits_rows.long())  # [R, hidden]
+        return self.lm_head(self.model.norm(h)).float()  # [N or R, V]
+
+    # -- checks -----------------------------------------------------------------------------------
+    def _check_ids(self, op: str, ids: torch.Tensor) -> None:
+        if ids.numel():
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= self.config.vocab_size:
+                raise ContractViolation(op, "input_ids",
+                                        f"must be token ids in [0, {self.config.vocab_size})",
+                                        (lo, hi))
+
+    def _check_cache(self, cache: PagedHybridCache) -> None:
+        cfg = self.config
+
+        def need(pools: dict[int, torch.Tensor], layers: tuple[int, ...], name: str,
+                 shape: tuple[int, ...], dtype: torch.dtype) -> None:
+            for i in layers:
+                t = pools.get(i)
+                if t is None:
+                    raise ContractViolation(OP, f"cache.{name}[{i}]", "is missing")
+                if tuple(t.shape) != shape or t.dtype != dtype:
+                    raise ContractViolation(OP, f"cache.{name}[{i}]",
+                                            f"must be {dtype} {list(shape)}",
+                                            (t.dtype, list(t.shape)))
+
+        page = PagedHybridCache.page_shape(cfg, cache.num_pages, cache.block_size)
+        need(cache.key_cache, cfg.full_attention_layers, "key_cache", page, self.dtype)
+        need(cache.value_cache, cfg.full_attention_layers, "value_cache", page, self.dtype)
+        need(cache.conv_state, cfg.linear_attention_layers, "conv_state",
+             PagedHybridCache.conv_state_shape(cfg, cache.num_slots), self.dtype)
+        need(cache.recurrent_state, cfg.linear_attention_layers, "recurrent_state",
+             PagedHybridCache.recurrent_state_shape(cfg, cache.num_slots), torch.float32)
+
+
+def build(config: Qwen35Config, dtype: torch.dtype = torch.float32,
+          device: torch.device | str = "meta", backend: OpBackend | None = None
+          ) -> Qwen35ForCausalLM:
+    """An unloaded model; on the meta device no memory is allocated."""
+    with torch.device(device):
+        return Qwen35ForCausalLM(config, dtype, backend)
+
+
+def load(model_dir: str | Path, dtype: torch.dtype = torch.float32,
+         backend: OpBackend | None = None) -> Qwen35ForCausalLM:
+    """Load an HF Qwen3.5 checkpoint folder (config.json + safetensors), memory-mapped."""
+    config = Qwen35Config.from_model_dir(model_dir)
+    model = build(config, dtype, "meta", backend)
+    state = load_state_dict(model_dir, model.expected_shapes(), model.parameter_dtype,
+                            optional=frozenset({"lm_head.weight"}))
+    model.load_weights(state)
+    return model.eval()

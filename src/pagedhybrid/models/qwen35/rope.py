@@ -1,0 +1,56 @@
+"""Interleaved partial MRoPE of Qwen3.5 (HF ``Qwen3_5TextRotaryEmbedding``), computed in fp32.
+
+``inv_freq[i] = 1 / theta^(2i / rotary_dim)`` for ``i < rotary_dim/2``. ``position_ids`` has three
+planes (T, H, W) ``[3, N]``; frequency ``i`` takes its angle from plane H if ``i % 3 == 1`` and
+``i < 3 * mrope_section[1]``, from plane W if ``i % 3 == 2`` and ``i < 3 * mrope_section[2]``,
+else from plane T. cos/sin are ``[N, rotary_dim]`` (the half-table repeated twice, rotate-half
+form). Rotation applies to the first ``rotary_dim`` channels of each head; the rest pass through:
+``out[:rd] = x[:rd] * cos + rotate_half(x[:rd]) * sin`` with ``rotate_half(x) = [-x2, x1]``.
+For text the three planes are equal and this is plain partial RoPE at the token position.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedhybrid.models.qwen35.config import Qwen35Config
+
+
+def inv_freq(config: Qwen35Config, device: torch.device | str = "cpu") -> torch.Tensor:
+    dim = config.rotary_dim
+    # Same expression as HF so the fp32 table is bit-identical.
+    return 1.0 / (config.rope_theta ** (
+        torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim
+    ))  # [rd/2]
+
+
+def mrope_plane_index(config: Qwen35Config, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Which position plane (0=T, 1=H, 2=W) drives each of the ``rotary_dim/2`` frequencies."""
+    half = config.rotary_dim // 2
+    idx = torch.zeros(half, dtype=torch.int64)
+    for plane, offset in ((1, 1), (2, 2)):
+        idx[offset:3 * config.mrope_section[plane]:3] = plane
+    return idx.to(device)  # [rd/2]
+
+
+def mrope_cos_sin(config: Qwen35Config, position_ids: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin fp32 ``[N, rotary_dim]`` from int64 ``position_ids[3, N]``."""
+    freq = inv_freq(config, position_ids.device)
+    angles = position_ids[..., None].float() * freq  # [3, N, rd/2]
+    plane = mrope_plane_index(config, position_ids.device)
+    index = plane.view(1, 1, -1).expand(1, angles.shape[1], -1)  # [1, N, rd/2]
+    chosen = angles.gather(0, index)[0]  # [N, rd/2]
+    emb = torch.cat((chosen, chosen), dim=-1)  # [N, rd]
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first ``rotary_dim`` channels of ``x[N, heads, D]`` (fp32 math, dtype kept)."""
+    rd = cos.shape[-1]
+    xf = x.float()
+    rot, rest = xf[..., :rd], xf[..., rd:]  # [N, h, rd], [N, h, D-rd]
+    x1, x2 = rot[..., : rd // 2], rot[..., rd // 2:]
+    rotated = torch.cat((-x2, x1), dim=-1)  # [N, h, rd]
+    out = rot * cos[:, None, :] + rotated * sin[:, None, :]
+    return torch.cat((out, rest), dim=-1).to(x.dtype)  # [N, h, D]

@@ -1,0 +1,218 @@
+"""Reading HF safetensors checkpoints of Qwen3.5, memory-mapped.
+
+Layout of a safetensors file: 8 bytes little-endian header length ``n``, ``n`` bytes of JSON
+(``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``), then the
+raw tensor bytes (offsets relative to the end of the header). Each file is mapped once
+(copy-on-write, ``mmap.ACCESS_COPY``) and every tensor whose stored dtype is the requested one is
+a zero-copy view of the mapping: no second copy of the weights is made. Tensors stored in another
+dtype are converted once (that conversion is the only copy).
+
+Checkpoints: a single ``model.safetensors``; a sharded checkpoint with ``*.safetensors.index.json``
+(``weight_map``: tensor name -> shard file); or any ``*.safetensors`` files in the folder.
+
+Names are HF state-dict keys (``model.layers.{i}.linear_attn.in_proj_qkv.weight``). The VL
+checkpoints' ``model.language_model.`` prefix is mapped to ``model.``; vision (``model.visual.``,
+``visual.``) and multi-token-prediction (``mtp.``) tensors are skipped. With tied embeddings
+``lm_head.weight`` is not read (the model reuses ``model.embed_tokens.weight``).
+
+A missing tensor, a tensor of the wrong shape or dtype, an unknown tensor, or a malformed file
+raises ``CheckpointError`` naming the tensor and file.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+
+import torch
+
+from pagedhybrid.models.qwen35.errors import CheckpointError
+
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+SKIPPED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
+RENAMED_PREFIXES = (
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+def canonical_name(name: str) -> str | None:
+    """The Qwen3.5 text-model key of a checkpoint tensor, or None if the tensor is skipped."""
+    if name.startswith(SKIPPED_PREFIXES):
+        return None
+    for old, new in RENAMED_PREFIXES:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
+class SafetensorsFile:
+    """One memory-mapped ``.safetensors`` file; ``tensor(name)`` is a zero-copy view."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        where = str(self.path)
+        try:
+            with open(self.path, "rb") as f:
+                raw = f.read(8)
+                if len(raw) < 8:
+                    raise CheckpointError(where, "header", "file is shorter than 8 bytes")
+                (n,) = struct.unpack("<Q", raw)
+                if n > _MAX_HEADER:
+                    raise CheckpointError(where, "header", "length is implausible", n)
+                header_bytes = f.read(n)
+                if len(header_bytes) != n:
+                    raise CheckpointError(where, "header", "is truncated", len(header_bytes))
+                size = self.path.stat().st_size
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        except OSError as exc:
+            raise CheckpointError(where, "file", "cannot be read", exc) from exc
+        try:
+            header = json.loads(header_bytes)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CheckpointError(where, "header", "is not valid JSON", exc) from exc
+        if not isinstance(header, dict):
+            raise CheckpointError(where, "header", "must be a JSON object")
+        header.pop("__metadata__", None)
+        self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)  # [file size]
+        self._base = 8 + n
+        self._entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
+        for name, entry in header.items():
+            try:
+                dtype = SAFETENSORS_DTYPES[entry["dtype"]]
+                shape = tuple(int(s) for s in entry["shape"])
+                begin, end = (int(o) for o in entry["data_offsets"])
+            except (KeyError, TypeError, ValueError) as exc:
+                raise CheckpointError(where, name, "has a malformed header entry", entry) from exc
+            numel = 1
+            for s in shape:
+                numel *= s
+            nbytes = numel * torch.empty((), dtype=dtype).element_size()
+            if end - begin != nbytes or begin < 0 or self._base + end > size:
+                raise CheckpointError(where, name, "has data offsets that do not match its "
+                                      "shape or lie outside the file", (begin, end))
+            self._entries[name] = (dtype, shape, begin, end)
+
+    def names(self) -> list[str]:
+        return list(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._entries[name][1]
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._entries[name][0]
+
+    def tensor(self, name: str) -> torch.Tensor:
+        dtype, shape, begin, end = self._entries[name]
+        raw = self._bytes[self._base + begin:self._base + end]  # [nbytes] view of the mapping
+        try:
+            return raw.view(dtype).view(shape)
+        except RuntimeError:  # misaligned offset: the one case that needs a copy
+            return raw.clone().view(dtype).view(shape)
+
+
+def checkpoint_files(model_dir: str | Path) -> dict[str, Path]:
+    """Map every tensor name of the checkpoint to the file that stores it."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise CheckpointError(str(model_dir), "model_dir", "is not a directory")
+    indexes = sorted(model_dir.glob("*.safetensors.index.json"))
+    if indexes:
+        index = indexes[0]
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(str(index), "weight_map",
+                                  "must be a JSON object mapping tensor names to files") from exc
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(str(index), "weight_map", "must be an object", weight_map)
+        out: dict[str, Path] = {}
+        for name, file in weight_map.items():
+            path = model_dir / str(file)
+            if not path.is_file():
+                raise CheckpointError(str(index), name, f"names shard '{file}', which is missing")
+            out[name] = path
+        return out
+    single = model_dir / "model.safetensors"
+    files = [single] if single.is_file() else sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(str(model_dir), "model.safetensors",
+                              "no safetensors weights in the folder")
+    out = {}
+    for path in files:
+        for name in SafetensorsFile(path).names():
+            out[name] = path
+    return out
+
+
+def iter_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, str, SafetensorsFile]]:
+    """(stored name, canonical name, file) of every tensor that belongs to the text model."""
+    opened: dict[Path, SafetensorsFile] = {}
+    for stored, path in checkpoint_files(model_dir).items():
+        name = canonical_name(stored)
+        if name is None:
+            continue
+        if path not in opened:
+            opened[path] = SafetensorsFile(path)
+        file = opened[path]
+        if stored not in file:
+            raise CheckpointError(str(path), stored, "is listed in the index but not in the shard")
+        yield stored, name, file
+
+
+def load_state_dict(
+    model_dir: str | Path,
+    expected: Mapping[str, tuple[int, ...]],
+    dtype_of: Callable[[str], torch.dtype],
+    optional: frozenset[str] = frozenset(),
+) -> dict[str, torch.Tensor]:
+    """Read the tensors of ``expected`` (canonical name -> shape) from a checkpoint folder.
+
+    ``dtype_of(name)`` is the dtype each tensor is served in; a stored tensor of that dtype is a
+    zero-copy view of the memory-mapped file. Names in ``optional`` are ignored when present
+    (e.g. ``lm_head.weight`` of a tied checkpoint) and not required.
+    """
+    state: dict[str, torch.Tensor] = {}
+    for stored, name, file in iter_checkpoint(model_dir):
+        if name in optional and name not in expected:
+            continue
+        if name not in expected:
+            raise CheckpointError(str(file.path), stored,
+                                  "is not a tensor of a dense Qwen3.5 text model")
+        if name in state:
+            raise CheckpointError(str(file.path), stored, "is stored twice")
+        shape = file.shape(stored)
+        if tuple(shape) != tuple(expected[name]):
+            raise CheckpointError(str(file.path), stored,
+                                  f"must have shape {list(expected[name])}", list(shape))
+        if file.dtype(stored) not in FLOAT_DTYPES:
+            raise CheckpointError(str(file.path), stored, "must be a floating-point tensor",
+                                  file.dtype(stored))
+        tensor = file.tensor(stored)
+        target = dtype_of(name)
+        state[name] = tensor if tensor.dtype == target else tensor.to(target)
+    missing = [n for n in expected if n not in state]
+    if missing:
+        raise CheckpointError(str(model_dir), missing[0],
+                              f"is missing from the checkpoint ({len(missing)} missing in all)")
+    return state

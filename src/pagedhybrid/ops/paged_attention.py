@@ -1,0 +1,233 @@
+"""``com.microsoft.PagedAttention`` (SEPARATE K/V pages): contract and torch reference.
+
+One call serves a packed batch of ``batch`` sequences: ``cumulative_sequence_length`` [B+1]
+splits the ``num_tokens`` new tokens, ``past_seqlens`` [B] counts tokens already in the cache.
+
+State layout: ``key_cache``/``value_cache`` ``[num_blocks, block_size, kv_num_heads, head_size]``
+(pages are never zeroed). Token ``i`` of sequence ``b`` has absolute position
+``p = past_seqlens[b] + i`` and lives in page ``block_table[b, p // block_size]`` at offset
+``p % block_size`` (flat slot ``page * block_size + offset``).
+
+Algorithm (the reference computes in float32, float64 for float64 inputs):
+
+1. Split Q/K/V (``key``/``value`` absent = packed ``[Q | K | V]`` query rows).
+2. ``q_norm_weight``/``k_norm_weight``: RMSNorm over each head's ``head_size`` channels with
+   ``qk_norm_epsilon``, weight applied as a plain gain ``x / rms(x) * w`` (ORT's simplified
+   LayerNorm), BEFORE RoPE; K is normed before its cache write.
+3. ``do_rotary=1``: RoPE with ``cos_cache``/``sin_cache`` ``[max_pos, rotary_dim/2]`` rows at the
+   token's absolute position ``p``, on channels ``[rotary_offset, rotary_offset + rotary_dim)``;
+   ``rotary_interleaved=0`` rotates halves (x1 = first half, x2 = second half), ``=1`` rotates
+   adjacent pairs (2i, 2i+1).
+4. Write K/V into the pages in the cache element type at the slot derived above, or at
+   ``slot_mapping[t]`` when given (``-1`` = no write).
+5. Attention, reading EVERY key/value (this step's too) back from the pages through
+   ``block_table`` after the write, as ORT's kernels do: query head ``h`` reads kv head
+   ``h // (num_heads / kv_num_heads)``; logits ``scale * q.k`` (``scale=0`` means
+   ``1/sqrt(head_size)``), then ``softcap * tanh(logit / softcap)`` when ``softcap > 0``.
+   A query at position ``p`` of a sequence with ``past + new = L`` tokens sees keys ``j``
+   with ``j <= p`` (``is_causal=1``) or ``j < L`` (``is_causal=0``: bidirectional within the
+   step's block, all history visible), and, when ``local_window_size = w > 0``, only
+   ``j >= p - w`` (w + 1 keys including itself: flash-attention's ``window_size_left``, as in
+   ORT's CPU GroupQueryAttention and the CUDA PagedAttention tests; ORT's WebGPU kernel keeps
+   only w keys, see ``kernels/onnxruntime/paged_attention.py``). With ``is_causal=0`` the
+   window bounds the left side only. ``head_sink[h]`` is an extra raw (unscaled, uncapped)
+   logit that enters only the softmax denominator.
+6. Output ``[num_tokens, num_heads*head_size]`` in the query's element type.
+
+Caches are updated IN PLACE and also returned. ``token_count == 0`` returns an empty output and
+leaves the caches untouched. ``attention_metadata`` bounds are validated (an underestimate is a
+ContractViolation) but never change the result.
+
+pagedhybrid extension: ``float`` (float32) and ``double`` inputs/caches are accepted besides
+ORT's float16/bfloat16. Quantized caches and ``kv_cache_layout='LATENT'`` raise
+UnsupportedConfiguration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from pagedhybrid.ops._paged_attention_contract import (
+    INPUT_NAMES,
+    SPEC,
+    PagedAttentionDims,
+    output_shapes,
+    validate,
+)
+from pagedhybrid.ops._paged_attention_recipes import conformance_recipes, make_inputs
+
+__all__ = [
+    "INPUT_NAMES",
+    "SPEC",
+    "PagedAttentionDims",
+    "conformance_recipes",
+    "make_inputs",
+    "output_shapes",
+    "paged_attention",
+    "reference",
+    "validate",
+]
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor | None,
+    value: torch.Tensor | None,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor | None,
+    cumulative_sequence_length: torch.Tensor,
+    past_seqlens: torch.Tensor,
+    block_table: torch.Tensor,
+    cos_cache: torch.Tensor | None = None,
+    sin_cache: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
+    head_sink: torch.Tensor | None = None,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    attention_metadata: torch.Tensor | None = None,
+    *,
+    num_heads: int,
+    kv_num_heads: int,
+    scale: float = 0.0,
+    softcap: float = 0.0,
+    local_window_size: int = -1,
+    is_causal: int = 1,
+    do_rotary: int = 0,
+    rotary_interleaved: int = 0,
+    rotary_offset: int = 0,
+    qk_norm_epsilon: float = 1e-6,
+    kv_cache_layout: str = "SEPARATE",
+    k_quant_type: str = "NONE",
+    v_quant_type: str = "NONE",
+    k_cache_dtype: str = "",
+    v_cache_dtype: str = "",
+    v_head_size: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reference PagedAttention; returns ``(output, key_cache, value_cache)``.
+
+    The caches are updated in place (the returned caches are the same tensors). Inputs may be
+    float16/bfloat16 (ORT's types) or float32/float64 (pagedhybrid extension).
+    """
+    inputs = [query, key, value, key_cache, value_cache, cumulative_sequence_length,
+              past_seqlens, block_table, cos_cache, sin_cache, slot_mapping, head_sink,
+              q_norm_weight, k_norm_weight, k_scale, v_scale, attention_metadata]
+    attrs = dict(num_heads=num_heads, kv_num_heads=kv_num_heads, scale=scale, softcap=softcap,
+                 local_window_size=local_window_size, is_causal=is_causal, do_rotary=do_rotary,
+                 rotary_interleaved=rotary_interleaved, rotary_offset=rotary_offset,
+                 qk_norm_epsilon=qk_norm_epsilon, kv_cache_layout=kv_cache_layout,
+                 k_quant_type=k_quant_type, v_quant_type=v_quant_type,
+                 k_cache_dtype=k_cache_dtype, v_cache_dtype=v_cache_dtype,
+                 v_head_size=v_head_size)
+    dims = validate(inputs, attrs)
+    return reference(inputs, dims)
+
+
+# -- reference ----------------------------------------------------------------------------------
+def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim with a plain gain ``w``.  x: [N, H, D], w: [D]."""
+    rms = torch.sqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)  # [N, H, 1]
+    return x / rms * w.to(x.dtype)  # [N, H, D]
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+          offset: int, rotary_dim: int, interleaved: bool) -> torch.Tensor:
+    """Rotate channels [offset, offset+rotary_dim) of x [N, H, D] at ``positions`` [N]."""
+    c = cos[positions].to(x.dtype)[:, None, :]  # [N, 1, R/2]
+    s = sin[positions].to(x.dtype)[:, None, :]  # [N, 1, R/2]
+    out = x.clone()
+    rot = x[..., offset: offset + rotary_dim]  # [N, H, R]
+    if interleaved:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]  # [N, H, R/2] each
+        out[..., offset: offset + rotary_dim: 2] = x1 * c - x2 * s
+        out[..., offset + 1: offset + rotary_dim: 2] = x2 * c + x1 * s
+    else:
+        half = rotary_dim // 2
+        x1, x2 = rot[..., :half], rot[..., half:]  # [N, H, R/2] each
+        out[..., offset: offset + half] = x1 * c - x2 * s
+        out[..., offset + half: offset + rotary_dim] = x2 * c + x1 * s
+    return out
+
+
+def reference(inputs: Sequence[torch.Tensor | None],
+              dims: PagedAttentionDims) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The reference on already-validated inputs (``dims = validate(inputs, attrs)``)."""
+    (query, key, value, key_cache, value_cache, _cu, _past, block_table, cos, sin, _slots,
+     head_sink, q_norm, k_norm, _ks, _vs, _meta) = inputs
+    assert query is not None and key_cache is not None and value_cache is not None
+    a = dims.attrs
+    n, hq, hkv, d, bs = (dims.num_tokens, dims.num_heads, dims.kv_num_heads, dims.head_size,
+                         dims.block_size)
+    cdt = torch.float64 if dims.dtype == torch.float64 else torch.float32
+    if n == 0:
+        return query.new_zeros((0, hq * d)), key_cache, value_cache
+
+    # 1. split
+    if dims.packed_qkv:
+        qkv = query.to(cdt)
+        q_flat, k_flat, v_flat = qkv.split([hq * d, hkv * d, hkv * d], dim=1)
+    else:
+        assert key is not None and value is not None
+        q_flat, k_flat, v_flat = query.to(cdt), key.to(cdt), value.to(cdt)
+    q = q_flat.reshape(n, hq, d)  # [N, Hq, D]
+    k = k_flat.reshape(n, hkv, d)  # [N, Hkv, D]
+    v = v_flat.reshape(n, hkv, d)  # [N, Hkv, D]
+
+    # 2. q/k RMSNorm, 3. RoPE at absolute positions
+    if q_norm is not None:
+        assert k_norm is not None
+        q = _rms_norm(q, q_norm.to(cdt), a["qk_norm_epsilon"])
+        k = _rms_norm(k, k_norm.to(cdt), a["qk_norm_epsilon"])
+    positions = torch.tensor([dims.past_lens[b] + i for b in range(dims.batch)
+                              for i in range(dims.q_lens[b])], dtype=torch.long)  # [N]
+    if a["do_rotary"]:
+        assert cos is not None and sin is not None
+        args = (cos.to(cdt), sin.to(cdt), positions, a["rotary_offset"], dims.rotary_dim,
+                bool(a["rotary_interleaved"]))
+        q, k = _rope(q, *args), _rope(k, *args)
+
+    # 4. write this step's K/V into the pages (in the cache's element type)
+    for t, slot in enumerate(dims.write_slots):
+        if slot >= 0:
+            key_cache[slot // bs, slot % bs] = k[t].to(key_cache.dtype)
+            value_cache[slot // bs, slot % bs] = v[t].to(value_cache.dtype)
+
+    # 5. attention per sequence, K/V read back from the pages
+    out = torch.zeros(n, hq, d, dtype=cdt)  # [N, Hq, D]
+    group = hq // hkv
+    table = block_table.to(torch.long)
+    window = a["local_window_size"]
+    sink = head_sink.to(cdt) if head_sink is not None else None  # [Hq]
+    for b in range(dims.batch):
+        q_len, past, start = dims.q_lens[b], dims.past_lens[b], dims.cu_seqlens[b]
+        if q_len == 0:
+            continue
+        total = past + q_len
+        kv_pos = torch.arange(total)  # [L]
+        pages, offs = table[b, kv_pos // bs], kv_pos % bs  # [L], [L]
+        kb = key_cache[pages, offs].to(cdt).repeat_interleave(group, dim=1)  # [L, Hq, D]
+        vb = value_cache[pages, offs].to(cdt).repeat_interleave(group, dim=1)  # [L, Hq, D]
+        qb = q[start: start + q_len]  # [Q, Hq, D]
+        logits = dims.scale * torch.einsum("qhd,lhd->hql", qb, kb)  # [Hq, Q, L]
+        if a["softcap"] > 0:
+            logits = a["softcap"] * torch.tanh(logits / a["softcap"])
+        q_pos = past + torch.arange(q_len)[:, None]  # [Q, 1]
+        visible = kv_pos[None, :] <= q_pos if a["is_causal"] else kv_pos[None, :] < total
+        if window > 0:
+            visible = visible & (kv_pos[None, :] >= q_pos - window)  # [Q, L]
+        logits = logits.masked_fill(~visible[None], float("-inf"))  # [Hq, Q, L]
+        m = logits.amax(dim=-1, keepdim=True)  # [Hq, Q, 1]
+        if sink is not None:
+            m = torch.maximum(m, sink[:, None, None])
+        e = torch.exp(logits - m)  # [Hq, Q, L]
+        denom = e.sum(dim=-1, keepdim=True)  # [Hq, Q, 1]
+        if sink is not None:
+            denom = denom + torch.exp(sink[:, None, None] - m)
+        probs = e / denom  # [Hq, Q, L]
+        out[start: start + q_len] = torch.einsum("hql,lhd->qhd", probs, vb)  # [Q, Hq, D]
+
+    # 6. back to the query dtype
+    return out.reshape(n, hq * d).to(query.dtype), key_cache, value_cache

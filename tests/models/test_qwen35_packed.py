@@ -1,0 +1,268 @@
+"""Packed paged forward of the Qwen3.5 model against independent HF runs of every sequence.
+
+A continuous-batching schedule: unequal prompts around the block size, a multi-token
+continuation, single-token decode steps, requests reordered and removed between steps, a new
+request admitted into freed (not cleared) pages and a freed state slot. Pages and slots come from
+shuffled free lists and the pools start filled with garbage. Each sequence's logits, its K/V read
+back from the pages, and its conv / recurrent states must match its own HF run.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from qwen35_tiny import HFSequence
+
+from pagedhybrid.errors import ContractViolation
+from pagedhybrid.models.qwen35 import (
+    OpBackend,
+    PackedBatch,
+    PagedHybridCache,
+    load,
+    reference_backend,
+)
+
+TOL = 1e-4
+BLOCK = 16
+NUM_PAGES = 20
+NUM_SLOTS = 6
+
+
+@dataclass
+class Request:
+    oracle: HFSequence
+    slot: int
+    pages: list[int] = field(default_factory=list)
+    length: int = 0
+
+
+class Scheduler:
+    """Just enough page/slot bookkeeping to drive the model like an engine would."""
+
+    def __init__(self, model, hf, seed: int) -> None:
+        self.model, self.hf = model, hf
+        self.rng = random.Random(seed)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.cache = PagedHybridCache.allocate(model.config, num_pages=NUM_PAGES,
+                                               block_size=BLOCK, num_slots=NUM_SLOTS,
+                                               fill=None, generator=self.gen)
+        self.initial = self.cache.clone()
+        self.free_pages = list(range(NUM_PAGES))
+        self.rng.shuffle(self.free_pages)
+        self.free_slots = [4, 1, 5, 0, 3, 2]
+        self.requests: dict[str, Request] = {}
+        self.ever_pages: set[int] = set()
+        self.ever_slots: set[int] = set()
+        self.max_err = 0.0
+
+    def admit(self, name: str) -> Request:
+        req = Request(HFSequence(self.hf), self.free_slots.pop())
+        self.ever_slots.add(req.slot)
+        self.requests[name] = req
+        return req
+
+    def remove(self, name: str) -> Request:
+        req = self.requests.pop(name)
+        self.free_pages.extend(req.pages)  # reused next, without clearing
+        self.free_slots.append(req.slot)
+        return req
+
+    def step(self, work: list[tuple[str, int]]) -> None:
+        vocab = self.model.config.vocab_size
+        chunks, reqs = [], []
+        for name, n in work:
+            req = self.requests.get(name) or self.admit(name)
+            while len(req.pages) * BLOCK < req.length + n:
+                req.pages.append(self.free_pages.pop())
+                self.ever_pages.add(req.pages[-1])
+            chunks.append(torch.randint(0, vocab, (n,), generator=self.gen).tolist())
+            reqs.append(req)
+        batch = PackedBatch.from_sequences(chunks, [r.length for r in reqs],
+                                           [r.pages for r in reqs], [r.slot for r in reqs])
+        logits = self.model.forward_packed(batch, self.cache)  # [N, V]
+        cu = batch.cu_seqlens.tolist()
+        for b, (req, chunk) in enumerate(zip(reqs, chunks, strict=True)):
+            ref = req.oracle.step(chunk)
+            req.length += len(chunk)
+            self.check(logits[cu[b]:cu[b + 1]], ref)
+        self.check_states()
+
+    def check(self, ours: torch.Tensor, ref: torch.Tensor) -> None:
+        assert ours.shape == ref.shape
+        err = (ours - ref).abs().max().item()
+        self.max_err = max(self.max_err, err)
+        assert err <= TOL, err
+
+    def check_states(self) -> None:
+        cfg = self.model.config
+        for req in self.requests.values():
+            for i in cfg.full_attention_layers:
+                k, v = self.cache.gather_kv(i, req.pages, req.length)
+                self.check(k, req.oracle.keys(i))
+                self.check(v, req.oracle.values(i))
+            for i in cfg.linear_attention_layers:
+                self.check(self.cache.conv_state[i][req.slot], req.oracle.conv_state(i))
+                self.check(self.cache.recurrent_state[i][req.slot],
+                           req.oracle.recurrent_state(i))
+
+
+def test_continuous_batching_schedule_matches_hf(tiny_checkpoint):
+    model = load(tiny_checkpoint.path)
+    s = Scheduler(model, tiny_checkpoint.hf, seed=11)
+    s.step([("A", 15), ("B", 16), ("C", 17), ("D", 33)])  # prefill around the block size
+    s.step([("C", 3), ("A", 2), ("D", 4), ("B", 1)])  # multi-token continuation, reordered
+    b = s.remove("B")
+    s.step([("D", 1), ("E", 5), ("A", 1), ("C", 1)])  # E admitted mid-way
+    e = s.requests["E"]
+    assert e.slot == b.slot and e.pages[0] == b.pages[-1]  # reused slot and page, not cleared
+    s.step([("E", 1), ("C", 1), ("A", 1), ("D", 1)])
+    s.remove("C")
+    s.step([("A", 1), ("E", 12), ("D", 1)])  # E's continuation crosses a page boundary
+    s.step([("D", 1), ("A", 1), ("E", 1)])
+    # pages and slots never handed out still hold their original garbage
+    for i, pool in s.cache.key_cache.items():
+        for p in set(range(NUM_PAGES)) - s.ever_pages:
+            assert torch.equal(pool[p], s.initial.key_cache[i][p])
+    for i, pool in s.cache.recurrent_state.items():
+        for slot in set(range(NUM_SLOTS)) - s.ever_slots:
+            assert torch.equal(pool[slot], s.initial.recurrent_state[i][slot])
+    assert s.max_err <= TOL
+
+
+def _two_step_batches(model) -> tuple[PagedHybridCache, PackedBatch, PackedBatch]:
+    gen = torch.Generator().manual_seed(5)
+    cache = PagedHybridCache.allocate(model.config, num_pages=8, block_size=BLOCK, num_slots=4,
+                                      fill=None, generator=gen)
+    toks = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in (7, 18, 3)]
+    pages = [[5], [2, 7], [0]]
+    first = PackedBatch.from_sequences(toks, [0, 0, 0], pages, [3, 0, 1])
+    model.forward_packed(first, cache)
+    second = PackedBatch.from_sequences([[1, 2], [3], [4, 5, 6]], [7, 18, 3], pages, [3, 0, 1])
+    return cache, first, second
+
+
+def test_pruned_logits_equal_selected_rows(tiny_checkpoint):
+    model = load(tiny_checkpoint.path)
+    cache, _, batch = _two_step_batches(model)
+    full_cache, pruned_cache = cache.clone(), cache.clone()
+    full = model.forward_packed(batch, full_cache)
+    last = batch.last_token_rows()
+    assert last.tolist() == [1, 2, 5]
+    pruned = model.forward_packed(batch, pruned_cache, logits_rows=last)
+    assert pruned.shape == (3, 96)
+    assert (pruned - full[last]).abs().max() <= 1e-5
+    rows = torch.tensor([4, 0, 4], dtype=torch.int32)
+    assert (model.forward_packed(batch, cache.clone(), rows) - full[rows.long()]).abs().max() \
+        <= 1e-5
+    for i in full_cache.recurrent_state:  # pruning does not change what is cached
+        assert torch.equal(full_cache.recurrent_state[i], pruned_cache.recurrent_state[i])
+    for i in full_cache.key_cache:
+        assert torch.equal(full_cache.key_cache[i], pruned_cache.key_cache[i])
+
+
+def _bad(batch: PackedBatch, **changes) -> PackedBatch:
+    return batch._replace(**changes)
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda b: _bad(b, state_slots=torch.tensor([3, 3, 1], dtype=torch.int32)), "state_slots"),
+    (lambda b: _bad(b, state_slots=torch.tensor([3, 0, 4], dtype=torch.int32)), "state_slots"),
+    (lambda b: _bad(b, cu_seqlens=b.cu_seqlens.long()), "cu_seqlens"),
+    (lambda b: _bad(b, position_ids=b.position_ids[:1]), "position_ids"),
+    (lambda b: _bad(b, input_ids=b.input_ids.clone().fill_(96)), "input_ids"),
+    (lambda b: _bad(b, past_seqlens=b.past_seqlens[:2]), "past_seqlens"),
+])
+def test_bad_packed_inputs_are_typed(tiny_checkpoint, change, match):
+    model = load(tiny_checkpoint.path)
+    cache, _, batch = _two_step_batches(model)
+    with pytest.raises(ContractViolation, match=match):
+        model.forward_packed(change(batch), cache)
+
+
+def test_bad_cache_and_rows_are_typed(tiny_checkpoint):
+    model = load(tiny_checkpoint.path)
+    cache, _, batch = _two_step_batches(model)
+    with pytest.raises(ContractViolation, match="logits_rows"):
+        model.forward_packed(batch, cache, torch.tensor([6]))
+    broken = PagedHybridCache(cache.key_cache, cache.value_cache, cache.conv_state,
+                              {i: t.double() for i, t in cache.recurrent_state.items()},
+                              cache.block_size, cache.num_pages, cache.num_slots)
+    with pytest.raises(ContractViolation, match="recurrent_state"):
+        model.forward_packed(batch, broken)
+
+
+def test_distinct_mrope_planes_match_hf(tiny_checkpoint):
+    """Vision-style positions (T, H, W planes differ): the interleaved MRoPE sections matter."""
+    model = load(tiny_checkpoint.path)
+    gen = torch.Generator().manual_seed(9)
+    lengths = (6, 9)
+    toks = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in lengths]
+    planes = [torch.randint(0, 40, (3, n), generator=gen) for n in lengths]  # [3, S] each
+    cache = PagedHybridCache.allocate(model.config, num_pages=4, block_size=BLOCK, num_slots=2)
+    batch = PackedBatch.from_sequences(toks, [0, 0], [[1], [3]], [1, 0])
+    batch = batch._replace(position_ids=torch.cat(planes, dim=1))
+    ours = model.forward_packed(batch, cache)
+    cu = batch.cu_seqlens.tolist()
+    for b, (ids, pos) in enumerate(zip(toks, planes, strict=True)):
+        with torch.no_grad():
+            ref = tiny_checkpoint.hf(input_ids=torch.tensor([ids]), position_ids=pos[:, None, :],
+                                     use_cache=False).logits[0]
+        err = (ours[cu[b]:cu[b + 1]] - ref).abs().max().item()
+        assert err <= TOL, err
+    text = batch._replace(position_ids=planes_as_text(batch.position_ids))
+    assert (model.forward_packed(text, cache.clone()) - ours).abs().max() > 1e-3  # planes count
+
+
+def planes_as_text(position_ids: torch.Tensor) -> torch.Tensor:
+    return position_ids[:1].expand(3, -1).contiguous()
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float16, 0.04), (torch.bfloat16, 0.25)])
+def test_half_precision_packed_tracks_fp32_hf(tiny_checkpoint, dtype, tol):
+    """fp16/bf16 pages and conv states, fp32 recurrent states (HF itself deviates similarly)."""
+    model = load(tiny_checkpoint.path, dtype=dtype)
+    gen = torch.Generator().manual_seed(4)
+    cache = PagedHybridCache.allocate(model.config, num_pages=6, block_size=BLOCK, num_slots=3,
+                                      dtype=dtype, fill=None, generator=gen)
+    assert cache.recurrent_state[0].dtype == torch.float32
+    oracles = [HFSequence(tiny_checkpoint.hf) for _ in range(3)]
+    pages, slots, past = [[4, 1], [0, 5], [2]], [2, 0, 1], [0, 0, 0]
+    worst = 0.0
+    for lengths in ((17, 9, 3), (1, 1, 1), (2, 1, 1)):
+        toks = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in lengths]
+        batch = PackedBatch.from_sequences(toks, past, pages, slots)
+        logits = model.forward_packed(batch, cache)
+        cu = batch.cu_seqlens.tolist()
+        for b, oracle in enumerate(oracles):
+            ref = oracle.step(toks[b])
+            worst = max(worst, (logits[cu[b]:cu[b + 1]] - ref).abs().max().item())
+        past = [p + n for p, n in zip(past, lengths, strict=True)]
+    assert worst <= tol, worst
+
+
+def test_ops_are_called_through_the_backend_seam(tiny_checkpoint):
+    calls: dict[str, int] = {}
+
+    def counting(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    ref = reference_backend()
+    backend = OpBackend(counting("paged_attention", ref.paged_attention),
+                        counting("varlen_causal_conv", ref.varlen_causal_conv),
+                        counting("gated_delta_net", ref.gated_delta_net), name="counting")
+    model = load(tiny_checkpoint.path, backend=backend)
+    cfg = model.config
+    model.forward_dense(torch.zeros(2, 3, dtype=torch.int64))
+    n_lin, n_full = len(cfg.linear_attention_layers), len(cfg.full_attention_layers)
+    assert calls == {"varlen_causal_conv": n_lin, "gated_delta_net": n_lin}
+    calls.clear()
+    cache = PagedHybridCache.allocate(cfg, num_pages=2, block_size=BLOCK, num_slots=1)
+    model.forward_packed(PackedBatch.from_sequences([[1, 2]], [0], [[1]], [0]), cache)
+    assert calls == {"varlen_causal_conv": n_lin, "gated_delta_net": n_lin,
+                     "paged_attention": n_full}

@@ -1,0 +1,162 @@
+"""Loading HF safetensors checkpoints: layouts, dtypes, memory mapping, typed failures."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from qwen35_tiny import build_hf_model, hf_logits, save_checkpoint, tiny_hf_config
+from safetensors.torch import save_file
+from transformers import Qwen3_5Config
+
+from pagedhybrid.models.qwen35 import CheckpointError, load
+
+IDS = torch.tensor([[5, 17, 3, 90, 41, 8, 0, 66]])
+
+
+def _state(hf) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone().contiguous() for k, v in hf.state_dict().items()}
+
+
+def _write(path: Path, state: dict[str, torch.Tensor], config: dict) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    save_file(state, str(path / "model.safetensors"))
+    return path
+
+
+def test_every_tensor_is_loaded_by_hf_name(tiny_checkpoint):
+    model = load(tiny_checkpoint.path)
+    ours = model.state_dict()
+    theirs = tiny_checkpoint.hf.state_dict()
+    assert set(ours) == set(theirs)
+    for name, tensor in theirs.items():
+        assert torch.equal(ours[name], tensor), name
+
+
+def test_weights_are_memory_mapped_views(tiny_checkpoint):
+    model = load(tiny_checkpoint.path)
+    size = (tiny_checkpoint.path / "model.safetensors").stat().st_size
+    for name, p in model.named_parameters():
+        # a view into the one mapping of the whole file: no second copy of the weights
+        assert p.untyped_storage().nbytes() == size, name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_dtypes(tiny_checkpoint, dtype):
+    model = load(tiny_checkpoint.path, dtype=dtype)
+    layer = model.model.layers[0]
+    assert layer.linear_attn.in_proj_qkv.weight.dtype == dtype
+    assert layer.linear_attn.A_log.dtype == torch.float32
+    assert layer.linear_attn.dt_bias.dtype == torch.float32
+    assert model.lm_head.weight.dtype == dtype
+
+
+def test_bf16_checkpoint_loads_without_copy(tmp_path, tiny_checkpoint):
+    hf16 = build_hf_model(tiny_hf_config(), seed=1).to(torch.bfloat16)
+    path = save_checkpoint(hf16, tmp_path / "bf16")
+    model = load(path, dtype=torch.bfloat16)
+    size = (path / "model.safetensors").stat().st_size
+    w = model.model.layers[2].self_attn.q_proj.weight
+    assert w.dtype == torch.bfloat16 and w.untyped_storage().nbytes() == size
+    ref = hf_logits(tiny_checkpoint.hf, IDS)
+    assert (load(path).forward_dense(IDS)[0] - ref).abs().max() < 0.5  # bf16 weights, fp32 math
+
+
+def test_sharded_checkpoint(tmp_path, tiny_checkpoint):
+    path = save_checkpoint(tiny_checkpoint.hf, tmp_path / "sharded", max_shard_size="60KB")
+    shards = sorted(path.glob("*.safetensors"))
+    assert len(shards) > 2 and (path / "model.safetensors.index.json").is_file()
+    model = load(path)
+    err = (model.forward_dense(IDS)[0] - hf_logits(tiny_checkpoint.hf, IDS)).abs().max()
+    assert err <= 1e-4
+
+
+def test_tied_embeddings(tmp_path):
+    hf = build_hf_model(tiny_hf_config(tie_word_embeddings=True), seed=3)
+    path = save_checkpoint(hf, tmp_path / "tied")
+    model = load(path)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert (model.forward_dense(IDS)[0] - hf_logits(hf, IDS)).abs().max() <= 1e-4
+
+
+def test_vl_checkpoint_prefix_vision_and_mtp_skipped(tmp_path, tiny_checkpoint):
+    hf = tiny_checkpoint.hf
+    state = {}
+    for name, t in _state(hf).items():
+        state[name.replace("model.", "model.language_model.", 1)
+              if name.startswith("model.") else name] = t
+    state["model.visual.blocks.0.attn.qkv.weight"] = torch.randn(12, 4)
+    state["mtp.fc.weight"] = torch.randn(7, 3)
+    state["mtp.layers.0.mlp.up_proj.weight"] = torch.randn(2, 2)
+    config = Qwen3_5Config(text_config=hf.config.to_dict()).to_dict()
+    path = _write(tmp_path / "vl", state, config)
+    model = load(path)
+    assert model.config.source_model_type == "qwen3_5"
+    assert (model.forward_dense(IDS)[0] - hf_logits(hf, IDS)).abs().max() <= 1e-4
+
+
+def _broken(tmp_path, tiny_checkpoint, edit) -> Path:
+    state = _state(tiny_checkpoint.hf)
+    edit(state)
+    return _write(tmp_path / "broken", state, tiny_checkpoint.hf.config.to_dict())
+
+
+def test_missing_tensor_is_named(tmp_path, tiny_checkpoint):
+    name = "model.layers.1.linear_attn.A_log"
+    path = _broken(tmp_path, tiny_checkpoint, lambda s: s.pop(name))
+    with pytest.raises(CheckpointError, match="is missing") as info:
+        load(path)
+    assert info.value.what == name
+
+
+def test_missing_untied_lm_head_is_named(tmp_path, tiny_checkpoint):
+    path = _broken(tmp_path, tiny_checkpoint, lambda s: s.pop("lm_head.weight"))
+    with pytest.raises(CheckpointError) as info:
+        load(path)
+    assert info.value.what == "lm_head.weight"
+
+
+def test_wrong_shape_is_named(tmp_path, tiny_checkpoint):
+    name = "model.layers.2.self_attn.q_proj.weight"
+    path = _broken(tmp_path, tiny_checkpoint,
+                   lambda s: s.__setitem__(name, torch.zeros(128, 64)))  # gate half missing
+    with pytest.raises(CheckpointError, match=r"must have shape \[256, 64\]") as info:
+        load(path)
+    assert info.value.what == name and info.value.got == [128, 64]
+
+
+def test_unknown_and_integer_tensors_are_rejected(tmp_path, tiny_checkpoint):
+    path = _broken(tmp_path, tiny_checkpoint,
+                   lambda s: s.__setitem__("model.layers.0.mlp.experts.0.weight",
+                                           torch.zeros(2)))
+    with pytest.raises(CheckpointError, match=r"not a tensor of a dense Qwen3\.5"):
+        load(path)
+    name = "model.norm.weight"
+    path = _broken(tmp_path / "int", tiny_checkpoint,
+                   lambda s: s.__setitem__(name, torch.zeros(64, dtype=torch.int32)))
+    with pytest.raises(CheckpointError, match="floating-point") as info:
+        load(path)
+    assert info.value.what == name
+
+
+def test_broken_files_are_typed(tmp_path, tiny_checkpoint):
+    path = save_checkpoint(tiny_checkpoint.hf, tmp_path / "truncated")
+    data = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="outside the file"):
+        load(path)
+    (path / "model.safetensors").write_bytes(b"\x04")
+    with pytest.raises(CheckpointError, match="shorter than 8 bytes"):
+        load(path)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "config.json").write_text(json.dumps(tiny_checkpoint.hf.config.to_dict()))
+    with pytest.raises(CheckpointError, match="no safetensors"):
+        load(empty)
+    sharded = save_checkpoint(tiny_checkpoint.hf, tmp_path / "sharded", max_shard_size="60KB")
+    sorted(sharded.glob("model-*.safetensors"))[0].unlink()
+    with pytest.raises(CheckpointError, match="which is missing"):
+        load(sharded)
