@@ -25,7 +25,7 @@ run: setup system-deps
 	$(VENV)/bin/pagedhybrid run
 
 lint: setup
-	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff check .
 
 test: setup system-deps lint
 	$(VENV)/bin/pytest -q
