@@ -1,4 +1,5 @@
-"""Command line: ``pagedhybrid conformance | run | kernels ...``."""
+"""Command line: ``pagedhybrid run | generate | export | verify | conformance | kernels
+| dispatch``."""
 
 from __future__ import annotations
 
@@ -50,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("run", help="the main job on the built-in default model")
     r.set_defaults(func=_run)
+
+    from pagedhybrid.attention.cli import register_subcommands as dispatch_commands
+
+    dispatch_commands(sub)
     return p
 
 

@@ -1,0 +1,188 @@
+"""The real attention backends and their truthful capabilities; the default registry.
+
+Registered in priority order (``default_registry()``):
+
+* ``webgpu_paged_attention`` / ``cpu_paged_attention`` -- the fast PagedAttention kernels of
+  ``pagedhybrid.kernels.webgpu`` / ``pagedhybrid.kernels.cpu``, registered when those modules
+  provide ``paged_attention``. ORT's PagedAttention returns no LSE, so they declare
+  ``exports_attention_lse=False`` and every strict (LSE-exporting) contract rejects them.
+* ``torch_varlen`` -- ``torch_varlen_attention``: packed varlen prefill on one rank, matmul
+  scores, fp32 math, exports attention-domain LSE, differentiable (role train).
+* ``deterministic_cp`` -- ``pagedhybrid.parallel.context_parallel_attention``: any CP degree,
+  fixed global KV grid, ``(out, lse)`` partials merged in global block order; prefill and
+  decode / chunked prefill over a paged cache; forward only.
+* ``paged_attention_reference`` -- ``pagedhybrid.ops.paged_attention`` (the ORT-contract torch
+  reference, ORT's positional signature): packed, paged, fused RoPE; no LSE output.
+
+``torch_varlen_attention(query, key, value, *, contract, scale=None) -> (out, lse)`` takes
+``query [L, Hq, D]``, ``key``/``value [L, Hkv, D]`` packed by the contract's sequence offsets;
+query row ``i`` of sequence ``b`` sees keys ``j <= i + causal_offsets[b]`` (causal). ``out`` is
+cast to the input dtype once; ``lse`` is fp32 ``[L, Hq]``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from pagedhybrid.attention.contract import AttentionBackendCapability, AttentionContract
+from pagedhybrid.attention.registry import KernelRegistry
+from pagedhybrid.errors import ContractViolation, UnsupportedConfiguration
+
+OP = "pagedhybrid.attention.torch_varlen_attention"
+_TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+ALL_MODES = ("prefill", "chunked_prefill", "decode")
+ALL_DTYPES = ("fp32", "bf16", "fp16")
+
+TORCH_VARLEN = AttentionBackendCapability(
+    backend_id="torch_varlen", roles=("infer", "train"), modes=("prefill",), dtypes=ALL_DTYPES,
+    cp_world_sizes=(1,), exports_attention_lse=True, deterministic_cp_merge=False,
+    supports_packed_varlen=True, supports_kv_cache=False, implementation_kind="production",
+    supports_rope_metadata=True, supports_fused_rope_attention=False,
+    description="packed varlen prefill on one rank (torch matmul, fp32 math), exports LSE; "
+                "consumes post-RoPE Q/K (unfused boundary)")
+DETERMINISTIC_CP = AttentionBackendCapability(
+    backend_id="deterministic_cp", roles=("infer",), modes=ALL_MODES, dtypes=ALL_DTYPES,
+    cp_world_sizes=None, exports_attention_lse=True, deterministic_cp_merge=True,
+    supports_packed_varlen=True, supports_kv_cache=True, implementation_kind="deterministic",
+    supports_rope_metadata=True, supports_fused_rope_attention=False,
+    kv_cache_modes=("chunked_prefill", "decode"),
+    description="context-parallel reference over torch.distributed: fixed global KV grid, fp32 "
+                "(out, lse) partials folded in global block order, bitwise equal for every CP "
+                "size; prefill (contiguous / zigzag, packed varlen) and decode / chunked "
+                "prefill over a paged KV cache; forward only")
+PAGED_REFERENCE = AttentionBackendCapability(
+    backend_id="paged_attention_reference", roles=("infer",), modes=ALL_MODES,
+    dtypes=ALL_DTYPES, cp_world_sizes=(1,), exports_attention_lse=False,
+    deterministic_cp_merge=False, supports_packed_varlen=True, supports_kv_cache=True,
+    implementation_kind="reference", supports_rope_metadata=True,
+    supports_fused_rope_attention=True,
+    description="com.microsoft.PagedAttention torch reference (ORT signature): packed, paged, "
+                "fused RoPE via cos/sin caches; returns no LSE")
+
+
+def _fast_capability(backend_id: str, dtypes: tuple[str, ...], *, non_causal: bool,
+                     what: str) -> AttentionBackendCapability:
+    """Conservative: a fast PagedAttention kernel never claims more than it is known to do."""
+    return AttentionBackendCapability(
+        backend_id=backend_id, roles=("infer",), modes=ALL_MODES, dtypes=dtypes,
+        cp_world_sizes=(1,), exports_attention_lse=False, deterministic_cp_merge=False,
+        supports_packed_varlen=True, supports_kv_cache=True, implementation_kind="production",
+        supports_rope_metadata=False, supports_fused_rope_attention=False,
+        supports_non_causal=non_causal,
+        description=f"com.microsoft.PagedAttention {what} (ORT signature); returns no LSE")
+
+
+def torch_varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
+                           contract: AttentionContract, scale: float | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed varlen attention with LSE export (module docstring)."""
+    bad = TORCH_VARLEN.incompatibilities(contract)
+    if bad:
+        raise UnsupportedConfiguration(f"torch_varlen: {'; '.join(bad)}")
+    sh = contract.sharding
+    dt = _TORCH[contract.dtype.value]
+    hq, hkv, d, n = sh.local_q_heads, sh.local_kv_heads, contract.head_dim, sh.local_sequence_length
+    for name, t, heads in (("query", query, hq), ("key", key, hkv), ("value", value, hkv)):
+        if not isinstance(t, torch.Tensor) or t.dtype != dt:
+            raise ContractViolation(OP, name, f"must be a {dt} tensor",
+                                    getattr(t, "dtype", type(t).__name__))
+        if tuple(t.shape) != (n, heads, d):
+            raise ContractViolation(OP, name, f"must have shape [{n}, {heads}, {d}]",
+                                    list(t.shape))
+    if contract.rope is not None and contract.rope.fused:
+        raise UnsupportedConfiguration("torch_varlen consumes post-RoPE Q/K only")
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    bounds = sh.global_sequence_offsets
+    group = hq // hkv
+    outs, lses = [], []
+    for b in range(len(bounds) - 1):
+        sl = slice(bounds[b], bounds[b + 1])
+        q = query[sl].to(torch.float32).transpose(0, 1)  # [Hq, n, D]
+        k = key[sl].to(torch.float32).repeat_interleave(group, 1).transpose(0, 1)  # [Hq, n, D]
+        v = value[sl].to(torch.float32).repeat_interleave(group, 1).transpose(0, 1)  # [Hq, n, D]
+        s = (q @ k.transpose(1, 2)) * scale  # [Hq, n, n]
+        if contract.causal:
+            assert contract.causal_offsets is not None
+            m = q.shape[1]
+            allowed = (torch.arange(m)[None, :]
+                       <= torch.arange(m)[:, None] + contract.causal_offsets[b])  # [n, n]
+            s = s.masked_fill(~allowed, float("-inf"))
+        lse = torch.logsumexp(s, -1)  # [Hq, n]; rows always see key 0 (offsets >= 0)
+        outs.append((torch.exp(s - lse[..., None]) @ v).transpose(0, 1))  # [n, Hq, D]
+        lses.append(lse.transpose(0, 1))  # [n, Hq]
+    return torch.cat(outs).to(dt), torch.cat(lses)
+
+
+def _cp_op(*args: Any, **kwargs: Any) -> Any:
+    from pagedhybrid.parallel.context_parallel import context_parallel_attention
+
+    return context_parallel_attention(*args, **kwargs)
+
+
+def _optional(module: str, attr: str) -> Callable[..., Any] | None:
+    try:
+        mod = importlib.import_module(module)
+    except ImportError:
+        return None
+    fn = getattr(mod, attr, None)
+    return fn if callable(fn) else None
+
+
+@functools.cache
+def _webgpu_available() -> str | None:
+    try:
+        from pagedhybrid.kernels.webgpu.runner import gpu
+
+        gpu()
+    except Exception as e:  # report any adapter/driver problem as the reason
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def build_default_registry() -> KernelRegistry:
+    """A fresh registry with every real backend (see the module docstring)."""
+    reg = KernelRegistry()
+    webgpu = _optional("pagedhybrid.kernels.webgpu", "paged_attention")
+    if webgpu is not None:  # float16, is_causal=1 only, no rotary input (its manifest)
+        reg.register_op("webgpu_paged_attention", webgpu)
+        reg.register_attention_backend(
+            "webgpu_paged_attention", webgpu,
+            _fast_capability("webgpu_paged_attention", ("fp16",), non_causal=False,
+                             what="WGSL kernel package on wgpu"),
+            platform="webgpu", available=_webgpu_available)
+    cpu = (_optional("pagedhybrid.kernels.cpu.paged_attention", "paged_attention")
+           or _optional("pagedhybrid.kernels.cpu", "paged_attention"))
+    if cpu is not None:
+        reg.register_op("cpu_paged_attention", cpu)
+        reg.register_attention_backend(
+            "cpu_paged_attention", cpu,
+            _fast_capability("cpu_paged_attention", ALL_DTYPES, non_causal=True,
+                             what="vectorised CPU kernel"), platform="cpu")
+    reg.register_op("torch_varlen_attention", torch_varlen_attention)
+    reg.register_attention_backend("torch_varlen", torch_varlen_attention, TORCH_VARLEN)
+    reg.register_op("context_parallel_attention", _cp_op)
+    reg.register_attention_backend(
+        "deterministic_cp", _cp_op, DETERMINISTIC_CP, platform="cpu",
+        communication="torch.distributed all_gather_object + all_gather + all_to_all_single "
+                      "(gloo on CPU, nccl on CUDA); no float reductions")
+    paged = _optional("pagedhybrid.ops.paged_attention", "paged_attention")
+    if paged is not None:
+        reg.register_op("paged_attention", paged)
+        reg.register_attention_backend("paged_attention_reference", paged, PAGED_REFERENCE)
+    return reg
+
+
+@functools.cache
+def default_registry() -> KernelRegistry:
+    """The process-wide registry (built once)."""
+    return build_default_registry()
+
+
+__all__ = ["DETERMINISTIC_CP", "PAGED_REFERENCE", "TORCH_VARLEN", "build_default_registry",
+           "default_registry", "torch_varlen_attention"]
