@@ -2,6 +2,17 @@
 
 from __future__ import annotations
 
+from pagedhybrid.engine import (
+    LLM,
+    BlockPool,
+    Engine,
+    EngineConfig,
+    InvalidRequest,
+    RequestOutput,
+    SamplingParams,
+    Scheduler,
+    StatePool,
+)
 from pagedhybrid.errors import (
     CapacityError,
     ContractViolation,
@@ -9,5 +20,19 @@ from pagedhybrid.errors import (
     UnsupportedConfiguration,
 )
 
-__all__ = ["CapacityError", "ContractViolation", "PagedHybridError", "UnsupportedConfiguration"]
+__all__ = [
+    "LLM",
+    "BlockPool",
+    "CapacityError",
+    "ContractViolation",
+    "Engine",
+    "EngineConfig",
+    "InvalidRequest",
+    "PagedHybridError",
+    "RequestOutput",
+    "SamplingParams",
+    "Scheduler",
+    "StatePool",
+    "UnsupportedConfiguration",
+]
 __version__ = "0.1.0"

@@ -49,18 +49,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="regenerate the cases file from the OpSpecs and exit")
     c.set_defaults(func=_conformance)
 
-    r = sub.add_parser("run", help="the main job on the built-in default model")
-    r.set_defaults(func=_run)
+    from pagedhybrid.engine import cli as engine_cli
+
+    r = sub.add_parser("run", help="the main job: the default model serving overlapping requests")
+    engine_cli.add_run_arguments(r)
+    r.set_defaults(func=engine_cli.run_main)
+    g = sub.add_parser("generate", help="generate text for prompts with the engine")
+    engine_cli.add_generate_arguments(g)
+    g.set_defaults(func=engine_cli.generate_main)
 
     from pagedhybrid.attention.cli import register_subcommands as dispatch_commands
 
     dispatch_commands(sub)
     return p
-
-
-def _run(args: argparse.Namespace) -> int:
-    ns = argparse.Namespace(backend="all", cases=None, write_cases=False)
-    return _conformance(ns)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,54 @@
+"""Continuous-batching engine for hybrid decoders: KV pages + state slots, scheduler, sampling.
+
+* ``BlockPool`` (``pages.py``) -- KV pages of the full-attention layers: free list, reference
+  counts, per-request block tables.
+* ``StatePool`` (``states.py``) -- one fixed conv + recurrent state slot per running request.
+* ``Scheduler`` (``scheduler.py``) -- token budget, ``max_num_seqs``, chunked prefill, decode and
+  prefill in one packed step, FCFS admission into both pools atomically, preemption by recompute.
+* ``SamplingParams`` / ``sample`` (``sampling.py``) -- greedy, temperature, top-k, top-p, seeds,
+  stop ids / EOS, ``logprobs``.
+* ``Engine`` (``engine.py``) -- ``add_request`` / ``abort_request`` / ``step`` / ``stream``
+  driving ``Qwen35ForCausalLM.forward_packed``; ``LLM`` (``llm.py``) -- offline ``generate``.
+"""
+
+from __future__ import annotations
+
+from pagedhybrid.engine.engine import Engine, EngineConfig, EngineStats, build_batch
+from pagedhybrid.engine.llm import LLM, Throughput, load_engine
+from pagedhybrid.engine.pages import BlockPool
+from pagedhybrid.engine.request import FinishReason, InvalidRequest, Request, RequestOutput
+from pagedhybrid.engine.sampling import GREEDY, Logprob, SampledToken, SamplingParams, sample
+from pagedhybrid.engine.scheduler import (
+    HybridAllocator,
+    ScheduledSequence,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
+from pagedhybrid.engine.states import StatePool
+
+__all__ = [
+    "GREEDY",
+    "LLM",
+    "BlockPool",
+    "Engine",
+    "EngineConfig",
+    "EngineStats",
+    "FinishReason",
+    "HybridAllocator",
+    "InvalidRequest",
+    "Logprob",
+    "Request",
+    "RequestOutput",
+    "SampledToken",
+    "SamplingParams",
+    "ScheduledSequence",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
+    "StatePool",
+    "Throughput",
+    "build_batch",
+    "load_engine",
+    "sample",
+]

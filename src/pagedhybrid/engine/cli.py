@@ -1,0 +1,277 @@
+"""Command-line front ends of the engine (wired into ``pagedhybrid.cli`` by the lead).
+
+* ``pagedhybrid generate [--model DIR] --prompt TEXT ... [--max-tokens N] [--temperature T]
+  [--seed S] [--stream] [--json]`` -- offline generation (greedy by default); ``--stream``
+  prints text as it is generated, ``--json`` prints one JSON document (JSON lines with
+  ``--stream``).
+* ``pagedhybrid run`` -- the main job: the built-in default model serving a handful of overlapping
+  requests of different lengths (arrivals while others decode, greedy and seeded sampling, one
+  abort), streamed step by step, then a table per request and the throughput line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pagedhybrid.engine.engine import Engine
+from pagedhybrid.engine.llm import DTYPES, LLM, Throughput, load_engine
+from pagedhybrid.engine.request import RequestOutput
+from pagedhybrid.engine.sampling import SamplingParams
+from pagedhybrid.errors import PagedHybridError
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="HF Qwen3.5 checkpoint folder (default: the built-in default model)")
+    g.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    g.add_argument("--block-size", type=int, default=16, help="KV page size (power of 2, >=16)")
+    g.add_argument("--num-blocks", type=int, default=None, help="KV pages (default: memory)")
+    g.add_argument("--num-state-slots", type=int, default=None,
+                   help="state slots (default: --max-num-seqs)")
+    g.add_argument("--max-num-seqs", type=int, default=32)
+    g.add_argument("--max-num-batched-tokens", type=int, default=512)
+
+
+def add_generate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt", action="extend", nargs="+", required=True, metavar="TEXT",
+                   help="prompt text; repeat or list several to batch them")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--logprobs", type=int, default=None, metavar="K")
+    p.add_argument("--stream", action="store_true", help="print text as it is generated")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    add_engine_arguments(p)
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    add_engine_arguments(p)
+    p.set_defaults(max_num_seqs=4, max_num_batched_tokens=64, num_blocks=24)
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    return {"block_size": args.block_size, "num_blocks": args.num_blocks,
+            "num_state_slots": args.num_state_slots, "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens}
+
+
+def _record(out: RequestOutput, prompt: str | None = None) -> dict[str, object]:
+    rec: dict[str, object] = {
+        "request_id": out.request_id, "text": out.text, "token_ids": list(out.token_ids),
+        "new_token_ids": list(out.new_token_ids), "finished": out.finished,
+        "finish_reason": out.finish_reason, "num_prompt_tokens": len(out.prompt_token_ids),
+        "num_generated_tokens": len(out.token_ids), "num_preemptions": out.num_preemptions,
+    }
+    if prompt is not None:
+        rec["prompt"] = prompt
+    if out.error:
+        rec["error"] = out.error
+    if out.logprobs is not None:
+        rec["logprobs"] = [{str(t): lp.logprob for t, lp in d.items()} for d in out.logprobs]
+    return rec
+
+
+def generate_main(args: argparse.Namespace) -> int:
+    try:
+        params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                seed=args.seed, max_tokens=args.max_tokens,
+                                ignore_eos=args.ignore_eos, logprobs=args.logprobs)
+        llm = LLM(args.model, dtype=args.dtype, **_engine_kwargs(args))
+        prompts: list[str] = list(args.prompt)
+        if args.stream:
+            return _generate_stream(llm, prompts, params, as_json=args.json)
+        results = llm.generate(prompts, params, use_progress=not args.json)
+    except PagedHybridError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        t = llm.last_throughput
+        doc = {"outputs": [_record(r, p) for r, p in zip(results, prompts, strict=True)],
+               "throughput": None if t is None else {
+                   "elapsed_s": t.elapsed_s, "prompt_tokens_per_s": t.prompt_tps,
+                   "generated_tokens_per_s": t.generated_tps}}
+        print(json.dumps(doc, indent=2))
+        return 0
+    for i, (r, p) in enumerate(zip(results, prompts, strict=True)):
+        print(f"[{i}] {p!r} -> {r.text!r} ({len(r.token_ids)} tokens, {r.finish_reason})")
+    return 0
+
+
+def _generate_stream(llm: LLM, prompts: list[str], params: SamplingParams,
+                     as_json: bool) -> int:
+    start = time.perf_counter()
+    shown: dict[str, str] = {}
+    finals: dict[str, RequestOutput] = {}
+    single = len(prompts) == 1
+    for out in llm.stream(prompts, params):
+        text = out.text or ""
+        prev = shown.get(out.request_id, "")
+        delta = text[len(prev):] if text.startswith(prev) else text
+        shown[out.request_id] = text
+        if as_json:
+            rec = _record(out)
+            rec["delta"] = delta
+            print(json.dumps(rec), flush=True)
+        elif single:
+            print(delta, end="\n" if out.finished else "", flush=True)
+        else:
+            end = f"  [{out.finish_reason}]" if out.finished else ""
+            print(f"{out.request_id}| {delta!r}{end}", flush=True)
+        if out.finished:
+            finals[out.request_id] = out
+    t = Throughput(len(finals), sum(len(o.prompt_token_ids) for o in finals.values()),
+                   sum(len(o.token_ids) for o in finals.values()), time.perf_counter() - start)
+    print(t.line(), file=sys.stderr)
+    return 0
+
+
+# -- pagedhybrid run ---------------------------------------------------------------------------
+DEMO = (  # (arrival step, prompt, params)
+    (0, "The quick brown fox", SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)),
+    (0, "Paged attention keeps keys and values in fixed-size pages shared by every request, "
+        "while Gated DeltaNet layers keep one fixed recurrent state per sequence.",
+     SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)),
+    (3, "Hello", SamplingParams(temperature=0.8, top_k=40, seed=7, max_tokens=40,
+                                ignore_eos=True)),
+    (6, "Continuous batching packs prefill chunks and decodes of many requests into one step "
+        "under a token budget; when pages run out, the newest request is preempted and later "
+        "recomputed from its prompt and the tokens it already generated.",
+     SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)),
+    (10, "Abort me", SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)),
+    (14, "One more short request", SamplingParams(temperature=0.7, top_p=0.9, seed=1,
+                                                  max_tokens=20, ignore_eos=True)),
+)
+ABORT_AFTER = ("r4", 6)  # abort r4 after it generated this many tokens
+
+
+@dataclass
+class _Track:
+    prompt: str
+    added_s: float
+    first_s: float | None = None
+    done_s: float | None = None
+    out: RequestOutput | None = None
+    pieces: list[str] = field(default_factory=list)
+
+
+def run_main(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=max(Console().width, 150))
+    kw = _engine_kwargs(args) if hasattr(args, "block_size") else {
+        "max_num_seqs": 4, "max_num_batched_tokens": 64, "num_blocks": 24}
+    try:
+        engine = load_engine(getattr(args, "model", None), dtype=getattr(args, "dtype",
+                                                                           "float32"), **kw)
+    except PagedHybridError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    cfg = engine.model.config
+    console.print(
+        f"[bold]pagedhybrid run[/]: {cfg.num_hidden_layers} layers "
+        f"({len(cfg.full_attention_layers)} full attention, {len(cfg.linear_attention_layers)} "
+        f"Gated DeltaNet), {engine.blocks.capacity} KV pages x {engine.blocks.block_size} "
+        f"tokens, {engine.states.capacity} state slots, budget "
+        f"{engine.config.max_num_batched_tokens} tokens/step, "
+        f"max {engine.config.max_num_seqs} running")
+    tracks = _serve_demo(engine, console)
+    _report(engine, tracks, console, Table)
+    ok = engine.blocks.num_free == engine.blocks.capacity and \
+        engine.states.num_free == engine.states.capacity
+    return 0 if ok and all(t.out is not None for t in tracks.values()) else 1
+
+
+def _serve_demo(engine: Engine, console: object) -> dict[str, _Track]:
+    tracks: dict[str, _Track] = {}
+    queue = [(f"r{i}", *item) for i, item in enumerate(DEMO)]
+    step = 0
+    start = time.perf_counter()
+    while queue or engine.has_unfinished_requests():
+        while queue and queue[0][1] <= step:
+            rid, _, prompt, params = queue.pop(0)
+            engine.add_request(rid, prompt, params)
+            tracks[rid] = _Track(prompt, time.perf_counter() - start)
+            console.print(f"[dim]step {step:3d}[/] + {rid} arrives "  # type: ignore[attr-defined]
+                          f"({len(engine.scheduler.requests[rid].prompt_token_ids)} prompt "
+                          "tokens)")
+        outs = engine.step()
+        now = time.perf_counter() - start
+        parts = []
+        for o in outs:
+            tr = tracks[o.request_id]
+            if o.new_token_ids and tr.first_s is None:
+                tr.first_s = now
+            text = "".join(tr.pieces)
+            delta = (o.text or "")[len(text):]
+            tr.pieces.append(delta)
+            tag = f" [{o.finish_reason}]" if o.finished else ""
+            parts.append(f"{o.request_id} {delta!r}{tag}")
+            if o.finished:
+                tr.done_s, tr.out = now, o
+        if parts:
+            console.print(f"[dim]step {step:3d}[/] " + " | ".join(parts),  # type: ignore[attr-defined]
+                          markup=True, highlight=False)
+        rid, after = ABORT_AFTER
+        req = engine.scheduler.requests.get(rid)
+        if req is not None and req.num_output_tokens >= after:
+            engine.abort_request(rid)
+            console.print(f"[dim]step {step:3d}[/] x {rid} aborted")  # type: ignore[attr-defined]
+        engine.check_invariants()
+        step += 1
+    return tracks
+
+
+def _report(engine: Engine, tracks: dict[str, _Track], console: object, table_cls: type) -> None:
+    table = table_cls(title="requests")
+    for col in ("id", "prompt", "out", "finish", "preempt", "ttft s", "total s"):
+        table.add_column(col, justify="right" if col not in ("id", "finish") else "left")
+    table.add_column("text", overflow="ellipsis", no_wrap=True, max_width=24)
+    for rid, tr in tracks.items():
+        o = tr.out
+        assert o is not None
+        first = "-" if tr.first_s is None else f"{tr.first_s - tr.added_s:.2f}"
+        lat = "-" if tr.done_s is None else f"{tr.done_s - tr.added_s:.2f}"
+        table.add_row(rid, str(len(o.prompt_token_ids)), str(len(o.token_ids)),
+                      str(o.finish_reason), str(o.num_preemptions), first, lat,
+                      repr((o.text or "")[:20]))
+    console.print(table)  # type: ignore[attr-defined]
+    st = engine.stats
+    prompt = sum(len(t.out.prompt_token_ids) for t in tracks.values() if t.out)
+    gen = sum(len(t.out.token_ids) for t in tracks.values() if t.out)
+    t = Throughput(len(tracks), prompt, gen, st.total_s)
+    console.print(t.line())  # type: ignore[attr-defined]
+    mean = st.computed_tokens / st.steps if st.steps else 0.0
+    console.print(  # type: ignore[attr-defined]
+        f"{st.steps} steps, {mean:.1f} tokens/step, peak {st.peak_running} running, peak "
+        f"{st.peak_blocks}/{engine.blocks.capacity} pages, {st.preemptions} preemptions; "
+        f"engine overhead (scheduling + batch building) {100 * st.overhead_fraction:.1f}% of "
+        f"step time; after draining: {engine.blocks.num_free}/{engine.blocks.capacity} pages "
+        f"and {engine.states.num_free}/{engine.states.capacity} slots free")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Stand-alone entry (``python -m pagedhybrid.engine.cli generate|run ...``)."""
+    p = argparse.ArgumentParser(prog="pagedhybrid-engine")
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate")
+    add_generate_arguments(g)
+    g.set_defaults(func=generate_main)
+    r = sub.add_parser("run")
+    add_run_arguments(r)
+    r.set_defaults(func=run_main)
+    args = p.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,346 @@
+"""The request-level engine: add / abort / step / stream over one Qwen3.5 model.
+
+One ``step()``:
+
+1. ``Scheduler.schedule()`` picks this step's chunks (decodes and prefill chunks mixed) under
+   the token budget, admitting into KV pages and state slots atomically, preempting by recompute
+   when pages run out.
+2. ``build_batch`` packs them into the model's ``PackedBatch`` -- exactly the packed ABI
+   (``input_ids[N]``, ``position_ids[3, N]``, ``cu_seqlens[B+1]``, ``past_seqlens[B]``,
+   ``block_table[B, M]`` (``-1`` padded), ``state_slots[B]``, ``attention_metadata[3]``) -- and
+   the logits rows: the last row of every chunk that reaches its request's last known token.
+3. ``model.forward_packed`` writes the KV pages and state slots in place and returns those rows'
+   logits. A sequence with ``past_seqlens == 0`` (first admission, or re-admission after
+   preemption) starts from zero conv/recurrent state whatever its slot holds; pages are never
+   zeroed (attention reads only ``past + new`` positions of a sequence's own table).
+4. ``sample`` picks the tokens (per-request generators); a row with non-finite logits finishes
+   its request with reason ``error`` and leaves the others alone; ``Scheduler.update`` advances
+   cursors, appends tokens and finishes requests on stop token / EOS / max_tokens /
+   max_model_len, returning their pages and slots at once.
+
+``step`` returns one ``RequestOutput`` per request that got a token or finished (aborts are
+reported by the next ``step``). ``stats`` splits wall time into scheduling, batch building,
+forward, sampling and bookkeeping.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedhybrid.engine.pages import BlockPool
+from pagedhybrid.engine.request import InvalidRequest, Request, RequestOutput
+from pagedhybrid.engine.sampling import SampledToken, SamplingParams, sample
+from pagedhybrid.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedhybrid.engine.states import StatePool
+from pagedhybrid.errors import CapacityError, ContractViolation
+from pagedhybrid.models.qwen35 import PackedBatch, PagedHybridCache, Qwen35ForCausalLM
+from pagedhybrid.models.qwen35.config import Qwen35Config
+
+DEFAULT_CACHE_MEMORY = 64 << 20  # bytes of KV pages + state slots when nothing is given
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Pool sizes and batching limits.
+
+    ``num_blocks`` and ``cache_memory_bytes`` are exclusive (like ORT GenAI's ``num_blocks`` /
+    ``gpu_utilization_factor``); with neither, ``DEFAULT_CACHE_MEMORY`` is split into
+    ``num_state_slots`` slots (default ``max_num_seqs``) and as many pages as fit, capped at what
+    ``max_num_seqs`` requests of ``max_model_len`` tokens can use. ``cache_fill=None`` fills the
+    pools with random garbage instead of zeros (outputs must not change).
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    cache_memory_bytes: int | None = None
+    num_state_slots: int | None = None
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    seed: int = 0
+    device: str = "cpu"
+    cache_fill: float | None = 0.0
+
+    def __post_init__(self) -> None:
+        if self.num_blocks is not None and self.cache_memory_bytes is not None:
+            raise ContractViolation("EngineConfig", "num_blocks/cache_memory_bytes",
+                                    "are exclusive: give one", (self.num_blocks,
+                                                                self.cache_memory_bytes))
+        for name in ("num_blocks", "cache_memory_bytes", "num_state_slots", "max_model_len"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ContractViolation("EngineConfig", name, "must be None or an int >= 1", v)
+
+
+def page_bytes(config: Qwen35Config, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV page across all full-attention layers (K and V)."""
+    per_layer = block_size * config.num_key_value_heads * config.head_dim * dtype.itemsize
+    return 2 * per_layer * len(config.full_attention_layers)
+
+
+def slot_bytes(config: Qwen35Config, dtype: torch.dtype) -> int:
+    """Bytes of one state slot across all linear layers (conv in ``dtype``, recurrent fp32)."""
+    conv = config.conv_dim * (config.linear_conv_kernel_dim - 1) * dtype.itemsize
+    rec = (config.linear_num_value_heads * config.linear_value_head_dim
+           * config.linear_key_head_dim * 4)
+    return (conv + rec) * len(config.linear_attention_layers)
+
+
+@dataclass(frozen=True)
+class PoolSizes:
+    num_blocks: int
+    num_slots: int
+    max_model_len: int
+
+
+def size_pools(model_config: Qwen35Config, cfg: EngineConfig, dtype: torch.dtype) -> PoolSizes:
+    """Pages, slots and max_model_len from an ``EngineConfig`` (see its docstring)."""
+    slots = cfg.num_state_slots or cfg.max_num_seqs
+    limit = min(cfg.max_model_len or model_config.max_position_embeddings,
+                model_config.max_position_embeddings)
+    if cfg.num_blocks is not None:
+        blocks = cfg.num_blocks
+    else:
+        budget = cfg.cache_memory_bytes or DEFAULT_CACHE_MEMORY
+        per_page = max(page_bytes(model_config, cfg.block_size, dtype), 1)
+        blocks = (budget - slots * slot_bytes(model_config, dtype)) // per_page
+        if cfg.cache_memory_bytes is None:
+            blocks = min(blocks, cfg.max_num_seqs * -(-limit // cfg.block_size))
+        if blocks < 1:
+            raise CapacityError(
+                f"cache memory {budget} B holds {slots} state slots of "
+                f"{slot_bytes(model_config, dtype)} B and no KV page of {per_page} B; "
+                "raise cache_memory_bytes or lower num_state_slots")
+    max_len = cfg.max_model_len or min(limit, blocks * cfg.block_size)
+    return PoolSizes(int(blocks), int(slots), int(max_len))
+
+
+@dataclass
+class EngineStats:
+    """Cumulative counters; times in seconds."""
+
+    steps: int = 0
+    schedule_s: float = 0.0
+    build_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+    update_s: float = 0.0
+    prompt_tokens: int = 0  # prompt tokens of requests that finished
+    generated_tokens: int = 0
+    computed_tokens: int = 0  # tokens fed to the model (prefill chunks, recompute, decodes)
+    preemptions: int = 0
+    peak_running: int = 0
+    peak_blocks: int = 0
+    # per step: (sequences, tokens, scheduling + batch building s, whole step s)
+    step_log: list[tuple[int, int, float, float]] = field(default_factory=list)
+
+    @property
+    def total_s(self) -> float:
+        return self.schedule_s + self.build_s + self.forward_s + self.sample_s + self.update_s
+
+    @property
+    def overhead_fraction(self) -> float:
+        """(scheduling + batch building) / step time."""
+        return (self.schedule_s + self.build_s) / self.total_s if self.total_s else 0.0
+
+    def overhead_at(self, min_seqs: int) -> tuple[float, int]:
+        """Overhead fraction over the steps that ran at least ``min_seqs`` sequences, and how
+        many such steps there were."""
+        rows = [(o, t) for n, _, o, t in self.step_log if n >= min_seqs]
+        total = sum(t for _, t in rows)
+        return (sum(o for o, _ in rows) / total if total else 0.0), len(rows)
+
+
+def build_batch(output: SchedulerOutput, device: str = "cpu"
+                ) -> tuple[PackedBatch, torch.Tensor, list[int]]:
+    """The packed ABI batch of a scheduled step, the logits rows and which sequences they are."""
+    seqs = output.sequences
+    batch = PackedBatch.from_sequences(
+        [s.request.token_ids[s.start:s.start + s.num_new_tokens] for s in seqs],
+        [s.start for s in seqs],
+        [s.block_table for s in seqs],
+        [s.slot for s in seqs],
+        device=device,
+    )
+    sampling = [i for i, s in enumerate(seqs) if s.samples]
+    ends = torch.tensor([s.num_new_tokens for s in seqs]).cumsum(0) - 1  # [B]
+    rows = ends[sampling] if sampling else torch.zeros(0, dtype=torch.int64)  # [R]
+    return batch, rows.to(device), sampling
+
+
+class Engine:
+    """Continuous-batching engine over a loaded ``Qwen35ForCausalLM``."""
+
+    def __init__(self, model: Qwen35ForCausalLM, config: EngineConfig | None = None,
+                 tokenizer: object | None = None) -> None:
+        self.model = model
+        self.config = config or EngineConfig()
+        self.tokenizer = tokenizer
+        mc = model.config
+        sizes = size_pools(mc, self.config, model.dtype)
+        self.sizes = sizes
+        gen = torch.Generator().manual_seed(self.config.seed)
+        self.cache = PagedHybridCache.allocate(
+            mc, num_pages=sizes.num_blocks, block_size=self.config.block_size,
+            num_slots=sizes.num_slots, dtype=model.dtype, device=self.config.device,
+            fill=self.config.cache_fill, generator=gen)
+        self.blocks = BlockPool(sizes.num_blocks, self.config.block_size)
+        self.states = StatePool(sizes.num_slots)
+        eos = tuple(mc.eos_token_id) or tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
+        self.scheduler = Scheduler(
+            SchedulerConfig(self.config.max_num_seqs, self.config.max_num_batched_tokens,
+                            sizes.max_model_len),
+            self.blocks, self.states, eos)
+        self._generator = torch.Generator().manual_seed(self.config.seed)
+        self._arrivals = 0
+        self._pending: list[RequestOutput] = []
+        self.stats = EngineStats()
+
+    # -- requests --------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | Sequence[int],
+                    params: SamplingParams | None = None) -> None:
+        """Queue a request. ``prompt``: text (tokenised with the model's tokenizer) or token ids.
+
+        Raises ``InvalidRequest`` (empty prompt, bad token ids, duplicate id, text without a
+        tokenizer) or ``CapacityError`` (the prompt can never fit); nothing is queued then.
+        """
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequest(str(request_id), "request_id", "must be a non-empty str",
+                                 type(request_id).__name__)
+        if request_id in self.scheduler.requests:
+            raise InvalidRequest(request_id, "request_id", "is already in use")
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequest(request_id, "params", "must be SamplingParams",
+                                 type(params).__name__)
+        ids = self._token_ids(request_id, prompt)
+        gen = (torch.Generator().manual_seed(params.seed) if params.seed is not None
+               else self._generator)
+        req = Request(request_id, tuple(ids), params, self._arrivals, gen)
+        self.scheduler.add(req)  # CapacityError when it can never fit
+        self._arrivals += 1
+
+    def _token_ids(self, request_id: str, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequest(request_id, "prompt", "is text but the model has no "
+                                     "tokenizer; pass token ids")
+            ids = list(self.tokenizer.encode(prompt))  # type: ignore[attr-defined]
+        else:
+            if isinstance(prompt, torch.Tensor):
+                prompt = prompt.reshape(-1).tolist()
+            try:
+                ids = list(prompt)
+            except TypeError:
+                raise InvalidRequest(request_id, "prompt", "must be text or a sequence of "
+                                     "token ids", type(prompt).__name__) from None
+        if not ids:
+            raise InvalidRequest(request_id, "prompt", "is empty")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int)
+               or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequest(request_id, "prompt_token_ids",
+                                 f"must be ints in [0, {vocab})", bad[:5])
+        return ids
+
+    def abort_request(self, request_id: str | Iterable[str]) -> list[str]:
+        """Abort requests now (pages and slots freed at once); returns the ids found."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        done = []
+        for rid in ids:
+            req = self.scheduler.abort(rid)
+            if req is not None:
+                self._pending.append(self._output(req))
+                done.append(rid)
+        return done
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    def num_unfinished_requests(self) -> int:
+        return len(self.scheduler.requests)
+
+    # -- stepping --------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        st = self.stats
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        st.schedule_s += t1 - t0
+        st.preemptions += len(sched.preempted)
+        if not sched.sequences:
+            return outputs
+        batch, rows, sampling = build_batch(sched, self.config.device)
+        t2 = time.perf_counter()
+        logits = self.model.forward_packed(batch, self.cache, rows)  # [R, V]
+        t3 = time.perf_counter()
+        sampled: dict[str, SampledToken] = {}
+        failed: list[tuple[Request, str]] = []
+        if sampling:
+            seqs = [sched.sequences[i] for i in sampling]
+            finite = torch.isfinite(logits).all(dim=-1).tolist()  # [R]
+            ok = [j for j, f in enumerate(finite) if f]
+            failed = [(seqs[j].request, "non-finite logits") for j, f in enumerate(finite)
+                      if not f]
+            if ok:
+                reqs = [seqs[j].request for j in ok]
+                toks = sample(logits[ok], [r.params for r in reqs], [r.generator for r in reqs])
+                sampled = {r.request_id: t for r, t in zip(reqs, toks, strict=True)}
+        t4 = time.perf_counter()
+        for req, why in failed:
+            self.scheduler.finish(req, "error", why)
+        self.scheduler.update(sched, sampled)
+        for s in sched.sequences:
+            req = s.request
+            if req.finished or req.num_output_tokens > req.num_emitted:
+                outputs.append(self._output(req))
+                if req.finished:
+                    st.prompt_tokens += req.num_prompt_tokens
+        st.steps += 1
+        st.computed_tokens += sched.num_batched_tokens
+        st.generated_tokens += len(sampled)
+        st.peak_running = max(st.peak_running, len(sched.sequences))
+        st.peak_blocks = max(st.peak_blocks, self.blocks.num_owned)
+        t5 = time.perf_counter()
+        st.step_log.append((len(sched.sequences), sched.num_batched_tokens, t2 - t0, t5 - t0))
+        st.build_s += t2 - t1
+        st.forward_s += t3 - t2
+        st.sample_s += t4 - t3
+        st.update_s += t5 - t4
+        return outputs
+
+    def stream(self) -> Iterator[RequestOutput]:
+        """Step until every request is finished, yielding outputs as they come (requests may be
+        added or aborted between yields)."""
+        while self.has_unfinished_requests():
+            yield from self.step()
+
+    def check_invariants(self) -> None:
+        self.scheduler.check_invariants()
+
+    # -- outputs ---------------------------------------------------------------------------------
+    def _output(self, req: Request) -> RequestOutput:
+        out = req.output_token_ids
+        new = out[req.num_emitted:]
+        req.num_emitted = len(out)
+        text = None
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(out)  # type: ignore[attr-defined]
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            new_token_ids=tuple(new),
+            token_ids=tuple(out),
+            finished=req.finished,
+            finish_reason=req.finish_reason,
+            text=text,
+            logprobs=tuple(req.logprobs) if req.params.logprobs is not None else None,
+            error=req.error,
+            num_preemptions=req.num_preemptions,
+        )

@@ -1,0 +1,149 @@
+"""``LLM``: offline batch generation on top of ``Engine`` (the vLLM ``LLM.generate`` habit).
+
+``LLM(model=None)`` loads the built-in default model (``default_model_dir()``), or an HF Qwen3.5
+checkpoint folder, with its tokenizer; ``generate(prompts, params)`` queues every prompt at once,
+steps the engine until all are finished (a progress bar on stderr), prints one throughput line
+(prompt tok/s, generated tok/s) and returns the final ``RequestOutput`` of each prompt in input
+order. ``stream`` yields the outputs of every step instead.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pagedhybrid.engine.engine import Engine, EngineConfig
+from pagedhybrid.engine.request import RequestOutput
+from pagedhybrid.engine.sampling import SamplingParams
+from pagedhybrid.errors import ContractViolation, UnsupportedConfiguration
+
+Prompt = str | Sequence[int]
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ContractViolation("LLM", "dtype", f"must be one of {sorted(DTYPES)}", dtype)
+    return DTYPES[dtype]
+
+
+@dataclass(frozen=True)
+class Throughput:
+    requests: int
+    prompt_tokens: int
+    generated_tokens: int
+    elapsed_s: float
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prompt_tokens / self.elapsed_s if self.elapsed_s else 0.0
+
+    @property
+    def generated_tps(self) -> float:
+        return self.generated_tokens / self.elapsed_s if self.elapsed_s else 0.0
+
+    def line(self) -> str:
+        return (f"{self.requests} requests in {self.elapsed_s:.2f} s: "
+                f"prompt {self.prompt_tps:.1f} tok/s, generated {self.generated_tps:.1f} tok/s")
+
+
+def load_engine(model: str | Path | None = None, *, dtype: str | torch.dtype = "float32",
+                **config: object) -> Engine:
+    """An ``Engine`` over a checkpoint folder (None = the built-in default model)."""
+    from pagedhybrid.models.qwen35 import default_model_dir, load, load_tokenizer
+
+    model_dir = default_model_dir() if model is None else Path(model)
+    net = load(model_dir, dtype=resolve_dtype(dtype))
+    try:
+        tokenizer = load_tokenizer(model_dir)
+    except UnsupportedConfiguration:
+        tokenizer = None  # token-id prompts still work
+    return Engine(net, EngineConfig(**config), tokenizer)  # type: ignore[arg-type]
+
+
+class LLM:
+    """Offline generation. Keyword options are ``EngineConfig`` fields (block_size, num_blocks,
+    cache_memory_bytes, num_state_slots, max_num_seqs, max_num_batched_tokens, max_model_len,
+    seed, ...) plus ``dtype``."""
+
+    def __init__(self, model: str | Path | None = None, *, dtype: str | torch.dtype = "float32",
+                 engine: Engine | None = None, **config: object) -> None:
+        self.engine = engine if engine is not None else load_engine(model, dtype=dtype, **config)
+        self.last_throughput: Throughput | None = None
+        self._batch = 0
+
+    def _queue(self, prompts: Prompt | Sequence[Prompt],
+               params: SamplingParams | Sequence[SamplingParams] | None) -> list[str]:
+        if isinstance(prompts, str) or (
+                isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if params is None or isinstance(params, SamplingParams):
+            plist = [params or SamplingParams()] * len(prompts)
+        else:
+            plist = list(params)
+            if len(plist) != len(prompts):
+                raise ContractViolation("LLM.generate", "sampling_params",
+                                        "must be one SamplingParams or one per prompt",
+                                        (len(plist), len(prompts)))
+        self._batch += 1
+        ids = [f"b{self._batch}-{i}" for i in range(len(prompts))]
+        queued: list[str] = []
+        try:
+            for rid, prompt, p in zip(ids, prompts, plist, strict=True):
+                self.engine.add_request(rid, prompt, p)
+                queued.append(rid)
+        except Exception:
+            self.engine.abort_request(queued)
+            list(self.engine.stream())  # drain the abort outputs
+            raise
+        return ids
+
+    def stream(self, prompts: Prompt | Sequence[Prompt],
+               sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+               ) -> Iterator[RequestOutput]:
+        """Queue ``prompts`` and yield every step's outputs until all are finished."""
+        self._queue(prompts, sampling_params)
+        yield from self.engine.stream()
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, use_progress: bool = True) -> list[RequestOutput]:
+        """Final outputs in prompt order; prints a progress bar and a throughput line."""
+        ids = self._queue(prompts, sampling_params)
+        final: dict[str, RequestOutput] = {}
+        start = time.perf_counter()
+        progress = None
+        if use_progress:
+            from rich.console import Console
+            from rich.progress import Progress
+
+            progress = Progress(console=Console(stderr=True), transient=False)
+            progress.start()
+            task = progress.add_task("generate", total=len(ids))
+        try:
+            for out in self.engine.stream():
+                if out.finished:
+                    final[out.request_id] = out
+                    if progress is not None:
+                        progress.advance(task)
+        finally:
+            if progress is not None:
+                progress.stop()
+        elapsed = time.perf_counter() - start
+        results = [final[i] for i in ids]
+        self.last_throughput = Throughput(
+            len(results), sum(len(r.prompt_token_ids) for r in results),
+            sum(len(r.token_ids) for r in results), elapsed)
+        if use_progress:
+            print(self.last_throughput.line(), file=sys.stderr)
+        return results

@@ -1,0 +1,123 @@
+"""One request's life in the engine, and what the engine reports back about it.
+
+A ``Request`` holds its prompt and generated tokens in one list (``token_ids``) and one cursor,
+``num_computed_tokens``: how many leading tokens are already in its KV pages and state slot.
+There are no phases (the vLLM v1 habit): each step computes ``token_ids[num_computed :
+num_computed + n]``; when that reaches the end of the known tokens, the last row's logits give
+the next token. Preemption resets the cursor to 0 and keeps the generated tokens, so recompute is
+just a longer prefill.
+
+Lifecycle: WAITING -> RUNNING (holds pages and a state slot) -> FINISHED; RUNNING -> WAITING on
+preemption (gives both back). ``finish_reason`` is ``stop`` (stop token / EOS), ``length``
+(max_tokens or max_model_len), ``abort`` or ``error`` (``error`` carries a message).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from pagedhybrid.engine.sampling import Logprob, SampledToken, SamplingParams
+from pagedhybrid.errors import PagedHybridError
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class InvalidRequest(PagedHybridError, ValueError):
+    """A request rejected at ``add_request``: ``request_id``, ``what`` was wrong, the ``rule``."""
+
+    def __init__(self, request_id: str, what: str, rule: str, got: object = None) -> None:
+        self.request_id, self.what, self.rule, self.got = request_id, what, rule, got
+        msg = f"request {request_id!r}: '{what}' {rule}"
+        if got is not None:
+            msg += f" (got {got})"
+        super().__init__(msg)
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """Mutable engine-side state of one request (owned by the scheduler)."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    arrival: int
+    generator: torch.Generator
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    num_preemptions: int = 0
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    num_emitted: int = 0  # output tokens already reported by step()
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append(self, tok: SampledToken, eos_token_ids: Collection[int],
+               max_model_len: int) -> FinishReason | None:
+        """Record a sampled token; return the finish reason if the request is now done."""
+        self.token_ids.append(tok.token_id)
+        if tok.logprobs is not None:
+            self.logprobs.append(tok.logprobs)
+        p = self.params
+        if tok.token_id in p.stop_token_ids:
+            return "stop"
+        if not p.ignore_eos and tok.token_id in eos_token_ids:
+            return "stop"
+        if self.num_output_tokens >= p.max_tokens or self.num_tokens >= max_model_len:
+            return "length"
+        return None
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What ``Engine.step`` reports for one request.
+
+    ``new_token_ids`` are the tokens generated since the previous report, ``token_ids`` all
+    generated tokens so far; ``text`` decodes ``token_ids`` when the engine has a tokenizer.
+    ``logprobs`` (when asked) has one dict per generated token.
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    new_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: FinishReason | None = None
+    text: str | None = None
+    logprobs: tuple[dict[int, Logprob], ...] | None = None
+    error: str | None = None
+    num_preemptions: int = 0

@@ -1,0 +1,237 @@
+"""Continuous-batching scheduler over two pools: KV pages and state slots.
+
+Per step, with a token budget ``max_num_batched_tokens`` (vLLM v1 style, no phases):
+
+1. RUNNING requests in admission order. Each gets ``n = min(uncomputed tokens, budget left)``
+   (1 for a decode, a chunk for an unfinished prefill). If its table cannot grow to
+   ``computed + n`` tokens, the newest running request is preempted by recompute (pages and
+   slot returned, cursor reset to 0, generated tokens kept, put back at the FRONT of the waiting
+   queue) until it fits; if the victim is the request itself, the pass stops.
+2. If nothing was preempted this step, WAITING requests in FCFS order while the budget and
+   ``max_num_seqs`` allow: admission takes pages for the first chunk AND a state slot
+   atomically (both or neither); the first request that cannot be admitted stops admission
+   (no overtaking).
+
+Prefill chunks and decodes share one packed step. A request whose KV need (``max_model_len - 1``
+tokens) exceeds the whole pool is refused at ``add`` with ``CapacityError``; any admissible
+request eventually runs because the oldest running request is never a victim.
+
+Invariant after every step, per pool: free + owned == capacity, and exactly the RUNNING requests
+own pages and a slot.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from pagedhybrid.engine.pages import BlockPool
+from pagedhybrid.engine.request import FinishReason, Request, RequestStatus
+from pagedhybrid.engine.sampling import SampledToken
+from pagedhybrid.engine.states import StatePool
+from pagedhybrid.errors import CapacityError, ContractViolation
+
+
+class HybridAllocator:
+    """KV pages and state slots taken and returned together."""
+
+    def __init__(self, blocks: BlockPool, states: StatePool) -> None:
+        self.blocks, self.states = blocks, states
+
+    def admit(self, request_id: str, num_tokens: int) -> int | None:
+        """Take pages for ``num_tokens`` tokens and a slot, or nothing; returns the slot."""
+        if self.states.num_free == 0 or not self.blocks.can_grow(request_id, num_tokens):
+            return None
+        slot = self.states.acquire(request_id)
+        ok = self.blocks.grow(request_id, num_tokens)
+        assert slot is not None and ok
+        return slot
+
+    def grow(self, request_id: str, num_tokens: int) -> bool:
+        return self.blocks.grow(request_id, num_tokens)
+
+    def release(self, request_id: str) -> None:
+        self.blocks.release(request_id)
+        self.states.release(request_id)
+
+    def check_invariants(self) -> None:
+        self.blocks.check_invariants()
+        self.states.check_invariants()
+
+    @property
+    def idle(self) -> bool:
+        return (self.blocks.num_free == self.blocks.capacity
+                and self.states.num_free == self.states.capacity)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 4096
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ContractViolation("SchedulerConfig", name, "must be an int >= 1", v)
+
+
+class ScheduledSequence(NamedTuple):
+    """One request's share of a step: tokens ``[start, start + num_new_tokens)``."""
+
+    request: Request
+    start: int
+    num_new_tokens: int
+    slot: int
+    block_table: tuple[int, ...]
+    samples: bool  # the chunk reaches the last known token: its last row's logits are sampled
+
+
+class SchedulerOutput(NamedTuple):
+    sequences: tuple[ScheduledSequence, ...]
+    preempted: tuple[str, ...]
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.sequences)
+
+
+class Scheduler:
+    """FCFS continuous batching with chunked prefill and preemption by recompute."""
+
+    def __init__(self, config: SchedulerConfig, blocks: BlockPool, states: StatePool,
+                 eos_token_ids: Iterable[int] = ()) -> None:
+        kv_need = config.max_model_len - 1
+        if blocks.blocks_for(kv_need) > blocks.capacity:
+            raise CapacityError(
+                f"max_model_len {config.max_model_len} needs {blocks.blocks_for(kv_need)} KV "
+                f"pages but the pool has {blocks.capacity}")
+        self.config = config
+        self.alloc = HybridAllocator(blocks, states)
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # -- request lifecycle ---------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ContractViolation("Scheduler", "request_id", "is already in use",
+                                    request.request_id)
+        n = request.num_prompt_tokens
+        if n >= self.config.max_model_len:
+            raise CapacityError(
+                f"request {request.request_id!r}: prompt of {n} tokens leaves no room to generate"
+                f" (max_model_len {self.config.max_model_len}: KV pool of "
+                f"{self.alloc.blocks.capacity} pages x {self.alloc.blocks.block_size} tokens)")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish(self, request: Request, reason: FinishReason, error: str | None = None) -> None:
+        """Finish ``request`` now (any state): pages and slot go back immediately."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        self.alloc.release(request.request_id)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.error = error
+        self.requests.pop(request.request_id, None)
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is not None:
+            self.finish(req, "abort")
+        return req
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- scheduling ----------------------------------------------------------------------------
+    def _preempt(self, victim: Request) -> None:
+        self.alloc.release(victim.request_id)
+        victim.status = RequestStatus.WAITING
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(victim)
+
+    def _entry(self, req: Request, n: int, slot: int) -> ScheduledSequence:
+        start = req.num_computed_tokens
+        return ScheduledSequence(req, start, n, slot,
+                                 tuple(self.alloc.blocks.table(req.request_id)),
+                                 start + n == req.num_tokens)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        out: list[ScheduledSequence] = []
+        preempted: list[str] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.alloc.grow(req.request_id, req.num_computed_tokens + n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                break
+            out.append(self._entry(req, n, self.alloc.states.slot(req.request_id)))
+            budget -= n
+            i += 1
+        if not preempted:
+            while (self.waiting and budget > 0
+                   and len(self.running) < self.config.max_num_seqs):
+                req = self.waiting[0]
+                n = min(req.num_tokens - req.num_computed_tokens, budget)
+                slot = self.alloc.admit(req.request_id, req.num_computed_tokens + n)
+                if slot is None:
+                    break
+                self.waiting.popleft()
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                out.append(self._entry(req, n, slot))
+                budget -= n
+        return SchedulerOutput(tuple(out), tuple(preempted))
+
+    def update(self, output: SchedulerOutput,
+               sampled: dict[str, SampledToken]) -> list[Request]:
+        """Advance cursors after the model ran ``output``; append sampled tokens; finish the
+        requests that hit a stop condition. Returns the requests finished here."""
+        finished = []
+        for seq in output.sequences:
+            req = seq.request
+            if req.status is not RequestStatus.RUNNING:
+                continue  # aborted or finished (e.g. error) in between
+            req.num_computed_tokens = seq.start + seq.num_new_tokens
+            if not seq.samples:
+                continue
+            tok = sampled.get(req.request_id)
+            if tok is None:
+                continue
+            reason = req.append(tok, self.eos_token_ids, self.config.max_model_len)
+            if reason is not None:
+                self.finish(req, reason)
+                finished.append(req)
+        return finished
+
+    def check_invariants(self) -> None:
+        self.alloc.check_invariants()
+        running = {r.request_id for r in self.running}
+        blocks, states = self.alloc.blocks, self.alloc.states
+        owners = blocks.owners() | states.owners()
+        if owners != running:
+            raise AssertionError(f"owners of pages/slots {sorted(owners)} != running "
+                                 f"{sorted(running)}")
+        for rid in running:
+            if not states.has(rid):
+                raise AssertionError(f"running request {rid!r} has no state slot")
+        if len(self.running) > self.config.max_num_seqs:
+            raise AssertionError("more running requests than max_num_seqs")

@@ -1,0 +1,269 @@
+"""Engine end to end on a tiny real checkpoint, against HF transformers ``generate``.
+
+Every comparison is exact (greedy, fp32): batched == alone == HF. Pools are filled with random
+garbage (``cache_fill=None``) unless a test says otherwise -- pages and slots are never zeroed by
+the engine, so garbage must not change any output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from engine_helpers import prompt_of
+
+from pagedhybrid.engine import (
+    LLM,
+    Engine,
+    EngineConfig,
+    InvalidRequest,
+    RequestOutput,
+    SamplingParams,
+    build_batch,
+)
+from pagedhybrid.errors import CapacityError, ContractViolation
+from pagedhybrid.models.qwen35 import ABI_INPUT_NAMES, PackedBatch, load
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def run_all(engine: Engine, check: bool = True) -> dict[str, RequestOutput]:
+    final: dict[str, RequestOutput] = {}
+    for out in engine.stream():
+        if check:
+            engine.check_invariants()
+        if out.finished:
+            final[out.request_id] = out
+    assert engine.blocks.num_free == engine.blocks.capacity
+    assert engine.states.num_free == engine.states.capacity
+    return final
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_staggered_batch_with_preemption_matches_alone_and_hf(
+        make_engine: Callable[..., Engine], hf_greedy: Callable[..., list[int]],
+        block_size: int) -> None:
+    lengths = [3, 45, 20, 70, 9]
+    prompts = [prompt_of(i, n) for i, n in enumerate(lengths)]
+    outs = [12, 5, 10, 8, 12]
+    # Tight pools: 5 pages of 16 (or 3 of 32) tokens and 2 slots force preemption.
+    engine = make_engine(block_size=block_size, num_blocks=5 if block_size == 16 else 3,
+                         num_state_slots=2, max_num_seqs=3, max_num_batched_tokens=24,
+                         cache_fill=None)
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in outs]
+    final: dict[str, RequestOutput] = {}
+    pending = list(range(len(prompts)))
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        if pending and step % 3 == 0:  # arrivals while others are mid-prefill or decoding
+            i = pending.pop(0)
+            engine.add_request(f"r{i}", prompts[i], params[i])
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+        engine.check_invariants()
+        step += 1
+    assert engine.stats.preemptions > 0, "the pools were meant to force preemption"
+    assert engine.blocks.num_free == engine.blocks.capacity
+    assert engine.states.num_free == engine.states.capacity
+    for i, p in enumerate(prompts):
+        want = hf_greedy(p, outs[i])
+        assert list(final[f"r{i}"].token_ids) == want, f"r{i} vs HF"
+        assert final[f"r{i}"].finish_reason == "length"
+    # the same requests alone, with zeroed pools, give the same tokens
+    for i in (1, 3):
+        alone = make_engine(block_size=block_size, num_blocks=8, max_num_seqs=1)
+        alone.add_request("x", prompts[i], params[i])
+        assert list(run_all(alone)["x"].token_ids) == list(final[f"r{i}"].token_ids)
+
+
+def test_batch_is_the_packed_abi(make_engine: Callable[..., Engine]) -> None:
+    engine = make_engine(block_size=16, num_blocks=16, max_num_batched_tokens=24)
+    engine.add_request("a", prompt_of(0, 5), GREEDY)
+    engine.step()
+    engine.add_request("b", prompt_of(1, 40), GREEDY)
+    sched = engine.scheduler.schedule()
+    batch, rows, sampling = build_batch(sched)
+    assert isinstance(batch, PackedBatch)
+    assert set(ABI_INPUT_NAMES) <= set(PackedBatch._fields)
+    (a, b) = sched.sequences
+    assert (a.start, a.num_new_tokens, b.start, b.num_new_tokens) == (5, 1, 0, 23)
+    assert batch.input_ids.dtype == torch.int64
+    assert batch.input_ids.tolist() == [a.request.token_ids[5], *prompt_of(1, 40)[:23]]
+    assert batch.position_ids.dtype == torch.int64 and batch.position_ids.shape == (3, 24)
+    assert batch.position_ids.tolist() == [[5, *range(23)]] * 3
+    for name in ("cu_seqlens", "past_seqlens", "block_table", "state_slots",
+                 "attention_metadata"):
+        assert getattr(batch, name).dtype == torch.int32, name
+    assert batch.cu_seqlens.tolist() == [0, 1, 24]
+    assert batch.past_seqlens.tolist() == [5, 0]
+    assert batch.block_table.tolist() == [[*a.block_table, -1], list(b.block_table)]
+    assert batch.state_slots.tolist() == [a.slot, b.slot] and a.slot != b.slot
+    assert batch.attention_metadata.tolist() == [23, 23, 23]
+    assert rows.tolist() == [0] and sampling == [0]  # b's chunk does not reach its last token
+    engine.abort_request(["a", "b"])
+
+
+def test_seeded_sampling_same_alone_and_in_batch(make_engine: Callable[..., Engine]) -> None:
+    mine = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=1234, max_tokens=10,
+                          ignore_eos=True)
+    prompt = prompt_of(5, 17)
+    alone = make_engine(num_blocks=8, max_num_seqs=1)
+    alone.add_request("me", prompt, mine)
+    want = run_all(alone)["me"].token_ids
+    batched = make_engine(num_blocks=24, max_num_seqs=4, max_num_batched_tokens=16,
+                          cache_fill=None, seed=99)
+    batched.add_request("other0", prompt_of(6, 30), SamplingParams(temperature=1.0,
+                                                                   max_tokens=10))
+    batched.step()
+    batched.add_request("me", prompt, mine)
+    batched.add_request("other1", prompt_of(7, 4), SamplingParams(temperature=1.5, seed=1,
+                                                                  max_tokens=10))
+    got = run_all(batched)["me"].token_ids
+    assert got == want
+    greedy = make_engine(num_blocks=8, max_num_seqs=1)
+    greedy.add_request("g", prompt, GREEDY)
+    assert run_all(greedy)["g"].token_ids[:10] != want  # really sampled
+
+
+def test_abort_mid_prefill_and_mid_decode(make_engine: Callable[..., Engine],
+                                          hf_greedy: Callable[..., list[int]]) -> None:
+    engine = make_engine(num_blocks=12, max_num_seqs=4, max_num_batched_tokens=16,
+                         cache_fill=None)
+    engine.add_request("pre", prompt_of(10, 60), GREEDY)
+    engine.add_request("keep", prompt_of(11, 6), GREEDY)
+    engine.step()
+    req = engine.scheduler.requests["pre"]
+    assert 0 < req.num_computed_tokens < 60 and engine.blocks.has("pre")
+    assert engine.abort_request("pre") == ["pre"]
+    assert not engine.blocks.has("pre") and not engine.states.has("pre")
+    engine.check_invariants()
+    engine.add_request("dec", prompt_of(12, 4), GREEDY)
+    outs = engine.step()
+    assert [(o.request_id, o.finish_reason) for o in outs if o.finished] == [("pre", "abort")]
+    engine.step()
+    assert engine.scheduler.requests["dec"].num_output_tokens > 0
+    owned = engine.blocks.num_owned
+    engine.abort_request("dec")
+    assert engine.blocks.num_owned < owned and not engine.states.has("dec")
+    engine.check_invariants()
+    final = run_all(engine)
+    assert final["dec"].finish_reason == "abort"
+    assert list(final["keep"].token_ids) == hf_greedy(prompt_of(11, 6), 12)
+    assert engine.abort_request("nope") == []
+
+
+def test_bad_requests_are_rejected_and_others_carry_on(
+        make_engine: Callable[..., Engine], hf_greedy: Callable[..., list[int]]) -> None:
+    engine = make_engine(block_size=16, num_blocks=4, max_num_seqs=2)
+    engine.add_request("ok", prompt_of(20, 9), GREEDY)
+    engine.step()
+    for rid, prompt, match in [("e1", [], "empty"), ("e2", [1, -3], "ints"),
+                               ("e3", [1, 258], "ints"), ("e4", [1.5, 2], "ints"),
+                               ("e5", "text", "tokenizer"), ("ok", [1], "in use")]:
+        with pytest.raises(InvalidRequest, match=match):
+            engine.add_request(rid, prompt, GREEDY)
+    with pytest.raises(CapacityError, match="no room"):
+        engine.add_request("long", [1] * 64, GREEDY)  # the whole pool is 4 x 16 tokens
+    with pytest.raises(ContractViolation, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    assert set(engine.scheduler.requests) == {"ok"}
+    final = run_all(engine)
+    assert list(final["ok"].token_ids) == hf_greedy(prompt_of(20, 9), 12)
+
+
+def test_failing_request_finishes_with_error_others_unaffected(
+        tiny_dir: object, hf_greedy: Callable[..., list[int]]) -> None:
+    model = load(tiny_dir)  # a private copy: one token's embedding becomes NaN
+    poison = 200
+    model.model.embed_tokens.weight[poison] = float("nan")
+    engine = Engine(model, EngineConfig(block_size=16, num_blocks=6, max_num_seqs=3,
+                                        max_num_batched_tokens=32))
+    good = [prompt_of(30, 12), prompt_of(31, 25)]
+    good = [[t if t != poison else 1 for t in p] for p in good]
+    engine.add_request("g0", good[0], GREEDY)
+    engine.add_request("bad", [5, poison, 7, 9], GREEDY)
+    engine.add_request("g1", good[1], GREEDY)
+    final = run_all(engine)
+    assert final["bad"].finish_reason == "error" and "non-finite" in (final["bad"].error or "")
+    for i in (0, 1):
+        assert list(final[f"g{i}"].token_ids) == hf_greedy(good[i], 12)
+    # the NaN-filled pages and slot are reused by later requests without any effect
+    engine.add_request("g2", good[1], GREEDY)
+    assert list(run_all(engine)["g2"].token_ids) == hf_greedy(good[1], 12)
+
+
+def test_stop_tokens_max_tokens_and_logprobs(make_engine: Callable[..., Engine],
+                                             hf_model: torch.nn.Module,
+                                             hf_greedy: Callable[..., list[int]]) -> None:
+    prompt = prompt_of(40, 11)
+    want = hf_greedy(prompt, 12)
+    stop = want[4]
+    first = want.index(stop)
+    engine = make_engine(num_blocks=16, max_num_seqs=4)
+    engine.add_request("stop", prompt, SamplingParams(temperature=0.0, max_tokens=12,
+                                                      stop_token_ids=(stop,)))
+    engine.add_request("len", prompt, SamplingParams(temperature=0.0, max_tokens=3,
+                                                     ignore_eos=True))
+    engine.add_request("lp", prompt, SamplingParams(temperature=0.0, max_tokens=6,
+                                                    ignore_eos=True, logprobs=3))
+    final = run_all(engine)
+    assert final["stop"].finish_reason == "stop"
+    assert list(final["stop"].token_ids) == want[: first + 1]
+    assert final["len"].finish_reason == "length" and list(final["len"].token_ids) == want[:3]
+    # logprobs: the top-3 of HF's own distribution at each generated position
+    ids = torch.tensor([prompt + want[:6]])
+    with torch.no_grad():
+        ref = hf_model(ids).logits[0, len(prompt) - 1: len(prompt) + 5].log_softmax(-1)
+    lps = final["lp"].logprobs
+    assert lps is not None and len(lps) == 6
+    for j, entry in enumerate(lps):
+        top = ref[j].topk(3)
+        assert list(entry)[:3] == top.indices.tolist()
+        for tok, v in zip(top.indices.tolist(), top.values.tolist(), strict=True):
+            assert entry[tok].logprob == pytest.approx(v, abs=1e-4)
+        assert want[j] in entry and entry[want[j]].rank == 1
+
+
+def test_streaming_and_llm_generate(tiny_dir: object, hf_greedy: Callable[..., list[int]],
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    llm = LLM(str(tiny_dir), num_blocks=16, max_num_seqs=4, max_num_batched_tokens=32)
+    prompts = [prompt_of(50, 7), prompt_of(51, 30), prompt_of(52, 2)]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (4, 9, 6)]
+    got: dict[str, list[int]] = {}
+    finished = set()
+    for out in llm.stream(prompts, params):
+        assert out.request_id not in finished
+        got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        assert list(out.token_ids) == got[out.request_id]  # deltas add up to the total
+        if out.finished:
+            finished.add(out.request_id)
+    assert len(finished) == 3
+    for rid, toks in got.items():
+        i = int(rid.split("-")[1])
+        assert toks == hf_greedy(prompts[i], params[i].max_tokens)
+    results = llm.generate(prompts, params)
+    assert [list(r.token_ids) for r in results] == [hf_greedy(p, q.max_tokens)
+                                                    for p, q in zip(prompts, params,
+                                                                    strict=True)]
+    err = capsys.readouterr().err
+    assert "prompt" in err and "generated" in err and "tok/s" in err
+    t = llm.last_throughput
+    assert t is not None and t.generated_tokens == 19 and t.prompt_tokens == 39
+    with pytest.raises(InvalidRequest):
+        llm.generate([prompts[0], []], GREEDY)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_engine_config_sizing(tiny_model: object) -> None:
+    with pytest.raises(ContractViolation, match="exclusive"):
+        EngineConfig(num_blocks=4, cache_memory_bytes=1 << 20)
+    with pytest.raises(ContractViolation, match="block_size"):
+        Engine(tiny_model, EngineConfig(block_size=24, num_blocks=4))  # type: ignore[arg-type]
+    e = Engine(tiny_model, EngineConfig(block_size=32, cache_memory_bytes=1 << 20,  # type: ignore[arg-type]
+                                        num_state_slots=3))
+    assert e.cache.num_slots == 3 and e.cache.block_size == 32
+    assert e.blocks.capacity == e.cache.num_pages > 0
+    with pytest.raises(CapacityError, match="cache memory"):
+        Engine(tiny_model, EngineConfig(cache_memory_bytes=1000))  # type: ignore[arg-type]

@@ -1,0 +1,105 @@
+"""KV page pool, state-slot pool and their atomic pairing (pure bookkeeping, no model)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedhybrid.engine.pages import BlockPool
+from pagedhybrid.engine.scheduler import HybridAllocator
+from pagedhybrid.engine.states import StatePool
+from pagedhybrid.errors import ContractViolation
+
+
+def test_block_pool_grow_and_release() -> None:
+    pool = BlockPool(num_blocks=4, block_size=16)
+    assert pool.blocks_for(0) == 0 and pool.blocks_for(1) == 1 and pool.blocks_for(17) == 2
+    assert pool.grow("a", 17)
+    assert len(pool.table("a")) == 2 and pool.num_free == 2 and pool.num_owned == 2
+    assert pool.grow("a", 32)  # still two pages
+    assert len(pool.table("a")) == 2
+    assert not pool.grow("b", 3 * 16)  # needs three, two free: nothing taken
+    assert not pool.has("b") and pool.num_free == 2
+    assert pool.grow("b", 32)
+    assert set(pool.table("a")).isdisjoint(pool.table("b"))
+    pool.check_invariants()
+    assert pool.release("a") == 2
+    assert pool.num_free == 2 and pool.table("a") == []
+    pool.check_invariants()
+    assert pool.release("a") == 0  # idempotent
+    pool.release("b")
+    assert pool.num_free == pool.capacity == 4
+    pool.check_invariants()
+
+
+@pytest.mark.parametrize("bs", [0, 8, 24, 15, 100])
+def test_block_pool_rejects_bad_block_size(bs: int) -> None:
+    with pytest.raises(ContractViolation, match="block_size"):
+        BlockPool(num_blocks=4, block_size=bs)
+
+
+def test_block_pool_accepts_powers_of_two() -> None:
+    for bs in (16, 32, 64, 256):
+        assert BlockPool(1, bs).block_size == bs
+    with pytest.raises(ContractViolation, match="num_blocks"):
+        BlockPool(0, 16)
+
+
+def test_state_pool() -> None:
+    pool = StatePool(2)
+    a = pool.acquire("a")
+    assert pool.acquire("a") == a  # same owner keeps its slot
+    b = pool.acquire("b")
+    assert {a, b} == {0, 1}
+    assert pool.acquire("c") is None
+    assert pool.num_free == 0 and pool.num_owned == 2
+    pool.check_invariants()
+    assert pool.release("a") and not pool.release("a")
+    assert pool.acquire("c") == a
+    pool.check_invariants()
+    with pytest.raises(ContractViolation, match="num_slots"):
+        StatePool(0)
+
+
+def test_admission_is_atomic() -> None:
+    blocks, states = BlockPool(2, 16), StatePool(1)
+    alloc = HybridAllocator(blocks, states)
+    assert alloc.admit("a", 16) == 0
+    # no slot left: nothing may be taken from the page pool
+    assert alloc.admit("b", 16) is None
+    assert blocks.num_free == 1 and not blocks.has("b")
+    alloc.release("a")
+    # a slot but not enough pages: no slot may be taken either
+    assert alloc.admit("c", 3 * 16) is None
+    assert states.num_free == 1 and not states.has("c")
+    assert alloc.idle
+    alloc.check_invariants()
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("abcdef"), st.integers(0, 100), st.booleans()),
+                max_size=60))
+def test_pool_invariants_under_random_operations(ops: list[tuple[str, int, bool]]) -> None:
+    blocks, states = BlockPool(7, 16), StatePool(3)
+    alloc = HybridAllocator(blocks, states)
+    for rid, n, release in ops:
+        if release:
+            alloc.release(rid)
+        elif states.has(rid):
+            before = blocks.table(rid)
+            ok = alloc.grow(rid, n)
+            after = blocks.table(rid)
+            assert after[: len(before)] == before  # tables are append-only
+            assert ok == (len(after) >= blocks.blocks_for(n))
+        else:
+            alloc.admit(rid, n)
+        alloc.check_invariants()
+        owners = blocks.owners() | states.owners()
+        assert blocks.owners() <= states.owners() or not owners
+        assert blocks.num_free + blocks.num_owned == blocks.capacity
+        assert states.num_free + states.num_owned == states.capacity
+    for rid in "abcdef":
+        alloc.release(rid)
+    assert alloc.idle
+    alloc.check_invariants()
