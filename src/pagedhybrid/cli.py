@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedhybrid.attention.cli import register_subcommands as dispatch_commands
 
     dispatch_commands(sub)
+    from pagedhybrid.kernels.webgpu.cli import register_subcommands as kernels_commands
+
+    kernels_commands(sub)
     return p
 
 
