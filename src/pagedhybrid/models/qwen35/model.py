@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from pagedhybrid.errors import ContractViolation, UnsupportedConfiguration
+from pagedhybrid.kernels.backend import OpBackend, select
 from pagedhybrid.models.qwen35.attention import FullAttention
-from pagedhybrid.models.qwen35.backend import OpBackend, reference_backend
 from pagedhybrid.models.qwen35.config import FULL_ATTENTION, Qwen35Config
 from pagedhybrid.models.qwen35.layers import MLP, OffsetRMSNorm, linear
 from pagedhybrid.models.qwen35.linear_attention import GatedDeltaNet
@@ -101,7 +101,7 @@ class Qwen35ForCausalLM(nn.Module):
     @property
     def backend(self) -> OpBackend:
         if self._backend is None:
-            self._backend = reference_backend()
+            self._backend = select()  # the fast CPU kernels
         return self._backend
 
     @backend.setter

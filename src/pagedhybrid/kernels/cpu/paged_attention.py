@@ -1,0 +1,376 @@
+"""Fast CPU ``com.microsoft.PagedAttention`` (SEPARATE K/V pages): tiled page reads + SDPA.
+
+Same contract and validation as ``pagedhybrid.ops.paged_attention`` (``validate`` gives the
+derived dims); ``compute(inputs, dims)`` is the fast path on a validated call, so a caller that
+runs many layers over the same batch metadata can validate once per step.
+
+Cache layout (the contract's): ``key_cache``/``value_cache`` ``[num_blocks, block_size,
+kv_num_heads, head_size]``; position ``p`` of sequence ``b`` is page ``block_table[b, p // bs]``,
+offset ``p % bs``.
+
+Steps:
+
+1. Split Q/K/V, q/k RMSNorm and RoPE (the reference's vectorised helpers, float32 / float64).
+2. Write this step's K/V with one ``index_copy_`` per cache into the flat ``[slots, Hkv, D]``
+   view (slots from ``validate``: ``slot_mapping`` or derived; ``-1`` skipped).
+3. Decode sequences (one new token): sorted by length and cut into tiles of (sequence group x page
+   range) of about ``TILE_BYTES`` of K+V. Each tile's pages are gathered with ``index_select``
+   (whole pages, the fast row copy) into reused scratch and transposed in cache to head-major
+   ``[Hkv, W, D]`` (no copy of the whole context is ever materialised), then attended with
+   ``_scaled_dot_product_flash_attention_for_cpu`` with GQA folded into the query axis: the
+   ``G = Hq/Hkv`` query heads of a kv head are ``G`` query rows over that kv head, so every K/V
+   row is read once for all of them and K/V are never repeated. Tiles return ``(out, lse)``
+   and are merged once per sequence group by log-sum-exp; a key mask (length, window) is built
+   only for tiles that need one.
+4. Prefill / chunked-prefill sequences (more than one new token), one at a time: the context's
+   pages are gathered once into ``[Hkv, L, D]`` (attention is compute-bound here) and attended
+   with native GQA in two SDPA calls merged by lse: the history ``[0, past)`` unmasked and the
+   step's own keys with ``is_causal`` (top-left aligned == the contract's alignment). Sliding
+   windows and ``is_causal=0`` use an explicit mask (query rows in blocks) instead.
+5. ``head_sink`` enters the merged lse as one more logit: ``out *= exp(lse - logaddexp(lse, s))``.
+
+``softcap > 0`` cannot be expressed through SDPA: those tiles use float32 matmul/tanh/softmax
+(same tiling and merging, GQA by grouping query heads per kv head, no K/V repeat). Every
+contract feature runs here; nothing is delegated to the reference.
+
+Precision: tiles run in the cache type with float32 accumulation inside SDPA (float64 for double
+caches); q is rounded to the cache type as ONNX Runtime's kernels do. float32/float64 results
+match the reference to summation order; bf16/fp16 results differ from the all-float32 reference
+by about 2 ulps of the output type (probabilities and tile partials are rounded to bf16).
+Merging, the sink and the output are float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from pagedhybrid.kernels.cpu.capability import KernelCapability
+from pagedhybrid.ops.paged_attention import PagedAttentionDims, _rms_norm, _rope, validate
+
+__all__ = ["CAPABILITY", "compute", "paged_attention"]
+
+TILE_BYTES = 1 << 20  # K+V bytes (cache type) gathered per decode tile (~L2 size)
+_SDPA = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_NEG_INF = float("-inf")
+
+CAPABILITY = KernelCapability(
+    op="com.microsoft.PagedAttention",
+    dtypes=(torch.float32, torch.bfloat16, torch.float16, torch.float64),
+    features=("decode", "prefill", "chunked_prefill", "gqa", "packed_qkv", "slot_mapping",
+              "is_causal:0/1", "local_window_size", "softcap", "head_sink", "qk_norm",
+              "do_rotary", "rotary_interleaved", "rotary_offset", "attention_metadata",
+              "zero_length_queries"),
+    delegated={},
+    paths={"decode": "tiles of (sequence group x page range), index_select into a reused "
+                     "buffer + SDPA with GQA folded into the query axis, lse merge",
+           "prefill": "per sequence: gathered context, native-GQA SDPA, history + causal "
+                      "block merged by lse (explicit mask for windows / is_causal=0)",
+           "softcap": "same tiling with a matmul/tanh/softmax tile instead of SDPA"},
+)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor | None,
+    value: torch.Tensor | None,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor | None,
+    cumulative_sequence_length: torch.Tensor,
+    past_seqlens: torch.Tensor,
+    block_table: torch.Tensor,
+    cos_cache: torch.Tensor | None = None,
+    sin_cache: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
+    head_sink: torch.Tensor | None = None,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    attention_metadata: torch.Tensor | None = None,
+    *,
+    num_heads: int,
+    kv_num_heads: int,
+    scale: float = 0.0,
+    softcap: float = 0.0,
+    local_window_size: int = -1,
+    is_causal: int = 1,
+    do_rotary: int = 0,
+    rotary_interleaved: int = 0,
+    rotary_offset: int = 0,
+    qk_norm_epsilon: float = 1e-6,
+    kv_cache_layout: str = "SEPARATE",
+    k_quant_type: str = "NONE",
+    v_quant_type: str = "NONE",
+    k_cache_dtype: str = "",
+    v_cache_dtype: str = "",
+    v_head_size: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fast PagedAttention; returns ``(output, key_cache, value_cache)`` (caches in place)."""
+    inputs = [query, key, value, key_cache, value_cache, cumulative_sequence_length,
+              past_seqlens, block_table, cos_cache, sin_cache, slot_mapping, head_sink,
+              q_norm_weight, k_norm_weight, k_scale, v_scale, attention_metadata]
+    attrs = dict(num_heads=num_heads, kv_num_heads=kv_num_heads, scale=scale, softcap=softcap,
+                 local_window_size=local_window_size, is_causal=is_causal, do_rotary=do_rotary,
+                 rotary_interleaved=rotary_interleaved, rotary_offset=rotary_offset,
+                 qk_norm_epsilon=qk_norm_epsilon, kv_cache_layout=kv_cache_layout,
+                 k_quant_type=k_quant_type, v_quant_type=v_quant_type,
+                 k_cache_dtype=k_cache_dtype, v_cache_dtype=v_cache_dtype,
+                 v_head_size=v_head_size)
+    return compute(inputs, validate(inputs, attrs))
+
+
+def compute(inputs: Sequence[torch.Tensor | None], dims: PagedAttentionDims
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fast path on already-validated inputs (``dims = validate(inputs, attrs)``)."""
+    (query, key, value, key_cache, value_cache, _cu, _past, block_table, cos, sin, _slots,
+     head_sink, q_norm, k_norm, _ks, _vs, _meta) = inputs
+    assert query is not None and key_cache is not None and value_cache is not None
+    a = dims.attrs
+    n, hq, hkv, d = dims.num_tokens, dims.num_heads, dims.kv_num_heads, dims.head_size
+    cdt = torch.float64 if dims.dtype == torch.float64 else torch.float32
+    if n == 0:
+        return query.new_zeros((0, hq * d)), key_cache, value_cache
+
+    # 1. split, q/k norm, RoPE at absolute positions
+    if dims.packed_qkv:
+        q_flat, k_flat, v_flat = query.split([hq * d, hkv * d, hkv * d], dim=1)
+    else:
+        assert key is not None and value is not None
+        q_flat, k_flat, v_flat = query, key, value
+    q = q_flat.to(cdt).reshape(n, hq, d)  # [N, Hq, D]
+    k = k_flat.to(cdt).reshape(n, hkv, d)  # [N, Hkv, D]
+    v = v_flat.reshape(n, hkv, d)  # [N, Hkv, D] (only written to the cache)
+    if q_norm is not None:
+        assert k_norm is not None
+        q = _rms_norm(q, q_norm.to(cdt), a["qk_norm_epsilon"])
+        k = _rms_norm(k, k_norm.to(cdt), a["qk_norm_epsilon"])
+    q_lens = torch.tensor(dims.q_lens, dtype=torch.long)  # [B]
+    past = torch.tensor(dims.past_lens, dtype=torch.long)  # [B]
+    tok_seq = torch.repeat_interleave(torch.arange(dims.batch), q_lens)  # [N]
+    starts = torch.tensor(dims.cu_seqlens[:-1], dtype=torch.long)  # [B]
+    positions = past[tok_seq] + torch.arange(n) - starts[tok_seq]  # [N] absolute positions
+    if a["do_rotary"]:
+        assert cos is not None and sin is not None
+        args = (cos.to(cdt), sin.to(cdt), positions, a["rotary_offset"], dims.rotary_dim,
+                bool(a["rotary_interleaved"]))
+        q, k = _rope(q, *args), _rope(k, *args)
+
+    # 2. write this step's K/V (cache element type) in one scatter per cache
+    slots = torch.tensor(dims.write_slots, dtype=torch.long)  # [N]
+    keep = slots >= 0
+    if bool(keep.any()):
+        idx = slots[keep]
+        kflat = key_cache.view(-1, hkv, d)  # [P*bs, Hkv, D]
+        vflat = value_cache.view(-1, hkv, d)
+        kflat.index_copy_(0, idx, k[keep].to(key_cache.dtype))
+        vflat.index_copy_(0, idx, v[keep].to(value_cache.dtype))
+
+    # 3./4. attention
+    out = torch.empty(n, hq, d, dtype=cdt)  # [N, Hq, D]
+    lse = torch.empty(n, hq, dtype=cdt)  # [N, Hq]
+    table = block_table.to(torch.long)  # [B, M]
+    ctx = _Ctx(key_cache, value_cache, table, dims, cdt)
+    decode = [b for b in range(dims.batch) if dims.q_lens[b] == 1]
+    if decode:
+        _decode(ctx, q, decode, out, lse)
+    for b in range(dims.batch):
+        if dims.q_lens[b] > 1:
+            _prefill(ctx, q, b, out, lse)
+
+    # 5. head sink: one more logit in the denominator
+    if head_sink is not None:
+        sink = head_sink.to(cdt)[None, :]  # [1, Hq]
+        out *= torch.exp(lse - torch.logaddexp(lse, sink))[..., None]
+    return out.reshape(n, hq * d).to(query.dtype), key_cache, value_cache
+
+
+class _Ctx:
+    """Per-call constants shared by the tile functions."""
+
+    def __init__(self, key_cache: torch.Tensor, value_cache: torch.Tensor, table: torch.Tensor,
+                 dims: PagedAttentionDims, cdt: torch.dtype) -> None:
+        self.table, self.dims, self.cdt = table, dims, cdt
+        self.adt = key_cache.dtype  # attention tiles run in the cache type (fp32 accumulation)
+        a = dims.attrs
+        self.scale, self.softcap = dims.scale, float(a["softcap"])
+        self.window, self.causal = int(a["local_window_size"]), bool(a["is_causal"])
+        self.bs, self.hkv, self.d = dims.block_size, dims.kv_num_heads, dims.head_size
+        self.group = dims.num_heads // dims.kv_num_heads
+        self.kc, self.vc = key_cache, value_cache
+
+    def gather(self, pages: torch.Tensor, buf: tuple[torch.Tensor, ...] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pages ``[P']`` -> K, V ``[Hkv, P', bs, D]`` contiguous (head-major).
+
+        ``index_select`` along the page axis (contiguous pages, the fast copy), then one
+        transposing copy of the (cache-resident) tile; ``buf`` = (raw K, raw V, K, V) scratch.
+        """
+        if buf is None:
+            return (self.kc.index_select(0, pages).permute(2, 0, 1, 3).contiguous(),
+                    self.vc.index_select(0, pages).permute(2, 0, 1, 3).contiguous())
+        rk = torch.index_select(self.kc, 0, pages, out=buf[0])  # [P', bs, Hkv, D]
+        rv = torch.index_select(self.vc, 0, pages, out=buf[1])
+        return buf[2].copy_(rk.permute(2, 0, 1, 3)), buf[3].copy_(rv.permute(2, 0, 1, 3))
+
+
+# -- decode --------------------------------------------------------------------------------------
+def _decode(ctx: _Ctx, q: torch.Tensor, seqs: list[int], out: torch.Tensor,
+            lse: torch.Tensor) -> None:
+    """All single-token sequences: (sequence group x page range) tiles merged by lse."""
+    dims, bs, hkv, d, g = ctx.dims, ctx.bs, ctx.hkv, ctx.d, ctx.group
+    order = sorted(seqs, key=lambda b: -dims.total_lens[b])
+    tile_tokens = max(bs, TILE_BYTES // (2 * hkv * d * ctx.adt.itemsize))
+    i = 0
+    while i < len(order):
+        longest = dims.total_lens[order[i]]
+        pages_longest = -(-longest // bs)
+        n_seq = max(1, min(len(order) - i, tile_tokens // (pages_longest * bs)))
+        grp = order[i: i + n_seq]
+        i += n_seq
+        w_pages = max(1, min(pages_longest, tile_tokens // (n_seq * bs)))
+        rows = torch.tensor([dims.cu_seqlens[b] for b in grp])  # [n] token rows
+        tot_list = [dims.total_lens[b] for b in grp]
+        totals = torch.tensor(tot_list)  # [n]
+        shortest = min(tot_list)
+        qg = q[rows].reshape(n_seq, hkv, g, d).to(ctx.adt)  # [n, Hkv, G, D]: GQA as queries
+        pages_all = ctx.table[grp][:, :pages_longest].clamp(min=0)  # [n, pages]; -1 -> page 0
+        raw, head = (n_seq * w_pages, bs, hkv, d), (hkv, n_seq * w_pages, bs, d)
+        buf = [torch.empty(s, dtype=ctx.adt) for s in (raw, raw, head, head)]
+        outs, lses = [], []
+        for p0 in range(0, pages_longest, w_pages):
+            p1 = min(pages_longest, p0 + w_pages)
+            wp, m = p1 - p0, n_seq * (p1 - p0)
+            mask = any_key = None
+            if shortest < p1 * bs or (ctx.window > 0 and p0 * bs < longest - 1 - ctx.window):
+                kpos = p0 * bs + torch.arange(wp * bs)  # [W] key positions of the tile
+                visible = kpos[None, :] < totals[:, None]  # [n, W]
+                if ctx.window > 0:
+                    visible &= kpos[None, :] >= (totals - 1 - ctx.window)[:, None]
+                any_key = visible.any(dim=1)  # [n]
+                if not bool(any_key.any()):
+                    continue
+                mask = visible[:, None, None, :]  # [n, 1, 1, W]
+            pages = pages_all[:, p0:p1].flatten()  # [n*wp]
+            kt, vt = ctx.gather(pages, (buf[0][:m], buf[1][:m], buf[2][:, :m], buf[3][:, :m]))
+            kt = kt.view(hkv, n_seq, wp * bs, d).transpose(0, 1)  # [n, Hkv, W, D] view
+            vt = vt.view(hkv, n_seq, wp * bs, d).transpose(0, 1)
+            o_t, l_t = _tile(ctx, qg, kt, vt, mask)  # [n, Hkv, G, D], [n, Hkv, G]
+            if any_key is not None:
+                l_t = l_t.masked_fill(~any_key[:, None, None], _NEG_INF)
+            outs.append(o_t)
+            lses.append(l_t)
+        o_g, l_g = _merge_all(outs, lses, ctx.cdt)
+        out[rows] = o_g.reshape(n_seq, hkv * g, d)
+        lse[rows] = l_g.reshape(n_seq, hkv * g)
+
+
+def _merge_all(outs: list[torch.Tensor], lses: list[torch.Tensor], cdt: torch.dtype
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge tile partials ``[..., D]`` / ``[...]`` by log-sum-exp in one pass."""
+    if len(outs) == 1:
+        return outs[0].to(cdt), lses[0]
+    ls = torch.stack(lses)  # [T, ...]
+    tot = torch.logsumexp(ls, dim=0)  # [...]; -inf where no tile saw a key
+    w = torch.exp(ls - tot.masked_fill(torch.isinf(tot), 0.0))  # [T, ...]
+    o = (torch.stack(outs).to(cdt) * w[..., None]).sum(0)  # [..., D]
+    return o, tot
+
+
+# -- prefill -------------------------------------------------------------------------------------
+def _prefill(ctx: _Ctx, q: torch.Tensor, b: int, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """One sequence with more than one new token: its whole context, native GQA."""
+    dims, bs = ctx.dims, ctx.bs
+    q_len, past, start = dims.q_lens[b], dims.past_lens[b], dims.cu_seqlens[b]
+    total = past + q_len
+    n_pages = -(-total // bs)
+    kc, vc = ctx.gather(ctx.table[b, :n_pages])  # [Hkv, n_pages, bs, D]
+    hkv, d = ctx.hkv, ctx.d
+    kc = kc.view(1, hkv, n_pages * bs, d)[:, :, :total]  # [1, Hkv, L, D]
+    vc = vc.view(1, hkv, n_pages * bs, d)[:, :, :total]
+    qb = q[start: start + q_len].transpose(0, 1)[None].to(ctx.adt)  # [1, Hq, Q, D]
+    qpos = past + torch.arange(q_len)  # [Q]
+    kpos = torch.arange(total)  # [L]
+    if ctx.window > 0 or not ctx.causal or ctx.softcap > 0:
+        visible = kpos[None, :] <= qpos[:, None] if ctx.causal else \
+            torch.ones(q_len, total, dtype=torch.bool)
+        if ctx.window > 0:
+            visible &= kpos[None, :] >= (qpos - ctx.window)[:, None]
+        o_b, l_b = _tile_rows(ctx, qb, kc, vc, visible)
+    else:  # causal without window: unmasked history + causal block, merged by lse
+        o_b, l_b = _tile(ctx, qb, kc[:, :, past:], vc[:, :, past:], None, causal=True)
+        if past > 0:
+            o_h, l_h = _tile(ctx, qb, kc[:, :, :past], vc[:, :, :past], None)
+            o_b, l_b = _merge(o_h.to(ctx.cdt), l_h, o_b.to(ctx.cdt), l_b)
+    out[start: start + q_len] = o_b[0].transpose(0, 1).to(ctx.cdt)  # [Q, Hq, D]
+    lse[start: start + q_len] = l_b[0].transpose(0, 1)
+
+
+def _tile_rows(ctx: _Ctx, qb: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+               visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked attention for query rows (blocks of rows, so the mask/logits stay small)."""
+    q_len = qb.shape[2]
+    rows = max(1, (1 << 22) // max(1, kc.shape[2] * qb.shape[1]))
+    outs, lses = [], []
+    for r0 in range(0, q_len, rows):
+        vis = visible[r0: r0 + rows]  # [r, L]
+        o_r, l_r = _tile(ctx, qb[:, :, r0: r0 + rows], kc, vc, vis[None, None])
+        l_r = l_r.masked_fill(~vis.any(dim=1)[None, None], _NEG_INF)
+        outs.append(o_r)
+        lses.append(l_r)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+
+
+# -- tiles ---------------------------------------------------------------------------------------
+def _tile(ctx: _Ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+          visible: torch.Tensor | None, causal: bool = False
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q ``[n, Hq', Q, D]`` over k/v ``[n, Hkv, L, D]`` -> (out, lse ``[n,Hq',Q]``).
+
+    ``visible`` (bool, broadcastable to ``[n, Hq', Q, L]``) or ``causal`` (top-left) mask keys;
+    rows with no visible key come back with garbage and must be masked by the caller.
+    """
+    if ctx.softcap > 0:
+        return _tile_softcap(ctx, q, k, v, visible, causal)
+    mask = None
+    if visible is not None:
+        mask = torch.zeros(visible.shape, dtype=q.dtype).masked_fill_(~visible, _NEG_INF)
+    o, lse = _SDPA(q, k, v, 0.0, causal, attn_mask=mask, scale=ctx.scale)
+    return o, lse.to(ctx.cdt)
+
+
+def _tile_softcap(ctx: _Ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  visible: torch.Tensor | None, causal: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Matmul tile with ``softcap * tanh(logit / softcap)``; GQA by grouping query heads."""
+    q, k, v = q.to(ctx.cdt), k.to(ctx.cdt), v.to(ctx.cdt)  # softcap tiles: float32 logits
+    n, hq, q_len, d = q.shape
+    hkv, total = k.shape[1], k.shape[2]
+    g = hq // hkv
+    qg = q.reshape(n, hkv, g * q_len, d)  # [n, Hkv, G*Q, D] (query head h -> kv head h // G)
+    logits = (qg @ k.transpose(-1, -2)) * ctx.scale  # [n, Hkv, G*Q, L]
+    logits = (ctx.softcap * torch.tanh(logits / ctx.softcap)).view(n, hkv, g, q_len, total)
+    if causal:
+        visible = torch.ones(q_len, total, dtype=torch.bool).tril()  # [Q, L]
+    if visible is not None:  # broadcastable to [n, 1, Q, L] -> [n, 1, 1, Q, L]
+        vis = visible.unsqueeze(-3) if visible.dim() >= 3 else visible
+        logits = logits.masked_fill(~vis, _NEG_INF)
+    lse = torch.logsumexp(logits, dim=-1)  # [n, Hkv, G, Q]
+    probs = torch.exp(logits - lse.masked_fill(torch.isinf(lse), 0.0)[..., None])
+    o = probs.view(n, hkv, g * q_len, total) @ v  # [n, Hkv, G*Q, D]
+    return o.view(n, hq, q_len, d), lse.reshape(n, hq, q_len)
+
+
+def _merge(o1: torch.Tensor | None, l1: torch.Tensor | None, o2: torch.Tensor,
+           l2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine two partial softmaxes by their log-sum-exp (``-inf`` = no keys)."""
+    if o1 is None or l1 is None:
+        return o2, l2
+    m = torch.maximum(l1, l2)  # [...]
+    m0 = m.masked_fill(torch.isinf(m), 0.0)
+    w1, w2 = torch.exp(l1 - m0), torch.exp(l2 - m0)  # [...]
+    tot = w1 + w2
+    o = (o1 * w1[..., None] + o2 * w2[..., None]) / tot.clamp(min=torch.finfo(tot.dtype).tiny)[
+        ..., None]
+    return o, m0 + torch.log(tot)

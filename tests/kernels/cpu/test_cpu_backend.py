@@ -1,0 +1,103 @@
+"""Backend selection, declared capabilities, and the fast kernels inside the packed model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pagedhybrid.errors import UnsupportedConfiguration
+from pagedhybrid.kernels import cpu
+from pagedhybrid.models.qwen35 import PackedBatch, PagedHybridCache, Qwen35Config, build
+from pagedhybrid.models.qwen35.backend import OpBackend
+from pagedhybrid.ops import gated_delta_net as gdn_ref
+from pagedhybrid.ops import paged_attention as pa_ref
+from pagedhybrid.ops import varlen_causal_conv as conv_ref
+
+
+def test_select_returns_op_backends() -> None:
+    fast = cpu.select("cpu")
+    assert isinstance(fast, OpBackend) and fast.name == "cpu"
+    assert (fast.paged_attention, fast.varlen_causal_conv, fast.gated_delta_net) == (
+        cpu.paged_attention, cpu.varlen_causal_conv, cpu.gated_delta_net)
+    assert cpu.select() == fast and cpu.DEFAULT_BACKEND == "cpu"
+    ref = cpu.select("reference")
+    assert ref.name == "reference" and ref.gated_delta_net is gdn_ref.gated_delta_net
+    with pytest.raises(UnsupportedConfiguration, match="cpu, reference"):
+        cpu.select("cuda")
+
+
+def test_capabilities_cover_every_op_and_delegate_nothing_silently() -> None:
+    assert set(cpu.CAPABILITIES) == {"com.microsoft.PagedAttention",
+                                     "com.microsoft.VarlenCausalConvWithState",
+                                     "com.microsoft.GatedDeltaNet"}
+    for cap in cpu.CAPABILITIES.values():
+        json.dumps(cap.describe())
+        assert cap.delegated == {}  # every contract feature runs on the fast path
+        assert torch.float32 in cap.dtypes and torch.bfloat16 in cap.dtypes
+    pa = cpu.CAPABILITIES["com.microsoft.PagedAttention"]
+    assert pa.supports("softcap") and pa.supports("head_sink") and pa.supports("do_rotary")
+    assert not pa.supports("quantized_cache")
+
+
+def test_signatures_equal_the_references() -> None:
+    import inspect
+
+    for fast, ref in ((cpu.paged_attention, pa_ref.paged_attention),
+                      (cpu.varlen_causal_conv, conv_ref.varlen_causal_conv),
+                      (cpu.gated_delta_net, gdn_ref.gated_delta_net)):
+        assert inspect.signature(fast) == inspect.signature(ref), fast.__name__
+
+
+TINY = {
+    "model_type": "qwen3_5_text", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 96,
+    "num_hidden_layers": 4, "full_attention_interval": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 32, "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 8,
+    "linear_conv_kernel_dim": 4, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+    "max_position_embeddings": 512,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                        "partial_rotary_factor": 0.5, "mrope_section": [4, 2, 2],
+                        "mrope_interleaved": True},
+}
+
+
+def test_packed_model_steps_equal_with_fast_and_reference_backends() -> None:
+    # model-level tolerance 1e-4: per-op differences (~1e-7) compound through the layers
+    config = Qwen35Config.from_dict(TINY)
+    model = build(config, torch.float32, "cpu")
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _, p in sorted(model.named_parameters()):
+            p.copy_(torch.randn(p.shape, generator=gen) * (0.5 if p.dim() == 1 else
+                                                           p.shape[-1] ** -0.5))
+    model.eval()
+    bs = 16
+    pages = [[3, 0, 5, 7, 9], [1, 2], [4, 6, 8]]
+    slots = [2, 0, 1]
+    steps = [  # (new tokens per sequence, past lengths): prefill, mixed, decode
+        ([list(range(1, 71)), [5, 6, 7], [9]], [0, 0, 0]),
+        ([[11], [12, 13, 14, 15], list(range(20, 40))], [70, 3, 1]),
+        ([[17], [18], [19]], [71, 7, 21]),
+    ]
+    caches = {name: PagedHybridCache.allocate(config, num_pages=10, block_size=bs, num_slots=3,
+                                              fill=None, generator=torch.Generator()
+                                              .manual_seed(1))
+              for name in ("reference", "cpu")}
+    for toks, past in steps:
+        batch = PackedBatch.from_sequences(toks, past, pages, slots)
+        logits = {}
+        for name, cache in caches.items():
+            model.backend = cpu.select(name)
+            logits[name] = model.forward_packed(batch, cache)
+        torch.testing.assert_close(logits["cpu"], logits["reference"], rtol=1e-4, atol=1e-4)
+    ref_c, fast_c = caches["reference"], caches["cpu"]
+    for i in config.full_attention_layers:
+        torch.testing.assert_close(fast_c.key_cache[i], ref_c.key_cache[i], rtol=1e-4,
+                                   atol=1e-4)
+    for i in config.linear_attention_layers:
+        torch.testing.assert_close(fast_c.recurrent_state[i], ref_c.recurrent_state[i],
+                                   rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(fast_c.conv_state[i], ref_c.conv_state[i], rtol=1e-4,
+                                   atol=1e-4)
