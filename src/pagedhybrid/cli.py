@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedhybrid.kernels.webgpu.cli import register_subcommands as kernels_commands
 
     kernels_commands(sub)
+    from pagedhybrid.export.cli import register_subcommands as export_commands
+
+    export_commands(sub)
     return p
 
 

@@ -1,0 +1,114 @@
+"""``pagedhybrid export`` and ``pagedhybrid verify`` (argparse), wired by ``pagedhybrid.cli``.
+
+``pagedhybrid export MODEL_DIR OUT_DIR --ep cuda|webgpu --dtype fp16|bf16 [--block-size 256]
+[--num-blocks N | --gpu-utilization F] [--max-batch-size N] [--max-scheduled-tokens N]
+[--prefill-chunk-size N] [--prune-logits] [--no-weights]`` writes the package with a progress
+bar and prints the operator counts; ``pagedhybrid verify OUT_DIR`` prints the ABI report and
+exits non-zero on any mismatch.
+Unsupported configurations exit with status 2 and the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from pagedhybrid.errors import PagedHybridError, UnsupportedConfiguration
+from pagedhybrid.export.options import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH_SIZE, ExportOptions
+
+
+def register_subcommands(subparsers: Any) -> None:
+    e = subparsers.add_parser(
+        "export", help="export the packed paged hybrid ONNX graph for ONNX Runtime GenAI")
+    e.add_argument("model_dir", help="HF Qwen3.5 checkpoint folder (config.json + safetensors)")
+    e.add_argument("out_dir", help="package folder to write")
+    e.add_argument("--ep", required=True, help="execution provider: cuda | webgpu")
+    e.add_argument("--dtype", default="fp16", help="activation dtype: fp16 | bf16")
+    e.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
+                   help="tokens per KV page (power of two >= 16)")
+    budget = e.add_mutually_exclusive_group()
+    budget.add_argument("--num-blocks", type=int, help="KV pages the Engine allocates")
+    budget.add_argument("--gpu-utilization", type=float,
+                        help="fraction of free device memory for pages (CUDA only)")
+    e.add_argument("--max-batch-size", type=int, default=DEFAULT_MAX_BATCH_SIZE)
+    e.add_argument("--max-scheduled-tokens", type=int)
+    e.add_argument("--prefill-chunk-size", type=int,
+                   help="most prompt tokens of one request per step (genai search.chunk_size)")
+    e.add_argument("--prune-logits", action="store_true",
+                   help="emit logits only for each sequence's last token [B, vocab]")
+    e.add_argument("--no-weights", action="store_true",
+                   help="structure only: weights declared as external data, not written")
+    e.set_defaults(func=run_export)
+    v = subparsers.add_parser("verify", help="check an exported package against its ABI")
+    v.add_argument("out_dir")
+    v.add_argument("--quiet", action="store_true", help="print failures and the summary only")
+    v.set_defaults(func=run_verify)
+
+
+def options_from_args(args: argparse.Namespace) -> ExportOptions:
+    return ExportOptions(
+        ep=args.ep, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
+        gpu_utilization=args.gpu_utilization, max_batch_size=args.max_batch_size,
+        max_scheduled_tokens=args.max_scheduled_tokens,
+        prefill_chunk_size=args.prefill_chunk_size, prune_logits=args.prune_logits,
+        weights=not args.no_weights)
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from pagedhybrid.export.package import export_package
+
+    console = Console(stderr=True)
+    try:
+        options = options_from_args(args)
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                      console=console, transient=True) as bar:
+            tasks: dict[str, Any] = {}
+
+            def progress(stage: str, done: int, total: int) -> None:
+                if stage not in tasks:
+                    label = "building graph (layers)" if stage == "graph" else "writing weights"
+                    tasks[stage] = bar.add_task(label, total=total)
+                bar.update(tasks[stage], completed=done, total=total)
+
+            result = export_package(args.model_dir, args.out_dir, options, progress)
+    except UnsupportedConfiguration as exc:
+        console.print(f"[red]unsupported configuration:[/red] {exc.reason}")
+        return 2
+    except PagedHybridError as exc:
+        console.print(f"[red]export failed:[/red] {exc}")
+        return 1
+    counts = ", ".join(f"{k} x{v}" for k, v in sorted(result.op_counts.items())
+                       if k in ("PagedAttention", "GatedDeltaNet", "VarlenCausalConvWithState"))
+    print(f"exported {result.out_dir} in {result.seconds:.1f} s: {', '.join(result.files)}")
+    print(f"operators: {counts}")
+    return 0
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    from pagedhybrid.export.verify import verify_package
+
+    report = verify_package(args.out_dir)
+    if args.quiet:
+        for f in report.failures:
+            print(f"FAIL {f.check}: {f.detail}")
+        print(f"{len(report.findings) - len(report.failures)} checks passed, "
+              f"{len(report.failures)} failed")
+    else:
+        print(report.format())
+    return 0 if report.ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Stand-alone entry (``python -m pagedhybrid.export.cli``) until the lead wires it."""
+    parser = argparse.ArgumentParser(prog="pagedhybrid")
+    register_subcommands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""``genai_config.json`` for the packed paged hybrid graph, as onnxruntime-genai 0.18.0 reads it.
+
+Layout (format A of ``reference/qwen35-model.md`` §6, the one 0.18.0's own builder writes):
+
+* ``model.decoder.inputs`` / ``outputs`` map the packed inputs by identity and the per-layer state
+  templates: ``past_key_names = past_key_values.%d.key`` (value alike), ``past_conv_names =
+  past_key_values.%d.conv_state``, ``past_recurrent_names = past_key_values.%d.recurrent_state``
+  and the ``present.%d.*`` outputs;
+* ``model.decoder.state_groups``: ``paged_kv`` (full-attention layer ids), ``fixed_conv`` and
+  ``fixed_recurrent`` (linear layer ids), from ``PackedAbi``;
+* ``model.decoder.session_options.provider_options``: ``cuda`` (``enable_cuda_graph=0``) or
+  ``webgpu`` (graph capture off, basic validation);
+* ``engine.dynamic_batching``: ``block_size``, ``max_batch_size``, ``num_blocks`` or
+  ``gpu_utilization_factor``, ``max_scheduled_tokens`` when given;
+* ``search.past_present_share_buffer = true`` (the caches are updated in place); with
+  ``prefill_chunk_size`` also ``search.chunk_size`` (the most prompt tokens of one request per
+  step).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedhybrid.export import constants as c
+from pagedhybrid.export.abi import PackedAbi
+
+PROVIDER_OPTIONS: dict[str, dict[str, str]] = {
+    "cuda": {"enable_cuda_graph": "0"},
+    "webgpu": {"enableGraphCapture": "0", "validationMode": "basic"},
+}
+
+
+def decoder_io(abi: PackedAbi) -> tuple[dict[str, str], dict[str, str]]:
+    inputs = {name: name for name in c.SHARED_INPUTS}
+    inputs |= {"past_key_names": c.PAST_KEY, "past_value_names": c.PAST_VALUE}
+    outputs = {"logits": c.LOGITS, "present_key_names": c.PRESENT_KEY,
+               "present_value_names": c.PRESENT_VALUE}
+    if abi.linear_layers:
+        inputs |= {"past_conv_names": c.PAST_CONV, "past_recurrent_names": c.PAST_RECURRENT}
+        outputs |= {"present_conv_names": c.PRESENT_CONV,
+                    "present_recurrent_names": c.PRESENT_RECURRENT}
+    return inputs, outputs
+
+
+def _token(ids: tuple[int, ...]) -> int | list[int] | None:
+    if not ids:
+        return None
+    return ids[0] if len(ids) == 1 else list(ids)
+
+
+def make_genai_config(abi: PackedAbi) -> dict[str, Any]:
+    cfg, o = abi.config, abi.options
+    inputs, outputs = decoder_io(abi)
+    eos = _token(cfg.eos_token_id)
+    pad = cfg.eos_token_id[0] if cfg.eos_token_id else 0
+    dynamic: dict[str, Any] = {"block_size": o.block_size, "max_batch_size": o.max_batch_size}
+    dynamic |= o.page_budget()
+    if o.max_scheduled_tokens is not None:
+        dynamic["max_scheduled_tokens"] = o.max_scheduled_tokens
+    model: dict[str, Any] = {
+        "bos_token_id": cfg.bos_token_id if cfg.bos_token_id is not None else pad,
+        "context_length": cfg.max_position_embeddings,
+        "decoder": {
+            "session_options": {
+                "log_id": "onnxruntime-genai",
+                "provider_options": [{o.ep: dict(PROVIDER_OPTIONS[o.ep])}],
+            },
+            "filename": c.MODEL_FILE,
+            "head_size": cfg.head_dim,
+            "hidden_size": cfg.hidden_size,
+            "inputs": inputs,
+            "outputs": outputs,
+            "num_attention_heads": cfg.num_attention_heads,
+            "num_hidden_layers": cfg.num_hidden_layers,
+            "num_key_value_heads": cfg.num_key_value_heads,
+            "state_groups": abi.state_groups(),
+        },
+        "eos_token_id": eos if eos is not None else pad,
+        "pad_token_id": pad,
+        "type": "qwen3_5_text",
+        "vocab_size": cfg.vocab_size,
+    }
+    search: dict[str, Any] = {
+        "diversity_penalty": 0.0, "do_sample": False, "early_stopping": True,
+        "length_penalty": 1.0, "max_length": cfg.max_position_embeddings, "min_length": 0,
+        "no_repeat_ngram_size": 0, "num_beams": 1, "num_return_sequences": 1,
+        "past_present_share_buffer": True, "repetition_penalty": 1.0, "temperature": 1.0,
+        "top_k": 50, "top_p": 1.0,
+    }
+    if o.prefill_chunk_size is not None:
+        search["chunk_size"] = o.prefill_chunk_size
+    return {"model": model, "search": search, "engine": {"dynamic_batching": dynamic}}

@@ -1,0 +1,110 @@
+"""The packed paged hybrid decoder graph of a Qwen3.5 model, built with ``onnx_ir``.
+
+``build_packed_model(config, options, weights)`` emits, for ``N`` packed tokens:
+
+1. ``Gather(embed_tokens, input_ids)`` -> ``h [N, hidden]``; MRoPE cos/sin from ``position_ids``
+   once (``full.rope_tables``).
+2. Per decoder layer ``i`` (pre-norm residual, the partition is ``config.layer_types``):
+   ``h = h + mixer(input_layernorm(h))``, ``h = h + mlp(post_attention_layernorm(h))`` (each
+   residual add fused into the next norm, ``SkipSimplifiedLayerNormalization``) where the
+   mixer is ``full.emit_full_attention`` (PagedAttention on the layer's page buffers) or
+   ``linear.emit_gated_delta_net`` (varlen conv + GatedDeltaNet on the per-sequence states);
+   the MLP is ``down(silu(gate(x)) · up(x))`` (gate|up as one MatMul).
+3. With ``prune_logits`` the rows ``cumulative_sequence_lengths[1:] - 1`` are gathered (as the
+   torch model does, before the row-wise final norm); final OffsetRMSNorm; ``lm_head`` (the
+   transposed embedding when tied); ``Cast`` to float ->
+   ``logits``.
+
+Inputs and outputs are exactly ``PackedAbi.inputs()`` / ``.outputs()`` in that order;
+``metadata_props`` record the ABI (block size, layer partition) and the runtime pins.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import onnx_ir as ir
+
+from pagedhybrid.export import constants as c
+from pagedhybrid.export.abi import PackedAbi
+from pagedhybrid.export.builder import GraphBuilder
+from pagedhybrid.export.full import PagedInputs, emit_full_attention, rope_tables
+from pagedhybrid.export.linear import emit_gated_delta_net
+from pagedhybrid.export.options import ExportOptions, check_export
+from pagedhybrid.export.weights import WeightSource
+from pagedhybrid.models.qwen35.config import Qwen35Config
+
+LayerCallback = Callable[[int, int], None]  # (layers done, layers total)
+
+
+def _mlp(b: GraphBuilder, i: int, x: ir.Value) -> ir.Value:
+    p, w = f"/model/layers.{i}/mlp", f"model.layers.{i}.mlp"
+    inter = b.weights.shapes[f"{w}.up_proj.weight"][0]
+    gate, up = b.fused_matmul(x, f"{w}.gate_up_proj.weight",
+                              [f"{w}.gate_proj.weight", f"{w}.up_proj.weight"], [inter, inter],
+                              f"{p}/gate_up_proj")  # [N, I] x2
+    prod = b.op1("Mul", [b.silu(gate, f"{p}/act"), up], f"{p}/Mul")  # [N, I]
+    return b.matmul(prod, f"{w}.down_proj.weight", f"{p}/down_proj/MatMul")  # [N, hidden]
+
+
+def build_packed_model(config: Qwen35Config, options: ExportOptions, weights: WeightSource,
+                       on_layer: LayerCallback | None = None) -> ir.Model:
+    check_export(config, options)
+    abi = PackedAbi(config, options)
+    b = GraphBuilder(weights, options.onnx_dtype)
+    for spec in abi.inputs():
+        b.add_input(spec)
+    inp = b.inputs
+    paged = PagedInputs(inp[c.CU_SEQLENS], inp[c.PAST_SEQLENS], inp[c.BLOCK_TABLE],
+                        inp[c.ATTENTION_METADATA])
+    embed = b.weight("model.embed_tokens.weight")  # [V, hidden]
+    h = b.op1("Gather", [embed, inp[c.INPUT_IDS]], "/model/embed_tokens/Gather")  # [N, hidden]
+    rope = rope_tables(b, config, inp[c.POSITION_IDS])
+    eps = config.rms_norm_eps
+    full = set(config.full_attention_layers)
+    n_layers = config.num_hidden_layers
+    delta: ir.Value | None = None  # the previous MLP output, not yet added to h
+    for i in range(n_layers):
+        p, w = f"/model/layers.{i}", f"model.layers.{i}"
+        if delta is None:
+            x = b.offset_rms_norm(h, f"{w}.input_layernorm.weight", eps, f"{p}/input_layernorm")
+        else:  # h += previous MLP output, fused with this layer's input norm
+            x, h = b.skip_rms_norm(h, delta, f"{w}.input_layernorm.weight", eps,
+                                   f"{p}/input_layernorm")
+        if i in full:
+            out = emit_full_attention(b, config, i, x, rope, paged, inp[c.PAST_KEY % i],
+                                      inp[c.PAST_VALUE % i])
+        else:
+            out = emit_gated_delta_net(b, config, i, x, inp[c.CU_SEQLENS], inp[c.PAST_CONV % i],
+                                       inp[c.PAST_RECURRENT % i])
+        x, h = b.skip_rms_norm(h, out, f"{w}.post_attention_layernorm.weight", eps,
+                               f"{p}/post_attention_layernorm")  # h += attention output
+        delta = _mlp(b, i, x)  # [N, hidden]
+        if on_layer is not None:
+            on_layer(i + 1, n_layers)
+    assert delta is not None
+    # The last residual add stays a plain Add so that pruning can gather rows before the norm
+    # and the pruned rows equal the unpruned ones.
+    h = b.op1("Add", [h, delta], f"/model/layers.{n_layers - 1}/residual_mlp/Add")  # [N, hidden]
+    if options.prune_logits:
+        ends = b.op1("Slice", [inp[c.CU_SEQLENS], b.const_i64([1]), b.const_i64([2**62]),
+                               b.const_i64([0])], "/model/prune/Slice")  # [B] int32
+        one = b.op1("Cast", [b.const_i64([1])], "/model/prune/One", {"to": ir.DataType.INT32})
+        rows = b.op1("Sub", [ends, one], "/model/prune/Sub")  # [B]: cu[1:] - 1
+        h = b.op1("Gather", [h, rows], "/model/prune/Gather", {"axis": 0})  # [B, hidden]
+    h = b.offset_rms_norm(h, "model.norm.weight", eps, "/model/norm")  # [rows, hidden]
+    if config.tie_word_embeddings:
+        head = b.op1("Transpose", [embed], "/lm_head/TransposeEmbedding", {"perm": [1, 0]})
+        logits = b.op1("MatMul", [h, head], "/lm_head/MatMul")  # [rows, V]
+    else:
+        logits = b.matmul(h, "lm_head.weight", "/lm_head/MatMul")  # [rows, V]
+    logits = b.op1("Cast", [logits], "/lm_head/Cast", {"to": ir.DataType.FLOAT},
+                   output=c.LOGITS)
+    outputs = [logits]
+    by_name = {v.name: v for node in b.tape.nodes for v in node.outputs}
+    for spec in abi.outputs()[1:]:
+        outputs.append(by_name[spec.name])
+    for spec, value in zip(abi.outputs(), outputs, strict=True):
+        value.type = ir.TensorType(b.value(spec).dtype)
+        value.shape = ir.Shape(list(spec.shape))
+    return b.model(outputs, abi.metadata_props())

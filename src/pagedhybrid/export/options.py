@@ -1,0 +1,128 @@
+"""Export options of the packed paged hybrid model and their typed rejections.
+
+``ExportOptions`` is what ``pagedhybrid export`` collects; ``check_export(config, options)`` raises
+``UnsupportedConfiguration`` with an actionable reason for every combination the export cannot
+serve, before any graph is built:
+
+* execution provider: ``cuda`` or ``webgpu``. ``cpu`` is refused: onnxruntime has no CPU kernel for
+  ``com.microsoft.PagedAttention`` (``--ep webgpu`` runs on a CPU-only machine through Mesa's
+  lavapipe Vulkan driver);
+* dtype: ``fp16`` or ``bf16`` (PagedAttention has no float32 type); WebGPU's PagedAttention is
+  float16 only;
+* block size: a power of two >= 16 (PagedAttention's rule); ``head_dim % 8 == 0``;
+* page budget: exactly one of ``num_blocks`` / ``gpu_utilization``; a non-CUDA runtime cannot size
+  pages from free device memory, so ``webgpu`` needs ``num_blocks``;
+* at least one full-attention layer (the Engine needs one paged_kv state group).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedhybrid.errors import UnsupportedConfiguration
+from pagedhybrid.models.qwen35.config import Qwen35Config
+
+EPS = ("cuda", "webgpu")
+DTYPES = ("fp16", "bf16")
+ONNX_DTYPE = {"fp16": "float16", "bf16": "bfloat16"}
+DEFAULT_BLOCK_SIZE = 256
+DEFAULT_MAX_BATCH_SIZE = 16
+MAX_BATCH_SIZE_LIMIT = 256
+DEFAULT_GPU_UTILIZATION = 0.6
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    """What to export. ``weights=False`` writes the graph with weights declared but absent."""
+
+    ep: str = "webgpu"
+    dtype: str = "fp16"
+    block_size: int = DEFAULT_BLOCK_SIZE
+    num_blocks: int | None = None
+    gpu_utilization: float | None = None
+    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
+    max_scheduled_tokens: int | None = None
+    prefill_chunk_size: int | None = None
+    prune_logits: bool = False
+    weights: bool = True
+
+    @property
+    def onnx_dtype(self) -> str:
+        return ONNX_DTYPE[self.dtype]
+
+    def page_budget(self) -> dict[str, int | float]:
+        """``engine.dynamic_batching`` page budget: ``num_blocks`` or the utilization factor."""
+        if self.num_blocks is not None:
+            return {"num_blocks": self.num_blocks}
+        return {"gpu_utilization_factor": self.gpu_utilization
+                if self.gpu_utilization is not None else DEFAULT_GPU_UTILIZATION}
+
+
+def check_options(options: ExportOptions) -> None:
+    """Reject option values and combinations the packed paged export cannot serve."""
+    o = options
+    if o.ep == "cpu":
+        raise UnsupportedConfiguration(
+            "--ep cpu: onnxruntime has no CPU kernel for com.microsoft.PagedAttention, so the "
+            "packed paged graph cannot run on the CPU execution provider; export with --ep webgpu "
+            "(it also runs on a CPU-only machine through Mesa lavapipe with "
+            "ORT_WEBGPU_EP_ALLOW_SOFTWARE_ADAPTER=1) or --ep cuda")
+    if o.ep not in EPS:
+        raise UnsupportedConfiguration(
+            f"--ep {o.ep!r}: the packed paged export targets {list(EPS)} (the execution providers "
+            "with a PagedAttention kernel); pick one of them")
+    if o.dtype in ("fp32", "float32", "float"):
+        raise UnsupportedConfiguration(
+            "--dtype fp32: com.microsoft.PagedAttention accepts only float16/bfloat16 "
+            "activations; export with --dtype fp16 (or bf16 on --ep cuda)")
+    if o.dtype not in DTYPES:
+        raise UnsupportedConfiguration(
+            f"--dtype {o.dtype!r}: use one of {list(DTYPES)}")
+    if o.dtype == "bf16" and o.ep == "webgpu":
+        raise UnsupportedConfiguration(
+            "--dtype bf16 with --ep webgpu: the WebGPU PagedAttention kernel is float16 only; "
+            "use --dtype fp16 on webgpu, or --ep cuda for bf16")
+    bs = o.block_size
+    if isinstance(bs, bool) or not isinstance(bs, int) or bs < 16 or bs & (bs - 1):
+        raise UnsupportedConfiguration(
+            f"--block-size {bs}: PagedAttention needs a power of two >= 16 tokens per page "
+            "(e.g. 16, 32, ..., 256)")
+    if o.num_blocks is not None and o.gpu_utilization is not None:
+        raise UnsupportedConfiguration(
+            "--num-blocks and --gpu-utilization are mutually exclusive (genai's "
+            "engine.dynamic_batching takes one page budget); pass only one")
+    if o.num_blocks is not None and (isinstance(o.num_blocks, bool) or o.num_blocks < 1):
+        raise UnsupportedConfiguration(f"--num-blocks {o.num_blocks}: must be >= 1")
+    if o.gpu_utilization is not None and not 0.0 < o.gpu_utilization <= 1.0:
+        raise UnsupportedConfiguration(
+            f"--gpu-utilization {o.gpu_utilization}: must be a fraction in (0, 1]")
+    if o.ep != "cuda" and o.num_blocks is None:
+        raise UnsupportedConfiguration(
+            f"--ep {o.ep} needs --num-blocks N: onnxruntime-genai sizes pages from free device "
+            "memory (--gpu-utilization) only on CUDA; pin the page count for other providers")
+    if not 1 <= o.max_batch_size <= MAX_BATCH_SIZE_LIMIT:
+        raise UnsupportedConfiguration(
+            f"--max-batch-size {o.max_batch_size}: must be in [1, {MAX_BATCH_SIZE_LIMIT}]")
+    if o.max_scheduled_tokens is not None and o.max_scheduled_tokens < 1:
+        raise UnsupportedConfiguration(
+            f"--max-scheduled-tokens {o.max_scheduled_tokens}: must be >= 1")
+    if o.prefill_chunk_size is not None and o.prefill_chunk_size < 1:
+        raise UnsupportedConfiguration(
+            f"--prefill-chunk-size {o.prefill_chunk_size}: must be >= 1")
+
+
+def check_model(config: Qwen35Config) -> None:
+    """Reject model shapes the packed paged graph cannot express."""
+    if config.head_dim % 8:
+        raise UnsupportedConfiguration(
+            f"head_dim={config.head_dim}: PagedAttention needs head_dim % 8 == 0; this model "
+            "cannot use the paged full-attention kernel")
+    if not config.full_attention_layers:
+        raise UnsupportedConfiguration(
+            "the model has no full_attention layer: the continuous-batching Engine needs exactly "
+            "one paged_kv state group with at least one layer")
+
+
+def check_export(config: Qwen35Config, options: ExportOptions) -> None:
+    check_options(options)
+    check_model(config)

@@ -1,0 +1,86 @@
+"""Write an exported package: ``model.onnx`` (+ ``model.onnx.data``), ``genai_config.json``,
+the workflow metadata and the checkpoint's tokenizer files.
+
+``export_package(model_dir, out_dir, options, progress)``:
+
+1. read ``config.json`` (``Qwen35Config``) and reject unsupported configurations
+   (``check_export``) before touching weights;
+2. build the graph layer by layer from the checkpoint (lazy, memory-mapped) or, with
+   ``weights=False``, with weights declared but absent;
+3. save it with ``onnx_ir`` (weights as external data, written tensor by tensor), then the
+   genai config, the workflow metadata and any tokenizer files present in ``model_dir``.
+
+``progress(stage, done, total)`` is called per layer (``"graph"``) and per saved tensor
+(``"weights"``).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx_ir as ir
+
+from pagedhybrid.export import constants as c
+from pagedhybrid.export.abi import PackedAbi
+from pagedhybrid.export.genai_config import make_genai_config
+from pagedhybrid.export.graph import build_packed_model
+from pagedhybrid.export.options import ExportOptions, check_export
+from pagedhybrid.export.weights import AbsentWeights, CheckpointWeights, WeightSource
+from pagedhybrid.export.workflow import make_workflow
+from pagedhybrid.models.qwen35.config import Qwen35Config
+
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    out_dir: Path
+    files: tuple[str, ...]
+    op_counts: dict[str, int]
+    seconds: float
+
+
+def export_package(model_dir: str | Path, out_dir: str | Path, options: ExportOptions,
+                   progress: Progress | None = None) -> ExportResult:
+    start = time.perf_counter()
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    config = Qwen35Config.from_model_dir(model_dir)
+    check_export(config, options)
+    weights: WeightSource = (CheckpointWeights(model_dir, config, options.onnx_dtype)
+                             if options.weights else AbsentWeights(config, options.onnx_dtype))
+    layer_cb = (lambda done, total: progress("graph", done, total)) if progress else None
+    model = build_packed_model(config, options, weights, on_layer=layer_cb)
+    counts: dict[str, int] = {}
+    for node in model.graph:
+        counts[node.op_type] = counts.get(node.op_type, 0) + 1
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in (c.MODEL_FILE, c.WEIGHTS_FILE):
+        (out_dir / stale).unlink(missing_ok=True)
+    model_path = out_dir / c.MODEL_FILE
+    if options.weights:
+        def saved(tensor: ir.TensorProtocol, info: ir.external_data.CallbackInfo) -> None:
+            if progress:
+                progress("weights", info.index + 1, info.total)
+
+        ir.save(model, model_path, external_data=c.WEIGHTS_FILE, callback=saved)
+    else:
+        ir.save(model, model_path)  # external references kept, no data file written
+    files = [c.MODEL_FILE] + ([c.WEIGHTS_FILE] if options.weights else [])
+    abi = PackedAbi(config, options)
+    _write_json(out_dir / c.GENAI_CONFIG_FILE, make_genai_config(abi))
+    _write_json(out_dir / c.WORKFLOW_FILE, make_workflow(abi))
+    files += [c.GENAI_CONFIG_FILE, c.WORKFLOW_FILE]
+    for name in c.TOKENIZER_FILES:
+        if (model_dir / name).is_file():
+            shutil.copyfile(model_dir / name, out_dir / name)
+            files.append(name)
+    return ExportResult(out_dir, tuple(files), counts, time.perf_counter() - start)
+
+
+def _write_json(path: Path, data: object) -> None:
+    path.write_text(json.dumps(data, indent=4) + "\n", encoding="utf-8")

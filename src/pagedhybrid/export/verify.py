@@ -1,0 +1,413 @@
+"""Verify an exported packed paged hybrid package against its ABI, independently of the exporter.
+
+``verify_package(out_dir)`` reads ``model.onnx`` (graph only; weights are not loaded),
+``genai_config.json`` and the workflow metadata, and checks:
+
+1. metadata: the ABI tag, block size, layer partition and runtime pins in ``metadata_props``;
+   the partition is complete (``0..num_hidden_layers-1``) and disjoint;
+2. graph inputs: exactly the shared packed inputs (names, dtypes, ranks, static dims), a
+   ``past_key_values.{i}.key/.value`` page buffer ``[P, block_size, Hkv, hd]`` for each full layer
+   and only those, ``conv_state [B, C, K-1]`` / float ``recurrent_state [B, Hv, Dv, Dk]`` for each
+   linear layer; nothing else (no ``attention_mask``, no ``slot_mapping``);
+3. graph outputs: float ``logits [N|B, vocab]`` and one ``present.*`` per state input with the same
+   dtype and shape;
+4. operators: one ``com.microsoft.PagedAttention`` per full layer with 17 inputs (8-15 empty,
+   16 = ``attention_metadata``), operands 3/4 = the layer's page buffers and outputs 1/2 = its
+   ``present`` names (the aliasing pairs), SEPARATE layout, RoPE outside, head counts; one
+   ``VarlenCausalConvWithState`` and one ``GatedDeltaNet`` per linear layer on that layer's states,
+   ``cumulative_sequence_lengths`` as boundaries, the Qwen gate attributes, float ``A_log`` /
+   ``dt_bias [Hv]``; conv weight ``[C, 1, K]`` and q/k/v head shapes consistent with the state
+   shapes (which catches a K-major recurrent state or a channels-last conv state);
+5. ``genai_config.json``: decoder input/output templates resolve to the graph's names, the three
+   state groups carry exactly the partition, ``engine.dynamic_batching`` matches the graph's
+   block size with one page budget, provider options name the export's EP,
+   ``search.past_present_share_buffer`` is true, head/layer/vocab counts match the graph;
+6. the workflow metadata lists the same three disciplines and layer ids.
+
+Each check yields a ``Finding``; ``VerifyReport.ok`` is false if any failed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import onnx_ir as ir
+
+from pagedhybrid.export import constants as c
+
+DTYPE_NAME = {ir.DataType.FLOAT16: "float16", ir.DataType.BFLOAT16: "bfloat16",
+              ir.DataType.FLOAT: "float", ir.DataType.INT64: "int64", ir.DataType.INT32: "int32"}
+SHARED: dict[str, tuple[str, tuple[int | None, ...]]] = {  # name -> dtype, dims (None = dynamic)
+    c.INPUT_IDS: ("int64", (None,)),
+    c.POSITION_IDS: ("int64", (3, None)),
+    c.BLOCK_TABLE: ("int32", (None, None)),
+    c.CU_SEQLENS: ("int32", (None,)),
+    c.PAST_SEQLENS: ("int32", (None,)),
+    c.ATTENTION_METADATA: ("int32", (3,)),
+}
+GDN_ATTRS = {"update_rule": "gated_delta", "beta_activation": "sigmoid", "qk_l2_norm": 1}
+
+
+class Finding(NamedTuple):
+    ok: bool
+    check: str
+    detail: str
+
+
+class VerifyReport(NamedTuple):
+    package: Path
+    findings: list[Finding]
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.findings) and all(f.ok for f in self.findings)
+
+    @property
+    def failures(self) -> list[Finding]:
+        return [f for f in self.findings if not f.ok]
+
+    def format(self) -> str:
+        lines = [f"pagedhybrid verify {self.package}"]
+        lines += [f"  {'ok  ' if f.ok else 'FAIL'} {f.check}: {f.detail}" for f in self.findings]
+        n = len(self.failures)
+        lines.append(f"{len(self.findings) - n} checks passed, {n} failed")
+        return "\n".join(lines)
+
+
+class _Checker:
+    def __init__(self) -> None:
+        self.findings: list[Finding] = []
+
+    def __call__(self, cond: bool, check: str, detail: str) -> bool:
+        self.findings.append(Finding(bool(cond), check, detail))
+        return bool(cond)
+
+
+def _dims(v: ir.Value) -> tuple[int | str | None, ...]:
+    if v.shape is None:
+        return ()
+    return tuple(d if isinstance(d, int) else (d.value if d.value is not None else "?")
+                 for d in v.shape)
+
+
+def _dtype(v: ir.Value) -> str:
+    return DTYPE_NAME.get(v.dtype, str(v.dtype)) if v.dtype is not None else "?"
+
+
+def _attr(node: ir.Node, name: str, default: Any = None) -> Any:
+    a = node.attributes.get(name)
+    return default if a is None else a.value
+
+
+def _layers(meta: dict[str, str], key: str) -> list[int] | None:
+    raw = meta.get(key)
+    if raw is None:
+        return None
+    try:
+        return [int(x) for x in raw.split(",") if x != ""]
+    except ValueError:
+        return None
+
+
+def _const_ints(v: ir.Value | None) -> list[int] | None:
+    """The int64 values of an initializer feeding a Reshape (None when not constant)."""
+    if v is None or v.const_value is None:
+        return None
+    return [int(x) for x in v.const_value.numpy().reshape(-1)]
+
+
+def _reshape_dims(v: ir.Value | None) -> list[int] | None:
+    node = v.producer() if v is not None else None
+    if node is None or node.op_type != "Reshape" or len(node.inputs) < 2:
+        return None
+    return _const_ints(node.inputs[1])
+
+
+def verify_package(out_dir: str | Path) -> VerifyReport:
+    out = Path(out_dir)
+    chk = _Checker()
+    paths = {name: out / name for name in (c.MODEL_FILE, c.GENAI_CONFIG_FILE, c.WORKFLOW_FILE)}
+    for name, path in paths.items():
+        chk(path.is_file(), "files", f"{name} {'present' if path.is_file() else 'missing'}")
+    if not paths[c.MODEL_FILE].is_file() or not paths[c.GENAI_CONFIG_FILE].is_file():
+        return VerifyReport(out, chk.findings)
+    model = ir.load(paths[c.MODEL_FILE])
+    try:
+        genai = json.loads(paths[c.GENAI_CONFIG_FILE].read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        chk(False, "genai_config", f"not valid JSON: {exc}")
+        return VerifyReport(out, chk.findings)
+    workflow = None
+    if paths[c.WORKFLOW_FILE].is_file():
+        workflow = json.loads(paths[c.WORKFLOW_FILE].read_text(encoding="utf-8"))
+    _verify(model, genai, workflow, chk)
+    return VerifyReport(out, chk.findings)
+
+
+def _verify(model: ir.Model, genai: dict[str, Any], workflow: dict[str, Any] | None,
+            chk: _Checker) -> None:
+    graph = model.graph
+    meta = dict(model.metadata_props)
+    dec = genai.get("model", {}).get("decoder", {})
+    n_layers = int(dec.get("num_hidden_layers", -1))
+    # -- 1. metadata and partition ----------------------------------------------------------------
+    chk(meta.get(c.META_ABI) == c.ABI_NAME, "metadata abi", f"{meta.get(c.META_ABI)!r}")
+    for key, pin in ((c.META_ORT, c.ONNXRUNTIME_PIN), (c.META_GENAI, c.ONNXRUNTIME_GENAI_PIN)):
+        chk(meta.get(key) == pin, "metadata pins", f"{key}={meta.get(key)!r} (expected {pin})")
+    full, linear = _layers(meta, c.META_FULL_LAYERS), _layers(meta, c.META_LINEAR_LAYERS)
+    if not chk(full is not None and linear is not None, "metadata partition",
+               f"full={meta.get(c.META_FULL_LAYERS)!r} linear={meta.get(c.META_LINEAR_LAYERS)!r}"):
+        return
+    assert full is not None and linear is not None
+    overlap = sorted(set(full) & set(linear))
+    chk(not overlap, "partition disjoint", f"overlap {overlap}")
+    chk(sorted(full + linear) == list(range(n_layers)), "partition complete",
+        f"full {full} + linear {linear} vs num_hidden_layers={n_layers}")
+    chk(len(full) >= 1, "partition", f"{len(full)} full-attention layers (need >= 1)")
+    try:
+        block_size = int(meta.get(c.META_BLOCK_SIZE, "0"))
+    except ValueError:
+        block_size = 0
+    chk(block_size >= 16 and block_size & (block_size - 1) == 0, "metadata block size",
+        f"{block_size} (power of two >= 16)")
+    io_dtype = meta.get(c.META_DTYPE, "?")
+    chk(io_dtype in ("float16", "bfloat16"), "metadata dtype", io_dtype)
+    # -- 2./3. graph inputs and outputs -----------------------------------------------------------
+    inputs = {v.name: v for v in graph.inputs}
+    outputs = {v.name: v for v in graph.outputs}
+    for name, (dt, dims) in SHARED.items():
+        v = inputs.get(name)
+        if not chk(v is not None, "input", f"{name} present"):
+            continue
+        got = _dims(v)
+        ok = _dtype(v) == dt and len(got) == len(dims) and all(
+            e is None or e == g for e, g in zip(dims, got, strict=False))
+        chk(ok, "input", f"{name} {_dtype(v)} {list(got)} (expected {dt} rank {len(dims)})")
+    hkv, hd = dec.get("num_key_value_heads"), dec.get("head_size")
+    expected_states: dict[str, tuple[int, str]] = {}
+    for i in full:
+        expected_states[c.PAST_KEY % i] = (i, "key")
+        expected_states[c.PAST_VALUE % i] = (i, "value")
+    for i in linear:
+        expected_states[c.PAST_CONV % i] = (i, "conv_state")
+        expected_states[c.PAST_RECURRENT % i] = (i, "recurrent_state")
+    extra = sorted(set(inputs) - set(SHARED) - set(expected_states))
+    chk(not extra, "inputs exact", f"unexpected inputs {extra}" if extra else "no extra inputs")
+    for name, (_layer, kind) in expected_states.items():
+        v = inputs.get(name)
+        if not chk(v is not None, "state input", f"{name} present"):
+            continue
+        d = _dims(v)
+        if kind in ("key", "value"):
+            ok = (_dtype(v) == io_dtype and len(d) == 4 and not isinstance(d[0], int)
+                  and d[1] == block_size and d[2] == hkv and d[3] == hd)
+            exp = f"{io_dtype} [P, {block_size}, {hkv}, {hd}]"
+        elif kind == "conv_state":
+            ok = (_dtype(v) == io_dtype and len(d) == 3 and not isinstance(d[0], int)
+                  and all(isinstance(x, int) for x in d[1:]))
+            exp = f"{io_dtype} [B, conv_dim, K-1]"
+        else:
+            ok = (_dtype(v) == "float" and len(d) == 4 and not isinstance(d[0], int)
+                  and all(isinstance(x, int) for x in d[1:]))
+            exp = "float [B, Hv, Dv, Dk]"
+        chk(ok, "state input", f"{name} {_dtype(v)} {list(d)} (expected {exp})")
+    logits = outputs.get(c.LOGITS)
+    if chk(logits is not None, "output", f"{c.LOGITS} present"):
+        assert logits is not None
+        d = _dims(logits)
+        chk(_dtype(logits) == "float" and len(d) == 2 and d[1] == genai.get("model", {}).get(
+            "vocab_size"), "output", f"logits {_dtype(logits)} {list(d)} (float [rows, vocab])")
+    present_of = {c.PAST_KEY % i: c.PRESENT_KEY % i for i in full}
+    present_of |= {c.PAST_VALUE % i: c.PRESENT_VALUE % i for i in full}
+    present_of |= {c.PAST_CONV % i: c.PRESENT_CONV % i for i in linear}
+    present_of |= {c.PAST_RECURRENT % i: c.PRESENT_RECURRENT % i for i in linear}
+    extra_out = sorted(set(outputs) - {c.LOGITS} - set(present_of.values()))
+    chk(not extra_out, "outputs exact",
+        f"unexpected outputs {extra_out}" if extra_out else "no extra outputs")
+    for past, present in present_of.items():
+        pv, ov = inputs.get(past), outputs.get(present)
+        if chk(ov is not None, "present output", f"{present} present") and pv is not None:
+            assert ov is not None
+            chk(_dtype(ov) == _dtype(pv) and _dims(ov) == _dims(pv), "present output",
+                f"{present} {_dtype(ov)} {list(_dims(ov))} matches {past}")
+    for bad in ("attention_mask", "slot_mapping"):
+        chk(bad not in inputs, "no dense inputs", f"{bad} absent")
+    # -- 4. operators -----------------------------------------------------------------------------
+    _verify_nodes(graph, dec, full, linear, inputs, chk)
+    # -- 5. genai_config --------------------------------------------------------------------------
+    _verify_genai(genai, meta, full, linear, block_size, inputs, outputs, logits, chk)
+    # -- 6. workflow ------------------------------------------------------------------------------
+    if workflow is not None:
+        found = {s.get("discipline"): s.get("layer_ids") for s in workflow.get("states", [])}
+        want = {c.GROUP_PAGED_KV: full}
+        if linear:
+            want |= {c.GROUP_FIXED_CONV: linear, c.GROUP_FIXED_RECURRENT: linear}
+        chk(found == want, "workflow states", f"{found}")
+
+
+def _producers(graph: ir.Graph) -> dict[str, ir.Node]:
+    return {v.name: n for n in graph for v in n.outputs if v.name}
+
+
+def _by_op(graph: ir.Graph, op: str) -> list[ir.Node]:
+    return [n for n in graph if n.op_type == op]
+
+
+def _inp(node: ir.Node, k: int) -> ir.Value | None:
+    return node.inputs[k] if k < len(node.inputs) else None
+
+
+def _name(v: ir.Value | None) -> str:
+    return v.name or "" if v is not None else ""
+
+
+def _one(nodes: Sequence[ir.Node], pred: Callable[[ir.Node], bool]) -> list[ir.Node]:
+    return [n for n in nodes if pred(n)]
+
+
+def _verify_nodes(graph: ir.Graph, dec: dict[str, Any], full: list[int], linear: list[int],
+                  inputs: dict[str, ir.Value], chk: _Checker) -> None:
+    producers = _producers(graph)
+    shared = [c.CU_SEQLENS, c.PAST_SEQLENS, c.BLOCK_TABLE]
+    pa_nodes = _by_op(graph, c.PAGED_ATTENTION)
+    chk(len(pa_nodes) == len(full), "PagedAttention count",
+        f"{len(pa_nodes)} nodes for {len(full)} full-attention layers")
+    for i in full:
+        found = _one(pa_nodes, lambda n, i=i: _name(_inp(n, 3)) == c.PAST_KEY % i)
+        if not chk(len(found) == 1, "PagedAttention", f"layer {i}: {len(found)} node(s) read "
+                   f"{c.PAST_KEY % i}"):
+            continue
+        n = found[0]
+        names = [_name(v) for v in n.inputs]
+        chk(n.domain == c.MS_DOMAIN and len(names) == c.PAGED_ATTENTION_INPUTS,
+            "PagedAttention operands", f"layer {i}: {n.domain}, {len(names)} inputs")
+        if len(names) != c.PAGED_ATTENTION_INPUTS:
+            continue
+        ok = (names[4] == c.PAST_VALUE % i and names[5:8] == shared
+              and all(names[k] == "" for k in c.PAGED_ATTENTION_EMPTY)
+              and names[c.PAGED_ATTENTION_METADATA_INDEX] == c.ATTENTION_METADATA
+              and all(names[k] for k in range(3)))
+        chk(ok, "PagedAttention operands", f"layer {i}: {names}")
+        outs = [_name(v) for v in n.outputs]
+        chk(outs[1:3] == [c.PRESENT_KEY % i, c.PRESENT_VALUE % i], "cache aliasing",
+            f"layer {i}: key_cache_out/value_cache_out = {outs[1:3]}")
+        attrs = {k: _attr(n, k) for k in ("num_heads", "kv_num_heads")}
+        layout = _attr(n, "kv_cache_layout", "SEPARATE")
+        rotary = _attr(n, "do_rotary", 0)
+        chk(attrs["num_heads"] == dec.get("num_attention_heads")
+            and attrs["kv_num_heads"] == dec.get("num_key_value_heads")
+            and layout == "SEPARATE" and rotary == 0, "PagedAttention attributes",
+            f"layer {i}: {attrs}, kv_cache_layout={layout}, do_rotary={rotary}")
+    conv_nodes, gdn_nodes = _by_op(graph, c.VARLEN_CONV), _by_op(graph, c.GATED_DELTA_NET)
+    chk(len(conv_nodes) == len(linear) and len(gdn_nodes) == len(linear), "linear op counts",
+        f"{len(conv_nodes)} {c.VARLEN_CONV}, {len(gdn_nodes)} {c.GATED_DELTA_NET} for "
+        f"{len(linear)} linear layers")
+    for i in linear:
+        _verify_linear(i, conv_nodes, gdn_nodes, inputs, producers, chk)
+    stray = [n.name for n in graph if any(_name(v) in ("attention_mask", "slot_mapping")
+                                          for v in n.inputs)]
+    chk(not stray, "no dense inputs", f"nodes reading attention_mask/slot_mapping: {stray}")
+
+
+def _verify_linear(i: int, conv_nodes: list[ir.Node], gdn_nodes: list[ir.Node],
+                   inputs: dict[str, ir.Value], producers: dict[str, ir.Node],
+                   chk: _Checker) -> None:
+    conv = _one(conv_nodes, lambda n: _name(_inp(n, 4)) == c.PAST_CONV % i)
+    if chk(len(conv) == 1, c.VARLEN_CONV, f"layer {i}: {len(conv)} node(s) read "
+           f"{c.PAST_CONV % i}"):
+        n = conv[0]
+        outs = [_name(v) for v in n.outputs]
+        chk(len(outs) >= 2 and outs[1] == c.PRESENT_CONV % i and n.domain == c.MS_DOMAIN,
+            "cache aliasing", f"layer {i}: conv final_state = {outs[1:2]}")
+        chk(_name(_inp(n, 2)) == c.CU_SEQLENS and _attr(n, "activation") == "silu",
+            f"{c.VARLEN_CONV} operands", f"layer {i}: boundaries {_name(_inp(n, 2))!r}, "
+            f"activation {_attr(n, 'activation')!r}")
+        w = _inp(n, 1)
+        wd = _dims(w) if w is not None else ()
+        sd = _dims(inputs[c.PAST_CONV % i]) if c.PAST_CONV % i in inputs else ()
+        chk(len(wd) == 3 and len(sd) == 3 and wd[1] == 1 and sd[1] == wd[0]
+            and isinstance(wd[2], int) and sd[2] == wd[2] - 1, "conv state layout",
+            f"layer {i}: weight {list(wd)} vs state {list(sd)} (expected [B, C, K-1])")
+    gdn = _one(gdn_nodes, lambda n: _name(_inp(n, 6)) == c.PAST_RECURRENT % i)
+    if not chk(len(gdn) == 1, c.GATED_DELTA_NET, f"layer {i}: {len(gdn)} node(s) read "
+               f"{c.PAST_RECURRENT % i}"):
+        return
+    n = gdn[0]
+    outs = [_name(v) for v in n.outputs]
+    chk(len(outs) >= 2 and outs[1] == c.PRESENT_RECURRENT % i and n.domain == c.MS_DOMAIN,
+        "cache aliasing", f"layer {i}: recurrent final_state = {outs[1:2]}")
+    attrs = {k: _attr(n, k) for k in ("update_rule", "gate_activation", "beta_activation",
+                                      "qk_l2_norm")}
+    chk(all(attrs[k] == v for k, v in GDN_ATTRS.items())
+        and attrs["gate_activation"] in ("qwen", "softplus"), f"{c.GATED_DELTA_NET} attributes",
+        f"layer {i}: {attrs}")
+    chk(_name(_inp(n, 3)) == c.CU_SEQLENS and all(_inp(n, k) is not None for k in (4, 5)),
+        f"{c.GATED_DELTA_NET} operands",
+        f"layer {i}: cu_seqlens {_name(_inp(n, 3))!r}, raw a/b present")
+    rd = _dims(inputs[c.PAST_RECURRENT % i]) if c.PAST_RECURRENT % i in inputs else ()
+    for k, label in ((7, "a_log"), (8, "dt_bias")):
+        v = _inp(n, k)
+        ok = (v is not None and v.const_value is not None and _dtype(v) == "float"
+              and len(rd) == 4 and _dims(v) == (rd[1],))
+        chk(ok, f"{c.GATED_DELTA_NET} gates", f"layer {i}: {label} "
+            f"{_dtype(v) if v is not None else 'absent'} {list(_dims(v)) if v else []} "
+            f"(float initializer [Hv])")
+    q, val = _reshape_dims(_inp(n, 0)), _reshape_dims(_inp(n, 2))
+    ok = (q is not None and val is not None and len(q) == 3 and len(val) == 3 and len(rd) == 4
+          and list(rd[1:]) == [val[1], val[2], q[2]])
+    chk(ok, "recurrent state layout", f"layer {i}: state {list(rd)}, q heads {q}, v heads {val} "
+        "(expected V-major [B, Hv, Dv, Dk])")
+
+
+def _verify_genai(genai: dict[str, Any], meta: dict[str, str], full: list[int],
+                  linear: list[int], block_size: int, inputs: dict[str, ir.Value],
+                  outputs: dict[str, ir.Value], logits: ir.Value | None, chk: _Checker) -> None:
+    model = genai.get("model", {})
+    dec = model.get("decoder", {})
+    gin, gout = dec.get("inputs", {}), dec.get("outputs", {})
+    for name in c.SHARED_INPUTS:
+        chk(gin.get(name) == name and name in inputs, "genai inputs",
+            f"{name} -> {gin.get(name)!r}")
+    templates = [("past_key_names", c.PAST_KEY, full, gin, inputs),
+                 ("past_value_names", c.PAST_VALUE, full, gin, inputs),
+                 ("present_key_names", c.PRESENT_KEY, full, gout, outputs),
+                 ("present_value_names", c.PRESENT_VALUE, full, gout, outputs)]
+    if linear:
+        templates += [("past_conv_names", c.PAST_CONV, linear, gin, inputs),
+                      ("past_recurrent_names", c.PAST_RECURRENT, linear, gin, inputs),
+                      ("present_conv_names", c.PRESENT_CONV, linear, gout, outputs),
+                      ("present_recurrent_names", c.PRESENT_RECURRENT, linear, gout, outputs)]
+    for key, want, layers, table, values in templates:
+        t = table.get(key)
+        ok = isinstance(t, str) and t == want and all((t % i) in values for i in layers)
+        chk(ok, "genai state names", f"{key} = {t!r} (graph has {want})")
+    chk(gout.get("logits") == c.LOGITS, "genai outputs", f"logits -> {gout.get('logits')!r}")
+    groups = dec.get("state_groups")
+    want_groups = [{"kind": c.GROUP_PAGED_KV, "layer_ids": full}]
+    if linear:
+        want_groups += [{"kind": c.GROUP_FIXED_CONV, "layer_ids": linear},
+                        {"kind": c.GROUP_FIXED_RECURRENT, "layer_ids": linear}]
+    chk(groups == want_groups, "genai state_groups", f"{groups}")
+    dyn = genai.get("engine", {}).get("dynamic_batching", {})
+    budget = [k for k in ("num_blocks", "gpu_utilization_factor") if k in dyn]
+    chk(dyn.get("block_size") == block_size and isinstance(dyn.get("max_batch_size"), int)
+        and len(budget) == 1, "genai dynamic_batching",
+        f"{dyn} (block_size {block_size}, max_batch_size, one page budget)")
+    ep = meta.get(c.META_EP)
+    prov = dec.get("session_options", {}).get("provider_options", [])
+    chk(isinstance(prov, list) and len(prov) == 1 and list(prov[0]) == [ep],
+        "genai provider", f"{prov} (export EP {ep!r})")
+    if ep != "cuda":
+        chk("num_blocks" in dyn, "genai dynamic_batching",
+            f"{ep}: num_blocks pinned ({dyn.get('num_blocks')})")
+    chk(genai.get("search", {}).get("past_present_share_buffer") is True, "genai search",
+        f"past_present_share_buffer = {genai.get('search', {}).get('past_present_share_buffer')}")
+    if logits is not None:
+        rows = _dims(logits)[0] if _dims(logits) else None
+        pruned = meta.get(c.META_PRUNE_LOGITS) == "1"
+        chk(rows == (c.DIM_BATCH if pruned else c.DIM_TOKENS), "logits rows",
+            f"{rows} (prune_logits={pruned})")
+    chk(dec.get("filename") == c.MODEL_FILE, "genai decoder", f"filename {dec.get('filename')!r}")
