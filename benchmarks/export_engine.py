@@ -47,19 +47,10 @@ from typing import Any
 
 import numpy as np
 
+from pagedhybrid.models.qwen35.config import QWEN35_27B_TEXT_CONFIG
+
 os.environ.setdefault("ORT_WEBGPU_EP_ALLOW_SOFTWARE_ADAPTER", "1")
 
-QWEN27B = {
-    "model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 5120,
-    "intermediate_size": 17408, "num_hidden_layers": 64, "full_attention_interval": 4,
-    "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256,
-    "linear_num_key_heads": 16, "linear_num_value_heads": 48, "linear_key_head_dim": 128,
-    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "tie_word_embeddings": False,
-    "max_position_embeddings": 262144, "eos_token_id": 248044,
-    "rope_parameters": {"mrope_interleaved": True, "mrope_section": [11, 11, 10],
-                        "rope_type": "default", "rope_theta": 10000000,
-                        "partial_rotary_factor": 0.25},
-}
 # Runs a command in this interpreter and prints the child's own peak RSS (KiB) on exit.
 _RSS_WRAPPER = (
     "import atexit, resource, runpy, sys;"
@@ -158,7 +149,7 @@ def export_builder(ckpt: Path, out: Path, cache: Path, a: argparse.Namespace) ->
 def export_structural(root: Path) -> dict[str, Any]:
     model_dir = root / "qwen35-27b-config"
     model_dir.mkdir(exist_ok=True)
-    (model_dir / "config.json").write_text(json.dumps(QWEN27B))
+    (model_dir / "config.json").write_text(json.dumps(QWEN35_27B_TEXT_CONFIG))
     stats = run_measured(["pagedhybrid.export.cli", "export", str(model_dir),
                           str(root / "qwen35-27b-structure"), "--ep", "cuda", "--dtype", "bf16",
                           "--no-weights"])

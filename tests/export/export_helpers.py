@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from pagedhybrid.export.options import ExportOptions
-from pagedhybrid.models.qwen35.config import Qwen35Config
+from pagedhybrid.models.qwen35.config import QWEN35_27B_TEXT_CONFIG, Qwen35Config
 from pagedhybrid.models.qwen35.default_model import (
     default_config,
     random_weights,
@@ -58,17 +58,7 @@ def write_tiny(path: Path, config: Qwen35Config | None = None, seed: int = 11) -
     return path
 
 
-QWEN27B = {
-    "model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 5120,
-    "intermediate_size": 17408, "num_hidden_layers": 64, "full_attention_interval": 4,
-    "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256,
-    "linear_num_key_heads": 16, "linear_num_value_heads": 48, "linear_key_head_dim": 128,
-    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "tie_word_embeddings": False,
-    "max_position_embeddings": 262144, "eos_token_id": 248044,
-    "rope_parameters": {"mrope_interleaved": True, "mrope_section": [11, 11, 10],
-                        "rope_type": "default", "rope_theta": 10000000,
-                        "partial_rotary_factor": 0.25},
-}
+QWEN27B = QWEN35_27B_TEXT_CONFIG
 
 # -- the Engine scenario (shared by the WebGPU and CUDA Engine tests) ---------------------------
 MAX_NEW = 14

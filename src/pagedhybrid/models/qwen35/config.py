@@ -39,6 +39,20 @@ TEXT_MODEL_TYPE = "qwen3_5_text"
 VL_MODEL_TYPE = "qwen3_5"
 DEFAULT_MROPE_SECTION = (11, 11, 10)  # HF Qwen3_5TextRotaryEmbedding default
 
+# The text_config of a Qwen3.5-27B-class checkpoint (64 layers: 16 full + 48 linear), for
+# structural exports and tests; no weights are implied.
+QWEN35_27B_TEXT_CONFIG: dict[str, Any] = {
+    "model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 5120,
+    "intermediate_size": 17408, "num_hidden_layers": 64, "full_attention_interval": 4,
+    "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 48, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "tie_word_embeddings": False,
+    "max_position_embeddings": 262144, "eos_token_id": 248044,
+    "rope_parameters": {"mrope_interleaved": True, "mrope_section": [11, 11, 10],
+                        "rope_type": "default", "rope_theta": 10000000,
+                        "partial_rotary_factor": 0.25},
+}
+
 # transformers 5.24 Qwen3_5TextConfig defaults, used for fields a config.json leaves out.
 _INT_DEFAULTS: dict[str, int] = {
     "vocab_size": 248320,
