@@ -8,14 +8,23 @@ export ORT_WEBGPU_EP_ALLOW_SOFTWARE_ADAPTER := 1
 export XDG_CACHE_HOME ?= $(CURDIR)/.cache
 export XDG_RUNTIME_DIR ?= $(CURDIR)/.cache/xdg-runtime
 
-.PHONY: setup system-deps run test lint bench clean
+NATIVE  := src/pagedhybrid/kernels/native/_build/build.json
+
+.PHONY: setup native system-deps run test lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
 	touch $@
 
-setup: $(STAMP)
+# The native CPU kernels (torch C++ extension, g++ + ninja) are built ahead of time, here,
+# never on a first request; the build is skipped when it is current.
+$(NATIVE): $(STAMP) $(wildcard src/pagedhybrid/kernels/native/csrc/*)
+	$(PY) -m pagedhybrid.kernels.native.build
+
+native: $(NATIVE)
+
+setup: $(STAMP) $(NATIVE)
 	@mkdir -p $(XDG_RUNTIME_DIR) && chmod 700 $(XDG_RUNTIME_DIR)
 
 system-deps:
@@ -31,4 +40,4 @@ test: setup system-deps lint
 	$(VENV)/bin/pytest -q
 
 clean:
-	rm -rf $(VENV) .cache .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .cache .pytest_cache .ruff_cache .hypothesis src/pagedhybrid/kernels/native/_build

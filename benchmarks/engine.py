@@ -42,7 +42,7 @@ import torch
 
 from pagedhybrid.engine import Engine, EngineConfig, SamplingParams
 from pagedhybrid.models.qwen35 import Qwen35Config, load
-from pagedhybrid.models.qwen35.default_model import random_weights, write_checkpoint
+from pagedhybrid.models.qwen35.synthetic import random_weights, write_checkpoint
 
 
 def small_config() -> Qwen35Config:

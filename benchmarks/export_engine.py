@@ -72,13 +72,13 @@ def write_checkpoints(root: Path, seed: int) -> tuple[Path, Path]:
         Qwen3_5ForConditionalGeneration,
     )
 
-    from pagedhybrid.models.qwen35.default_model import (
-        default_config,
+    from pagedhybrid.models.qwen35.synthetic import (
         random_weights,
+        tiny_byte_config,
         write_checkpoint,
     )
 
-    cfg = dataclasses.replace(default_config(), linear_value_head_dim=8,
+    cfg = dataclasses.replace(tiny_byte_config(), linear_value_head_dim=8,
                               tie_word_embeddings=False)
     weights = random_weights(cfg, seed)
     for name, t in weights.items():  # O(1) activations (same recipe as tests/export)

@@ -43,9 +43,10 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 from pagedhybrid.kernels import cpu
 from pagedhybrid.kernels.onnxruntime.session import single_node_model
-from pagedhybrid.ops import gated_delta_net as gdn_ref
-from pagedhybrid.ops import paged_attention as pa_ref
-from pagedhybrid.ops import varlen_causal_conv as conv_ref
+
+gdn_ref = importlib.import_module("pagedhybrid.ops.gated_delta_net")
+pa_ref = importlib.import_module("pagedhybrid.ops.paged_attention")
+conv_ref = importlib.import_module("pagedhybrid.ops.varlen_causal_conv")
 
 GIB = 1 << 30
 pa_fast = importlib.import_module("pagedhybrid.kernels.cpu.paged_attention")

@@ -1,5 +1,5 @@
-"""Command line: ``pagedhybrid run | generate | export | verify | conformance | kernels
-| dispatch``."""
+"""Command line: ``pagedhybrid run | generate | perplexity | export | verify | conformance |
+kernels | dispatch``."""
 
 from __future__ import annotations
 
@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedhybrid.export.cli import register_subcommands as export_commands
 
     export_commands(sub)
+    from pagedhybrid.perplexity import register_subcommands as perplexity_commands
+
+    perplexity_commands(sub)
     return p
 
 

@@ -17,9 +17,9 @@ import torch
 
 from pagedhybrid.engine import Engine, EngineConfig
 from pagedhybrid.models.qwen35 import Qwen35ForCausalLM, load
-from pagedhybrid.models.qwen35.default_model import (
-    default_config,
+from pagedhybrid.models.qwen35.synthetic import (
     random_weights,
+    tiny_byte_config,
     write_checkpoint,
 )
 
@@ -29,7 +29,7 @@ HF_MAX_NEW = 40
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    cfg = dataclasses.replace(default_config(), num_hidden_layers=len(TINY_LAYERS),
+    cfg = dataclasses.replace(tiny_byte_config(), num_hidden_layers=len(TINY_LAYERS),
                               layer_types=TINY_LAYERS, tie_word_embeddings=False)
     path = tmp_path_factory.mktemp("tiny-qwen35")
     write_checkpoint(path, cfg, random_weights(cfg, seed=7))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -66,3 +67,16 @@ def test_run_main_serves_the_demo(tiny_dir: Path, capsys: pytest.CaptureFixture[
     out = capsys.readouterr().out
     assert "requests" in out and "abort" in out and "tok/s" in out
     assert "24/24 pages and 4/4 slots free" in out
+
+
+def test_run_on_the_built_in_model_prints_english(capsys: pytest.CaptureFixture[str]) -> None:
+    """``make run``'s job: the trained built-in model streams readable text, not bytes."""
+    args = parse(add_run_arguments, [])
+    assert run_main(args) == 0
+    out = capsys.readouterr().out
+    streamed = " ".join(re.findall(r"r\d '([^']*)'", out))  # the per-step text deltas
+    words = re.findall(r"[A-Za-z]+", streamed)
+    assert len(words) >= 60, streamed
+    assert "\\x" not in out and "\ufffd" not in out
+    common = {"the", "and", "of", "unto", "he", "that", "shall", "to", "they", "LORD"}
+    assert sum(w in common for w in words) >= 15, streamed

@@ -84,7 +84,7 @@ def test_batch_is_the_packed_abi(make_engine: Callable[..., Engine]) -> None:
     engine.step()
     engine.add_request("b", prompt_of(1, 40), GREEDY)
     sched = engine.scheduler.schedule()
-    batch, rows, sampling = build_batch(sched)
+    batch, meta, rows, sampling, sample_rows, spans = build_batch(sched, engine.cache)
     assert isinstance(batch, PackedBatch)
     assert set(ABI_INPUT_NAMES) <= set(PackedBatch._fields)
     (a, b) = sched.sequences
@@ -102,6 +102,13 @@ def test_batch_is_the_packed_abi(make_engine: Callable[..., Engine]) -> None:
     assert batch.state_slots.tolist() == [a.slot, b.slot] and a.slot != b.slot
     assert batch.attention_metadata.tolist() == [23, 23, 23]
     assert rows.tolist() == [0] and sampling == [0]  # b's chunk does not reach its last token
+    assert sample_rows == [0] and spans == []  # nobody asked for prompt logprobs
+    # the step metadata every layer reads: lengths, page slots written, state rows, fresh mask
+    assert (meta.q_lens, meta.past_lens, meta.decode, meta.multi) == ((1, 23), (5, 0), (0,), (1,))
+    assert meta.fresh == (False, True) and meta.state_slots.tolist() == [a.slot, b.slot]
+    want = [a.block_table[5 // 16] * 16 + 5] + [b.block_table[p // 16] * 16 + p % 16
+                                                 for p in range(23)]
+    assert meta.write_slots.tolist() == want
     engine.abort_request(["a", "b"])
 
 

@@ -3,8 +3,11 @@ torch engine's tokens for the Engine scenario (helpers in ``export_helpers.py``)
 
 * ``tiny_checkpoint`` -- ``tiny_config`` with ``tame_weights``, written once per session;
 * ``tiny_package`` / ``pruned_package`` -- webgpu fp16 exports of it (block size 16, 32 pages);
+* ``engine_package`` / ``engine_pruned_package`` -- the same exports of the trained built-in
+  model, which the Engine scenario runs;
 * ``qwen27b_config_dir(interval)`` -- a folder holding only a 27B-class ``config.json``;
-* ``torch_tokens`` -- the pagedhybrid torch engine's greedy tokens for the Engine scenario.
+* ``torch_tokens`` -- the pagedhybrid torch engine's greedy tokens for the Engine scenario
+  (built-in model, float32).
 
 Environment: the WebGPU plugin hides software adapters unless
 ``ORT_WEBGPU_EP_ALLOW_SOFTWARE_ADAPTER=1``; Mesa's shader cache lives in ``XDG_CACHE_HOME``.
@@ -24,7 +27,7 @@ from export_helpers import (
     BLOCK_SIZE,
     MAX_NEW,
     NUM_BLOCKS,
-    PROMPT_LENGTHS,
+    PROMPTS,
     QWEN27B,
     TINY_OPTIONS,
     engine_prompts,
@@ -33,6 +36,7 @@ from export_helpers import (
 
 from pagedhybrid.engine import Engine, EngineConfig, SamplingParams
 from pagedhybrid.export.package import export_package
+from pagedhybrid.models.qwen35 import default_model_dir
 from pagedhybrid.models.qwen35.model import load
 
 os.environ.setdefault("ORT_WEBGPU_EP_ALLOW_SOFTWARE_ADAPTER", "1")
@@ -58,6 +62,20 @@ def pruned_package(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFacto
 
 
 @pytest.fixture(scope="session")
+def engine_package(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("engine-package")
+    export_package(default_model_dir(), out, TINY_OPTIONS)
+    return out
+
+
+@pytest.fixture(scope="session")
+def engine_pruned_package(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("engine-package-pruned")
+    export_package(default_model_dir(), out, dataclasses.replace(TINY_OPTIONS, prune_logits=True))
+    return out
+
+
+@pytest.fixture(scope="session")
 def qwen27b_config_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """``make(interval=4, **overrides)`` -> a folder holding only a 27B-class config.json."""
 
@@ -72,9 +90,9 @@ def qwen27b_config_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[...
 
 
 @pytest.fixture(scope="session")
-def torch_tokens(tiny_checkpoint: Path) -> list[list[int]]:
+def torch_tokens() -> list[list[int]]:
     """Greedy tokens of the scenario's requests from the pagedhybrid torch engine (float32)."""
-    engine = Engine(load(tiny_checkpoint, torch.float32),
+    engine = Engine(load(default_model_dir(), torch.float32),
                     EngineConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_num_seqs=8))
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     for k, prompt in enumerate(engine_prompts()):
@@ -83,4 +101,4 @@ def torch_tokens(tiny_checkpoint: Path) -> list[list[int]]:
     for out in engine.stream():
         if out.finished:
             done[out.request_id] = out.token_ids
-    return [list(done[str(k)]) for k in range(len(PROMPT_LENGTHS))]
+    return [list(done[str(k)]) for k in range(len(PROMPTS))]

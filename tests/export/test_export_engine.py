@@ -1,9 +1,10 @@
 """The real onnxruntime-genai 0.18.0 ``Engine`` runs an exported package as written.
 
-The tiny package (webgpu fp16, block size 16, ``num_blocks`` pinned to 32, conv/recurrent states
-named ``past_key_values.%d.conv_state`` / ``.recurrent_state`` in ``genai_config.json``) is loaded
-by ``og.Model`` with the WebGPU plugin EP registered. Three greedy requests with unequal prompts
-(20, 5 and 9 tokens, 14 new tokens each, so every request crosses a page boundary):
+The built-in model's package (webgpu fp16, block size 16, ``num_blocks`` pinned to 32,
+conv/recurrent states named ``past_key_values.%d.conv_state`` / ``.recurrent_state`` in
+``genai_config.json``) is loaded by ``og.Model`` with the WebGPU plugin EP registered. Three
+greedy requests with unequal sentence prompts (14 new tokens each, so every request crosses a
+page boundary):
 
 * the first two start together and overlap; the third is admitted after 3 steps, while the others
   decode;
@@ -31,10 +32,10 @@ def _genai_engine(package: Path):  # type: ignore[no-untyped-def]
     return og.Engine(og.Model(og.Config(str(package))))
 
 
-def test_engine_runs_package_as_written(tiny_package: Path,
+def test_engine_runs_package_as_written(engine_package: Path,
                                         torch_tokens: list[list[int]]) -> None:
-    assert verify_package(tiny_package).ok
-    engine = _genai_engine(tiny_package)
+    assert verify_package(engine_package).ok
+    engine = _genai_engine(engine_package)
     caps = engine.get_capabilities()
     assert caps.configured_max_batch_size == 8
     prompts = engine_prompts()
@@ -48,8 +49,8 @@ def test_engine_runs_package_as_written(tiny_package: Path,
     assert len({tuple(t) for t in overlapped}) == len(prompts)  # not a degenerate model
 
 
-def test_engine_runs_pruned_package(pruned_package: Path,
+def test_engine_runs_engine_pruned_package(engine_pruned_package: Path,
                                     torch_tokens: list[list[int]]) -> None:
-    engine = _genai_engine(pruned_package)
+    engine = _genai_engine(engine_pruned_package)
     overlapped, _ = run_schedule(engine, engine_prompts(), MAX_NEW, ADMIT_AFTER)
     assert overlapped == torch_tokens

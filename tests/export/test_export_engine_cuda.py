@@ -18,6 +18,7 @@ from genai_runner import run_schedule
 
 from pagedhybrid.export.options import ExportOptions
 from pagedhybrid.export.package import export_package
+from pagedhybrid.models.qwen35 import default_model_dir
 
 
 def _cuda_missing() -> str | None:
@@ -38,11 +39,10 @@ CUDA = ExportOptions(ep="cuda", dtype="fp16", block_size=16, num_blocks=32, max_
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-def test_cuda_engine(dtype: str, tiny_checkpoint: Path, tmp_path: Path,
-                     torch_tokens: list[list[int]]) -> None:
+def test_cuda_engine(dtype: str, tmp_path: Path, torch_tokens: list[list[int]]) -> None:
     import onnxruntime_genai as og
 
-    export_package(tiny_checkpoint, tmp_path, dataclasses.replace(CUDA, dtype=dtype))
+    export_package(default_model_dir(), tmp_path, dataclasses.replace(CUDA, dtype=dtype))
     engine = og.Engine(og.Model(og.Config(str(tmp_path))))
     prompts = engine_prompts()
     overlapped, _ = run_schedule(engine, prompts, MAX_NEW, ADMIT_AFTER)

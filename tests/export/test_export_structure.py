@@ -105,7 +105,17 @@ def test_paged_attention_operands(qwen27b_config_dir: Callable[..., Path],
     for node in gdn:
         attrs = {k: a.value for k, a in node.attributes.items()}
         assert attrs["gate_activation"] == "qwen" and attrs["beta_activation"] == "sigmoid"
-        assert attrs["qk_l2_norm"] == 1 and attrs["update_rule"] == "gated_delta"
+        assert attrs["qk_l2_norm"] == 0 and attrs["update_rule"] == "gated_delta"
+        # q, k: HF's l2 norm in float32 before the op, q and k heads in one pass
+        for k in (0, 1):
+            split = node.inputs[k].producer()
+            ops = [split.op_type]
+            v = split.inputs[0]
+            while v.producer() is not None and v.producer().op_type != "Reshape":
+                ops.append(v.producer().op_type)
+                v = v.producer().inputs[1 if v.producer().op_type == "Mul" else 0]
+            assert ops == ["Split", "Mul", "Reciprocal", "Sqrt", "Add", "ReduceSumSquare",
+                           "Cast"], ops
         a_log, dt_bias = node.inputs[7], node.inputs[8]
         assert a_log.dtype == dt_bias.dtype == ir.DataType.FLOAT
         assert list(a_log.shape) == [48]

@@ -14,6 +14,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import onnx_ir as ir
 import pytest
 from export_helpers import TINY_OPTIONS, tiny_config, write_tiny
@@ -114,6 +115,33 @@ def transformed_gates(m: ir.Model) -> None:
     node.attributes["gate_activation"] = ir.AttrString("gate_activation", "none")
 
 
+def kernel_l2_norm(m: ir.Model) -> None:  # the op's own norm (eps 1e-12) instead of HF's
+    node = _node(m, c.GATED_DELTA_NET, c.PAST_RECURRENT % LINEAR)
+    node.attributes["qk_l2_norm"] = ir.AttrInt64("qk_l2_norm", 1)
+
+
+def _l2_add(m: ir.Model) -> ir.Node:
+    gdn = _node(m, c.GATED_DELTA_NET, c.PAST_RECURRENT % LINEAR)
+    node = gdn.inputs[1].producer()  # k: Split -> Mul -> Reciprocal -> Sqrt -> Add
+    while node.op_type != "Add":
+        node = (node.inputs[1] if node.op_type == "Mul" else node.inputs[0]).producer()
+    return node
+
+
+def ort_l2_eps(m: ir.Model) -> None:
+    eps = ir.Value(name="eps_ort", const_value=ir.tensor(np.array([1e-12], dtype=np.float32),
+                                                         name="eps_ort"))
+    m.graph.register_initializer(eps)
+    _l2_add(m).replace_input_with(1, eps)
+
+
+def unnormalized_q(m: ir.Model) -> None:
+    gdn = _node(m, c.GATED_DELTA_NET, c.PAST_RECURRENT % LINEAR)
+    q_reshape = next(n for n in m.graph
+                     if n.name.endswith(f"layers.{LINEAR}/linear_attn/qk/Reshape"))
+    gdn.replace_input_with(0, q_reshape.outputs[0])
+
+
 def conv_without_boundaries(m: ir.Model) -> None:
     node = _node(m, c.VARLEN_CONV, c.PAST_CONV % LINEAR)
     node.replace_input_with(2, None)
@@ -133,6 +161,9 @@ MODEL_MUTATIONS = [
     (swapped_aliases, "cache aliasing"),
     (extra_mask_input, "inputs exact"),
     (transformed_gates, "GatedDeltaNet attributes"),
+    (kernel_l2_norm, "GatedDeltaNet attributes"),
+    (ort_l2_eps, "q/k l2 norm"),
+    (unnormalized_q, "q/k l2 norm"),
     (conv_without_boundaries, "VarlenCausalConvWithState operands"),
     (incomplete_partition, "partition complete"),
 ]

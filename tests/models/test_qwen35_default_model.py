@@ -1,19 +1,25 @@
-"""The built-in default model (written once, loaded like any checkpoint) and the tokenizers."""
+"""The built-in default model (a trained HF checkpoint shipped in the package) and the tokenizers.
+
+HF transformers must read the same folder (``Qwen3_5ForCausalLM`` + ``PreTrainedTokenizerFast``)
+and agree with our loader and tokenizer; the model must be trained (its held-out perplexity is
+far below that of a uniform guess) and greedy text must be English words, not bytes.
+"""
 
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
+import math
+import re
 
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import Qwen3_5ForCausalLM
+from transformers import PreTrainedTokenizerFast, Qwen3_5ForCausalLM
 
 from pagedhybrid.errors import UnsupportedConfiguration
 from pagedhybrid.models.qwen35 import (
     ByteTokenizer,
+    CheckpointError,
     PackedBatch,
     PagedHybridCache,
     TokenizersTokenizer,
@@ -21,61 +27,93 @@ from pagedhybrid.models.qwen35 import (
     load,
     load_tokenizer,
 )
+from pagedhybrid.models.qwen35.default_model import heldout_text_path
 
 
-@pytest.fixture
-def cache_root(tmp_path, monkeypatch) -> Path:
-    monkeypatch.setenv("PAGEDHYBRID_CACHE", str(tmp_path))
-    return tmp_path
-
-
-def test_written_once_in_hf_format_and_loaded(cache_root):
+@pytest.fixture(scope="module")
+def hf_pair():
     path = default_model_dir()
-    assert path == cache_root / "default-model-v1"
-    stamp = (path / "model.safetensors").stat().st_mtime_ns
-    assert default_model_dir() == path
-    assert (path / "model.safetensors").stat().st_mtime_ns == stamp  # not rewritten
-    assert [p.name for p in cache_root.iterdir()] == ["default-model-v1"]  # no temp left
+    hf = Qwen3_5ForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    return hf, PreTrainedTokenizerFast.from_pretrained(str(path))
+
+
+def test_folder_is_an_hf_checkpoint_both_libraries_read(hf_pair):
+    path = default_model_dir()
+    names = {p.name for p in path.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+            "generation_config.json", "README.md", "heldout.txt"} <= names
     model = load(path)
     cfg = model.config
-    assert len(cfg.full_attention_layers) >= 2 and len(cfg.linear_attention_layers) >= 4
-    assert cfg.vocab_size == 258 and (cfg.bos_token_id, cfg.eos_token_id) == (256, (257,))
-    # every parameter randomised: nothing left at HF's structured initial values
-    for name, p in model.named_parameters():
-        assert p.float().std() > 0.01, name
-        assert not torch.all(p == 1.0) and not torch.all(p == 0.0), name
-    # HF transformers reads the same folder and agrees
-    hf = Qwen3_5ForCausalLM.from_pretrained(str(path)).float().eval()
-    ids = torch.tensor([[256, 72, 105, 33, 10, 200, 3]])
+    assert cfg.full_attention_layers and len(cfg.linear_attention_layers) >= 2 * len(
+        cfg.full_attention_layers)
+    assert cfg.num_key_value_heads < cfg.num_attention_heads  # GQA
+    assert cfg.rotary_dim < cfg.head_dim and cfg.mrope_interleaved  # partial interleaved MRoPE
+    hf, hf_tok = hf_pair
+    tok = load_tokenizer(path, cfg.vocab_size)
+    assert isinstance(tok, TokenizersTokenizer) and tok.vocab_size == cfg.vocab_size
+    text = "In the beginning God created the heaven and the earth."
+    ids = tok.encode(text)
+    assert ids == hf_tok(text).input_ids and ids[0] == cfg.bos_token_id == hf_tok.bos_token_id
+    assert tok.decode(ids) == hf_tok.decode(ids, skip_special_tokens=True) == text
+    assert set(tok.eos_token_ids) == {hf_tok.eos_token_id, hf_tok.convert_tokens_to_ids(
+        "<|im_end|>")}
+    x = torch.tensor([ids])
     with torch.no_grad():
-        ref = hf(input_ids=ids, use_cache=False).logits
-    assert (model.forward_dense(ids)[0] - ref).abs().max() <= 1e-4
-    cache = PagedHybridCache.allocate(cfg, num_pages=2, block_size=16, num_slots=1)
-    packed = model.forward_packed(PackedBatch.from_sequences([ids[0].tolist()], [0], [[1]], [0]),
-                                  cache)
+        ref = hf(input_ids=x, use_cache=False).logits
+    assert (model.forward_dense(x)[0] - ref).abs().max() <= 1e-4
+    cache = PagedHybridCache.allocate(cfg, num_pages=4, block_size=16, num_slots=1)
+    packed = model.forward_packed(PackedBatch.from_sequences([ids], [0], [[2, 0]], [0]), cache)
     assert (packed - ref[0]).abs().max() <= 1e-4
 
 
-def test_parallel_first_use_is_atomic_and_deterministic(cache_root, tmp_path_factory,
-                                                       monkeypatch):
-    with ThreadPoolExecutor(4) as pool:  # racing writers: every one gets the complete folder
-        outs = list(pool.map(lambda _: default_model_dir(), range(4)))
-    assert outs == [cache_root / "default-model-v1"] * 4
-    assert [p.name for p in cache_root.iterdir()] == ["default-model-v1"]
-    load(outs[0])
-    other = tmp_path_factory.mktemp("other-cache")
-    monkeypatch.setenv("PAGEDHYBRID_CACHE", str(other))
-    again = default_model_dir()
-    assert again.parent == other
-    assert (again / "model.safetensors").read_bytes() == \
-        (cache_root / "default-model-v1" / "model.safetensors").read_bytes()
-
-
-def test_byte_tokenizer(cache_root):
+def test_chat_template_renders_as_hf(hf_pair):
+    _, hf_tok = hf_pair
     tok = load_tokenizer(default_model_dir())
-    assert isinstance(tok, ByteTokenizer) and tok.vocab_size == 258
+    messages = [{"role": "system", "content": "Answer in the words of the King James Bible."},
+                {"role": "user", "content": "Recite Genesis 1:1."}]
+    for gen in (True, False):
+        ours = tok.apply_chat_template(messages, add_generation_prompt=gen)
+        assert ours == hf_tok.apply_chat_template(messages, add_generation_prompt=gen,
+                                                  tokenize=False)
+    assert ours.startswith("<|im_start|>system\n")
+
+
+def test_trained_model_writes_english(hf_pair):
+    """Greedy continuations are words of the training text's language, and the held-out
+    per-token loss is far below a uniform guess over the vocabulary."""
+    _, hf_tok = hf_pair
+    model = load(default_model_dir())
+    ids = hf_tok("And God said unto Moses,").input_ids
+    past, out = None, []
+    logits, past = model.forward_dense(torch.tensor([ids]))
+    for _ in range(24):
+        nxt = int(logits[0, -1].argmax())
+        out.append(nxt)
+        logits, past = model.forward_dense(torch.tensor([[nxt]]), past)
+    text = hf_tok.decode(out, skip_special_tokens=True)
+    words = re.findall(r"[A-Za-z]+", text)
+    assert len(words) >= 8 and all(w.isascii() for w in words), text
+    held = hf_tok(heldout_text_path().read_text()[:4000]).input_ids[:400]
+    with torch.no_grad():
+        lp = model.forward_dense(torch.tensor([held]))[0][0, :-1].log_softmax(-1)
+    nll = -lp.gather(1, torch.tensor(held[1:])[:, None]).mean().item()
+    assert nll < 0.5 * math.log(model.config.vocab_size), nll
+
+
+def test_tokenizer_that_outgrows_the_embedding_is_rejected(tmp_path):
+    vocab = {f"w{i}": i for i in range(10)}
+    hf_tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    hf_tok.save(str(tmp_path / "tokenizer.json"))
+    assert load_tokenizer(tmp_path, 10).vocab_size == 10
+    with pytest.raises(CheckpointError, match=r"tokenizer vocabulary.*9 embedding rows"):
+        load_tokenizer(tmp_path, 9)
+
+
+def test_byte_tokenizer():
+    tok = ByteTokenizer()
+    assert tok.vocab_size == 258
     text = "héllo, 世界!"
-    ids = tok.encode(text, add_bos=True)
+    ids = tok.encode(text, add_special_tokens=True)
     assert ids[0] == 256 and ids[1:] == list(text.encode("utf-8"))
     assert tok.decode([*ids, 257]) == text
     assert tok.decode([256, 104, 257], skip_special_tokens=False) == "<bos>h<eos>"
@@ -92,10 +130,11 @@ def test_tokenizer_json_is_used_through_tokenizers(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 5]}))
     tok = load_tokenizer(tmp_path)
     assert isinstance(tok, TokenizersTokenizer)
-    assert tok.encode("hello world !") == [3, 4, 5]
-    assert tok.encode("hello", add_bos=True) == [1, 3]
+    assert tok.encode("hello world !") == [3, 4, 5]  # no post-processor: no special tokens
     assert tok.decode([3, 4]) == hf_tok.decode([3, 4])
     assert (tok.bos_token_id, tok.eos_token_ids, tok.vocab_size) == (1, (2, 5), 6)
+    with pytest.raises(UnsupportedConfiguration, match="chat_template"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
 
 
 def test_no_tokenizer_is_a_typed_error(tmp_path):

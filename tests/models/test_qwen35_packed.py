@@ -9,6 +9,7 @@ back from the pages, and its conv / recurrent states must match its own HF run.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass, field
 
@@ -17,13 +18,8 @@ import torch
 from qwen35_tiny import HFSequence
 
 from pagedhybrid.errors import ContractViolation
-from pagedhybrid.models.qwen35 import (
-    OpBackend,
-    PackedBatch,
-    PagedHybridCache,
-    load,
-    reference_backend,
-)
+from pagedhybrid.kernels.backend import backend
+from pagedhybrid.models.qwen35 import PackedBatch, PagedHybridCache, load
 
 TOL = 1e-4
 BLOCK = 16
@@ -252,17 +248,17 @@ def test_ops_are_called_through_the_backend_seam(tiny_checkpoint):
             return fn(*args, **kwargs)
         return wrapper
 
-    ref = reference_backend()
-    backend = OpBackend(counting("paged_attention", ref.paged_attention),
-                        counting("varlen_causal_conv", ref.varlen_causal_conv),
-                        counting("gated_delta_net", ref.gated_delta_net), name="counting")
-    model = load(tiny_checkpoint.path, backend=backend)
+    ref = backend("reference")
+    seam = dataclasses.replace(ref, name="counting",
+                               attention=counting("attention", ref.attention),
+                               causal_conv=counting("causal_conv", ref.causal_conv),
+                               gated_delta=counting("gated_delta", ref.gated_delta))
+    model = load(tiny_checkpoint.path, backend=seam)
     cfg = model.config
     model.forward_dense(torch.zeros(2, 3, dtype=torch.int64))
     n_lin, n_full = len(cfg.linear_attention_layers), len(cfg.full_attention_layers)
-    assert calls == {"varlen_causal_conv": n_lin, "gated_delta_net": n_lin}
+    assert calls == {"causal_conv": n_lin, "gated_delta": n_lin}
     calls.clear()
     cache = PagedHybridCache.allocate(cfg, num_pages=2, block_size=BLOCK, num_slots=1)
     model.forward_packed(PackedBatch.from_sequences([[1, 2]], [0], [[1]], [0]), cache)
-    assert calls == {"varlen_causal_conv": n_lin, "gated_delta_net": n_lin,
-                     "paged_attention": n_full}
+    assert calls == {"causal_conv": n_lin, "gated_delta": n_lin, "attention": n_full}

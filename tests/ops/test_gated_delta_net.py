@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
@@ -9,8 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedhybrid.ops import gated_delta_net as gdn_mod
 from pagedhybrid.ops.gated_delta_net import gated_delta_net
+
+gdn_mod = importlib.import_module("pagedhybrid.ops.gated_delta_net")
 
 RULES = ("linear", "gated", "delta", "gated_delta")
 

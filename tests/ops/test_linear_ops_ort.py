@@ -7,6 +7,7 @@ max abs error <= 1e-5 in float32 and <= 2e-3 in float16.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import onnxruntime
@@ -17,8 +18,9 @@ from pagedhybrid.errors import ContractViolation
 from pagedhybrid.kernels.onnxruntime import gated_delta_net as ort_gdn
 from pagedhybrid.kernels.onnxruntime import varlen_causal_conv as ort_conv
 from pagedhybrid.kernels.onnxruntime.session import run_single_node
-from pagedhybrid.ops import gated_delta_net as gdn_mod
-from pagedhybrid.ops import varlen_causal_conv as conv_mod
+
+gdn_mod = importlib.import_module("pagedhybrid.ops.gated_delta_net")
+conv_mod = importlib.import_module("pagedhybrid.ops.varlen_causal_conv")
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 

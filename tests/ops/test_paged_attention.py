@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 
@@ -21,7 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagedhybrid.errors import UnsupportedConfiguration
-from pagedhybrid.ops import paged_attention as pa
+
+pa = importlib.import_module("pagedhybrid.ops.paged_attention")
 
 
 # -- helpers -----------------------------------------------------------------------------------

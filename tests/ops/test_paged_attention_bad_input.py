@@ -6,11 +6,14 @@ head sink, q/k norm, exact attention_metadata) and breaks exactly one rule.
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
 from pagedhybrid.errors import ContractViolation
-from pagedhybrid.ops import paged_attention as pa
+
+pa = importlib.import_module("pagedhybrid.ops.paged_attention")
 
 BASE = {
     "name": "bad_input_base",

@@ -7,7 +7,7 @@ import torch
 
 from pagedhybrid.errors import ContractViolation, UnsupportedConfiguration
 from pagedhybrid.models.qwen35 import build
-from pagedhybrid.models.qwen35.default_model import default_config, random_weights
+from pagedhybrid.models.qwen35.synthetic import random_weights, tiny_byte_config
 from pagedhybrid.parallel.tensor_parallel import (
     attention_sharding,
     local_config,
@@ -18,7 +18,7 @@ from pagedhybrid.parallel.tensor_parallel import (
 
 @pytest.fixture(scope="module")
 def full() -> torch.nn.Module:
-    cfg = default_config()
+    cfg = tiny_byte_config()
     model = build(cfg, torch.float32, "cpu")
     model.load_weights(random_weights(cfg, seed=7))
     return model
@@ -63,7 +63,7 @@ def test_tp_rejections(full: torch.nn.Module) -> None:
         local_config(cfg, 3)
     with pytest.raises(UnsupportedConfiguration, match=r"initialised torch\.distributed"):
         tensor_parallel_qwen35(full, sharding=attention_sharding(cfg, 0, 2))
-    wrong = attention_sharding(default_config().__class__(
+    wrong = attention_sharding(tiny_byte_config().__class__(
         **{**cfg.__dict__, "num_attention_heads": 8, "num_key_value_heads": 4}), 0, 2)
     with pytest.raises(ContractViolation, match="must match the model's heads"):
         tensor_parallel_qwen35(full, sharding=wrong)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from pagedhybrid.models.qwen35 import PackedBatch, PagedHybridCache, build
-from pagedhybrid.models.qwen35.default_model import default_config, random_weights
+from pagedhybrid.models.qwen35.synthetic import random_weights, tiny_byte_config
 from pagedhybrid.parallel.tensor_parallel import attention_sharding, tensor_parallel_qwen35
 
 BLOCK = 16
@@ -37,7 +37,7 @@ def _steps(model: Any) -> dict[str, torch.Tensor]:
 
 
 def tp_worker(rank: int, world: int) -> dict[str, Any]:
-    cfg = default_config()
+    cfg = tiny_byte_config()
     full = build(cfg, torch.float32, "cpu")
     full.load_weights(random_weights(cfg, seed=7))
     local = tensor_parallel_qwen35(full, sharding=attention_sharding(cfg, rank, world))

@@ -135,20 +135,21 @@ def _generate_stream(llm: LLM, prompts: list[str], params: SamplingParams,
 
 
 # -- pagedhybrid run ---------------------------------------------------------------------------
-DEMO = (  # (arrival step, prompt, params)
-    (0, "The quick brown fox", SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)),
-    (0, "Paged attention keeps keys and values in fixed-size pages shared by every request, "
-        "while Gated DeltaNet layers keep one fixed recurrent state per sequence.",
+DEMO = (  # (arrival step, prompt, params): the built-in model was trained on the KJV Bible
+    (0, "In the beginning God created",
+     SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)),
+    (0, "And it came to pass, when the king had heard the words of the prophet, that he rent "
+        "his clothes, and",
      SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)),
-    (3, "Hello", SamplingParams(temperature=0.8, top_k=40, seed=7, max_tokens=40,
-                                ignore_eos=True)),
-    (6, "Continuous batching packs prefill chunks and decodes of many requests into one step "
-        "under a token budget; when pages run out, the newest request is preempted and later "
-        "recomputed from its prompt and the tokens it already generated.",
+    (3, "The LORD is my shepherd;", SamplingParams(temperature=0.8, top_k=40, seed=7,
+                                                   max_tokens=40, ignore_eos=True)),
+    (6, "Then Jesus went up into a mountain, and there he sat with his disciples. And when he "
+        "lifted up his eyes, and saw a great company come unto him, he said unto Philip,",
      SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)),
-    (10, "Abort me", SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)),
-    (14, "One more short request", SamplingParams(temperature=0.7, top_p=0.9, seed=1,
-                                                  max_tokens=20, ignore_eos=True)),
+    (10, "And the children of Israel", SamplingParams(temperature=0.0, max_tokens=64,
+                                                       ignore_eos=True)),
+    (14, "Blessed are the meek:", SamplingParams(temperature=0.7, top_p=0.9, seed=1,
+                                                 max_tokens=20, ignore_eos=True)),
 )
 ABORT_AFTER = ("r4", 6)  # abort r4 after it generated this many tokens
 
@@ -235,7 +236,7 @@ def _report(engine: Engine, tracks: dict[str, _Track], console: object, table_cl
     table = table_cls(title="requests")
     for col in ("id", "prompt", "out", "finish", "preempt", "ttft s", "total s"):
         table.add_column(col, justify="right" if col not in ("id", "finish") else "left")
-    table.add_column("text", overflow="ellipsis", no_wrap=True, max_width=24)
+    table.add_column("text", overflow="ellipsis", no_wrap=True, max_width=60)
     for rid, tr in tracks.items():
         o = tr.out
         assert o is not None
@@ -243,7 +244,7 @@ def _report(engine: Engine, tracks: dict[str, _Track], console: object, table_cl
         lat = "-" if tr.done_s is None else f"{tr.done_s - tr.added_s:.2f}"
         table.add_row(rid, str(len(o.prompt_token_ids)), str(len(o.token_ids)),
                       str(o.finish_reason), str(o.num_preemptions), first, lat,
-                      repr((o.text or "")[:20]))
+                      repr((o.text or "")[:56]))
     console.print(table)  # type: ignore[attr-defined]
     st = engine.stats
     prompt = sum(len(t.out.prompt_token_ids) for t in tracks.values() if t.out)

@@ -8,7 +8,9 @@ One ``step()``:
 2. ``build_batch`` packs them into the model's ``PackedBatch`` -- exactly the packed ABI
    (``input_ids[N]``, ``position_ids[3, N]``, ``cu_seqlens[B+1]``, ``past_seqlens[B]``,
    ``block_table[B, M]`` (``-1`` padded), ``state_slots[B]``, ``attention_metadata[3]``) -- and
-   the logits rows: the last row of every chunk that reaches its request's last known token.
+   the logits rows: the last row of every chunk that reaches its request's last known token,
+   and, for requests that asked for ``prompt_logprobs``, the rows of the prompt positions in the
+   chunk that predict a prompt token.
 3. ``model.forward_packed`` writes the KV pages and state slots in place and returns those rows'
    logits. A sequence with ``past_seqlens == 0`` (first admission, or re-admission after
    preemption) starts from zero conv/recurrent state whatever its slot holds; pages are never
@@ -25,18 +27,22 @@ forward, sampling and bookkeeping.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from pagedhybrid.engine.pages import BlockPool
 from pagedhybrid.engine.request import InvalidRequest, Request, RequestOutput
-from pagedhybrid.engine.sampling import SampledToken, SamplingParams, sample
+from pagedhybrid.engine.sampling import SampledToken, SamplingParams, logprob_dicts, sample
 from pagedhybrid.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedhybrid.engine.states import StatePool
 from pagedhybrid.errors import CapacityError, ContractViolation
+from pagedhybrid.kernels.backend import Selection, select
+from pagedhybrid.kernels.step import StepMetadata
 from pagedhybrid.models.qwen35 import PackedBatch, PagedHybridCache, Qwen35ForCausalLM
 from pagedhybrid.models.qwen35.config import Qwen35Config
 
@@ -51,7 +57,10 @@ class EngineConfig:
     ``gpu_utilization_factor``); with neither, ``DEFAULT_CACHE_MEMORY`` is split into
     ``num_state_slots`` slots (default ``max_num_seqs``) and as many pages as fit, capped at what
     ``max_num_seqs`` requests of ``max_model_len`` tokens can use. ``cache_fill=None`` fills the
-    pools with random garbage instead of zeros (outputs must not change).
+    pools with random garbage instead of zeros (outputs must not change). ``backend`` picks the
+    kernels (``pagedhybrid.kernels.backend.select``): ``auto`` runs the native kernels when the
+    prebuilt extension is present and says why not otherwise; a named backend that cannot serve
+    the model's dtype/shape is refused here, at construction.
     """
 
     block_size: int = 16
@@ -64,6 +73,7 @@ class EngineConfig:
     seed: int = 0
     device: str = "cpu"
     cache_fill: float | None = 0.0
+    backend: str = "auto"  # kernel backend: auto | native | torch | reference
 
     def __post_init__(self) -> None:
         if self.num_blocks is not None and self.cache_memory_bytes is not None:
@@ -155,21 +165,56 @@ class EngineStats:
         return (sum(o for o, _ in rows) / total if total else 0.0), len(rows)
 
 
-def build_batch(output: SchedulerOutput, device: str = "cpu"
-                ) -> tuple[PackedBatch, torch.Tensor, list[int]]:
-    """The packed ABI batch of a scheduled step, the logits rows and which sequences they are."""
+class PromptSpan(NamedTuple):
+    """Logits rows ``[row, row + count)`` score prompt tokens ``first + 1 ... first + count`` of
+    sequence ``seq`` of the step."""
+
+    seq: int
+    first: int
+    row: int
+    count: int
+
+
+class StepBatch(NamedTuple):
+    """A scheduled step as the model sees it, and what its logits rows are for."""
+
+    batch: PackedBatch
+    meta: StepMetadata  # validated once here; every layer's kernels read it
+    rows: torch.Tensor  # int64 [R]: token rows whose logits are computed
+    sampling: list[int]  # sequences that sample this step
+    sample_rows: list[int]  # their positions in ``rows``
+    prompt_spans: list[PromptSpan]  # prompt-logprob rows
+
+
+def build_batch(output: SchedulerOutput, cache: PagedHybridCache, device: str = "cpu"
+                ) -> StepBatch:
+    """The packed ABI batch of a scheduled step, its step metadata and its logits rows."""
     seqs = output.sequences
+    tables = [s.block_table for s in seqs]
     batch = PackedBatch.from_sequences(
         [s.request.token_ids[s.start:s.start + s.num_new_tokens] for s in seqs],
-        [s.start for s in seqs],
-        [s.block_table for s in seqs],
-        [s.slot for s in seqs],
-        device=device,
-    )
-    sampling = [i for i, s in enumerate(seqs) if s.samples]
-    ends = torch.tensor([s.num_new_tokens for s in seqs]).cumsum(0) - 1  # [B]
-    rows = ends[sampling] if sampling else torch.zeros(0, dtype=torch.int64)  # [R]
-    return batch, rows.to(device), sampling
+        [s.start for s in seqs], tables, [s.slot for s in seqs], device=device)
+    meta = StepMetadata.build([s.num_new_tokens for s in seqs], [s.start for s in seqs],
+                              batch.block_table, [s.slot for s in seqs],
+                              block_size=cache.block_size, num_pages=cache.num_pages,
+                              num_slots=cache.num_slots, device=device)
+    rows: list[int] = []
+    sampling, sample_rows, spans = [], [], []
+    offset = 0
+    for i, s in enumerate(seqs):
+        req = s.request
+        if req.params.prompt_logprobs is not None and not req.prompt_logprobs_done:
+            hi = min(s.start + s.num_new_tokens, req.num_prompt_tokens - 1)  # last scored + 1
+            if hi > s.start:
+                spans.append(PromptSpan(i, s.start, len(rows), hi - s.start))
+                rows.extend(range(offset, offset + hi - s.start))
+        if s.samples:
+            sampling.append(i)
+            sample_rows.append(len(rows))
+            rows.append(offset + s.num_new_tokens - 1)
+        offset += s.num_new_tokens
+    return StepBatch(batch, meta, torch.tensor(rows, dtype=torch.int64, device=device),
+                     sampling, sample_rows, spans)
 
 
 class Engine:
@@ -181,6 +226,10 @@ class Engine:
         self.config = config or EngineConfig()
         self.tokenizer = tokenizer
         mc = model.config
+        self.kernels: Selection = select(self.config.backend, mc, model.dtype)
+        model.backend = self.kernels.backend
+        if self.kernels.backend.name != "native" and self.config.backend == "auto":
+            print(f"pagedhybrid: {self.kernels.reason}", file=sys.stderr)
         sizes = size_pools(mc, self.config, model.dtype)
         self.sizes = sizes
         gen = torch.Generator().manual_seed(self.config.seed)
@@ -276,15 +325,22 @@ class Engine:
         st.preemptions += len(sched.preempted)
         if not sched.sequences:
             return outputs
-        batch, rows, sampling = build_batch(sched, self.config.device)
+        step = build_batch(sched, self.cache, self.config.device)
         t2 = time.perf_counter()
-        logits = self.model.forward_packed(batch, self.cache, rows)  # [R, V]
+        logits = self.model.forward_packed(step.batch, self.cache, step.rows,
+                                           step.meta)  # [R, V]
         t3 = time.perf_counter()
+        for span in step.prompt_spans:
+            req = sched.sequences[span.seq].request
+            targets = req.token_ids[span.first + 1:span.first + 1 + span.count]
+            req.record_prompt_logprobs(span.first, logprob_dicts(
+                logits[span.row:span.row + span.count], targets, req.params.prompt_logprobs or 0))
         sampled: dict[str, SampledToken] = {}
         failed: list[tuple[Request, str]] = []
-        if sampling:
-            seqs = [sched.sequences[i] for i in sampling]
-            finite = torch.isfinite(logits).all(dim=-1).tolist()  # [R]
+        if step.sampling:
+            seqs = [sched.sequences[i] for i in step.sampling]
+            logits = logits[step.sample_rows]  # [S, V]
+            finite = torch.isfinite(logits).all(dim=-1).tolist()  # [S]
             ok = [j for j, f in enumerate(finite) if f]
             failed = [(seqs[j].request, "non-finite logits") for j, f in enumerate(finite)
                       if not f]
@@ -341,6 +397,8 @@ class Engine:
             finish_reason=req.finish_reason,
             text=text,
             logprobs=tuple(req.logprobs) if req.params.logprobs is not None else None,
+            prompt_logprobs=(tuple(req.prompt_logprobs) if req.params.prompt_logprobs is not None
+                             and req.prompt_logprobs_done else None),
             error=req.error,
             num_preemptions=req.num_preemptions,
         )

@@ -64,7 +64,7 @@ def load_engine(model: str | Path | None = None, *, dtype: str | torch.dtype = "
     model_dir = default_model_dir() if model is None else Path(model)
     net = load(model_dir, dtype=resolve_dtype(dtype))
     try:
-        tokenizer = load_tokenizer(model_dir)
+        tokenizer = load_tokenizer(model_dir, net.config.vocab_size)
     except UnsupportedConfiguration:
         tokenizer = None  # token-id prompts still work
     return Engine(net, EngineConfig(**config), tokenizer)  # type: ignore[arg-type]

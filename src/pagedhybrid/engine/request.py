@@ -60,6 +60,7 @@ class Request:
     error: str | None = None
     num_preemptions: int = 0
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob] | None] = field(default_factory=lambda: [None])
     num_emitted: int = 0  # output tokens already reported by step()
 
     def __post_init__(self) -> None:
@@ -86,6 +87,17 @@ class Request:
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
+    def record_prompt_logprobs(self, first: int, dicts: list[dict[int, Logprob]]) -> None:
+        """Logprobs of prompt tokens ``first + 1 ...`` (given the tokens before each); entries
+        already recorded (a recompute after preemption) are kept."""
+        have = len(self.prompt_logprobs)  # entries 0 .. have-1 are known
+        if first + 1 <= have:
+            self.prompt_logprobs.extend(dicts[have - first - 1:])
+
+    @property
+    def prompt_logprobs_done(self) -> bool:
+        return len(self.prompt_logprobs) >= self.num_prompt_tokens
+
     def append(self, tok: SampledToken, eos_token_ids: Collection[int],
                max_model_len: int) -> FinishReason | None:
         """Record a sampled token; return the finish reason if the request is now done."""
@@ -108,7 +120,8 @@ class RequestOutput:
 
     ``new_token_ids`` are the tokens generated since the previous report, ``token_ids`` all
     generated tokens so far; ``text`` decodes ``token_ids`` when the engine has a tokenizer.
-    ``logprobs`` (when asked) has one dict per generated token.
+    ``logprobs`` (when asked) has one dict per generated token; ``prompt_logprobs`` (when asked)
+    one per prompt token, ``None`` for the first (vLLM's layout), once the prompt is computed.
     """
 
     request_id: str
@@ -119,5 +132,6 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     text: str | None = None
     logprobs: tuple[dict[int, Logprob], ...] | None = None
+    prompt_logprobs: tuple[dict[int, Logprob] | None, ...] | None = None
     error: str | None = None
     num_preemptions: int = 0

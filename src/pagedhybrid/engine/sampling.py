@@ -2,8 +2,10 @@
 
 ``SamplingParams`` follows vLLM's names: ``temperature`` (0 = greedy), ``top_k`` (0 or -1 =
 off), ``top_p`` (1 = off), ``seed`` (per-request generator), ``max_tokens``, ``stop_token_ids``,
-``ignore_eos`` and ``logprobs`` (k: the top-k log-probabilities of the model distribution at each
-generated token, plus the sampled token's own, like vLLM's default raw logprobs).
+``ignore_eos``, ``logprobs`` (k: the top-k log-probabilities of the model distribution at each
+generated token, plus the sampled token's own, like vLLM's default raw logprobs) and
+``prompt_logprobs`` (k: the same for every prompt token after the first, given the tokens before
+it -- what perplexity is computed from).
 
 Algorithm of ``sample`` on fp32 logits ``[B, V]`` (one row per request that samples this step):
 
@@ -41,6 +43,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         def bad(field: str, rule: str, got: object) -> ContractViolation:
@@ -56,8 +59,10 @@ class SamplingParams:
             raise bad("max_tokens", "must be an int >= 1", self.max_tokens)
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "must be an int or None", self.seed)
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            raise bad("logprobs", "must be None or an int >= 0", self.logprobs)
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
+                raise bad(name, "must be None or an int >= 0", k)
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
     @property
@@ -99,16 +104,24 @@ def _filtered_probs(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tens
     return torch.empty_like(probs_sorted).scatter_(1, order, probs_sorted)  # [R, V]
 
 
-def _logprobs(logits: torch.Tensor, token: int, k: int) -> dict[int, Logprob]:
-    lp = logits.log_softmax(dim=-1)  # [V]
-    out: dict[int, Logprob] = {}
-    if k > 0:
-        vals, ids = lp.topk(min(k, lp.numel()))
-        for r, (v, i) in enumerate(zip(vals.tolist(), ids.tolist(), strict=True)):
-            out[int(i)] = Logprob(float(v), r + 1)
-    if token not in out:
-        mine = lp[token]
-        out[token] = Logprob(float(mine), int((lp > mine).sum()) + 1)
+def logprob_dicts(logits: torch.Tensor, tokens: Sequence[int], k: int
+                  ) -> list[dict[int, Logprob]]:
+    """Per row of fp32 ``logits [R, V]``: the top-``k`` tokens and ``tokens[r]`` with their
+    log-probabilities under the raw distribution and ranks (1 = most likely)."""
+    lp = logits.float().log_softmax(dim=-1)  # [R, V]
+    target = torch.tensor(list(tokens), dtype=torch.int64)  # [R]
+    mine = lp.gather(1, target[:, None])  # [R, 1]
+    ranks = ((lp > mine).sum(dim=1) + 1).tolist()  # [R]
+    top_v, top_i = lp.topk(min(k, lp.shape[1]), dim=1) if k > 0 else (None, None)
+    out = []
+    for r, (tok, val) in enumerate(zip(target.tolist(), mine[:, 0].tolist(), strict=True)):
+        d: dict[int, Logprob] = {}
+        if top_v is not None and top_i is not None:
+            d = {int(i): Logprob(float(v), j + 1)
+                 for j, (v, i) in enumerate(zip(top_v[r].tolist(), top_i[r].tolist(),
+                                                strict=True))}
+        d.setdefault(tok, Logprob(float(val), int(ranks[r])))
+        out.append(d)
     return out
 
 
@@ -137,6 +150,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
             tokens[i] = int((probs[j] / noise).argmax())
     out = []
     for i, p in enumerate(params):
-        lps = _logprobs(logits[i], tokens[i], p.logprobs) if p.logprobs is not None else None
+        lps = (logprob_dicts(logits[i:i + 1], [tokens[i]], p.logprobs)[0]
+               if p.logprobs is not None else None)
         out.append(SampledToken(int(tokens[i]), lps))
     return out

@@ -5,9 +5,10 @@ Nodes are recorded on an ``onnx_ir.tape.Tape``; each node gets a path-like name
 graph-level name (``present.3.key``) is given. Weights come from a ``WeightSource``; small
 constants are int64/float initializers. Helpers shared by both layer kinds live here:
 ``matmul`` (right operand ``[in, out]``), ``fused_matmul`` (several projections of one input as
-one ``MatMul`` + ``Split``), ``offset_rms_norm`` (``SimplifiedLayerNormalization`` with the
-``1 + w`` gain, statistics in float32) and ``skip_rms_norm`` (the residual add fused in,
-``SkipSimplifiedLayerNormalization``), ``silu``.
+one ``MatMul`` + ``Split``), ``l2_normalize`` (HF's q/k norm with its eps),
+``offset_rms_norm`` (``SimplifiedLayerNormalization`` with the ``1 + w`` gain, statistics in
+float32) and ``skip_rms_norm`` (the residual add fused in, ``SkipSimplifiedLayerNormalization``),
+``silu``.
 """
 
 from __future__ import annotations
@@ -128,6 +129,19 @@ class GraphBuilder:
                              {"epsilon": float(eps)}, domain=c.MS_DOMAIN,
                              outputs=[None, "", "", None])
         return y, h
+
+    def l2_normalize(self, x: ir.Value, eps: float, name: str) -> ir.Value:
+        """float32 ``x * 1/sqrt(sum(x^2) + eps)`` over the last axis (HF ``l2norm``):
+        ``Cast -> ReduceSumSquare -> Add(eps) -> Sqrt -> Reciprocal -> Mul``."""
+        xf = x if self.io_dtype == "float" else self.cast(x, "float", f"{name}/Cast")
+        ss = self.op1("ReduceSumSquare", [xf, self.const_i64([-1])], f"{name}/ReduceSumSquare",
+                      {"keepdims": 1})  # [..., 1]
+        eps_v = self.const_f32(f"const_f32_l2norm_eps_{eps:g}",
+                               np.array([eps], dtype=np.float32))
+        inv = self.op1("Reciprocal", [self.op1("Sqrt", [self.op1("Add", [ss, eps_v],
+                                                                  f"{name}/Add")],
+                                                 f"{name}/Sqrt")], f"{name}/Reciprocal")
+        return self.op1("Mul", [xf, inv], f"{name}/Mul")
 
     def silu(self, x: ir.Value, name: str) -> ir.Value:
         return self.op1("Mul", [x, self.op1("Sigmoid", [x], f"{name}/Sigmoid")], f"{name}/Mul")

@@ -9,11 +9,16 @@ Per layer ``i`` (``Hk``/``Hv`` key/value heads of ``Dk``/``Dv``, ``conv_dim = 2�
    zero bias (as the genai builder writes it; CPU also accepts an empty slot),
    past_key_values.i.conv_state [B, conv_dim, K-1]; activation=silu)`` ->
    ``[N, conv_dim]``, ``present.i.conv_state``.
-3. Split ``[Hk·Dk, Hk·Dk, Hv·Dv]`` -> ``q, k [N, Hk, Dk]``, ``v [N, Hv, Dv]``.
+3. Split ``[2·Hk·Dk, Hv·Dv]``; the q and k heads ``[N, 2·Hk, Dk]`` are L2-normalised per head
+   in one pass as HF does, ``x * 1/sqrt(sum(x^2) + 1e-6)`` in float32
+   (``GraphBuilder.l2_normalize``; the op's own ``qk_l2_norm=1`` uses eps 1e-12), then split
+   into ``q, k [N, Hk, Dk]``; ``v [N, Hv, Dv]``. As in
+   the torch model, q, k and v enter the op in float32 (no rounding of the normalised q/k back to
+   the activation type) and its output is cast back before the norm.
 4. ``GatedDeltaNet(q, k, v, cumulative_sequence_lengths, a, b,
    past_key_values.i.recurrent_state float [B, Hv, Dv, Dk] (V-major, the op's own layout),
    A_log float [Hv], dt_bias float [Hv]; gate_activation=qwen, beta_activation=sigmoid,
-   qk_l2_norm=1, update_rule=gated_delta, scale=0)``: the kernel computes
+   qk_l2_norm=0, update_rule=gated_delta, scale=0)``: the kernel computes
    ``g = -exp(A_log)·softplus(a + dt_bias)`` and ``beta = sigmoid(b)`` itself, so the graph does
    not (no transformed gates).
 5. ``GatedRMSNorm(core, norm.weight (raw), z; activation=silu, epsilon=rms_norm_eps)`` ->
@@ -27,6 +32,7 @@ import onnx_ir as ir
 from pagedhybrid.export import constants as c
 from pagedhybrid.export.builder import GraphBuilder
 from pagedhybrid.models.qwen35.config import Qwen35Config
+from pagedhybrid.models.qwen35.linear_attention import QK_L2_NORM_EPS
 
 
 def emit_gated_delta_net(b: GraphBuilder, config: Qwen35Config, i: int, x: ir.Value,
@@ -49,20 +55,26 @@ def emit_gated_delta_net(b: GraphBuilder, config: Qwen35Config, i: int, x: ir.Va
         c.VARLEN_CONV, [qkv, b.weight(f"{w}.conv1d.weight"), cu_seqlens, bias, past_conv],
         f"{p}/{c.VARLEN_CONV}", {"activation": "silu"}, domain=c.MS_DOMAIN,
         outputs=[None, c.PRESENT_CONV % i])  # [N, conv_dim], present conv
-    q, k, v = b.op("Split", [mixed, b.const_i64([hk * dk, hk * dk, hv * dv])], f"{p}/SplitQKV",
-                   {"axis": 1}, outputs=3)
-    q = b.reshape(q, [0, hk, dk], f"{p}/q/Reshape")  # [N, Hk, Dk]
-    k = b.reshape(k, [0, hk, dk], f"{p}/k/Reshape")  # [N, Hk, Dk]
+    qk, v = b.op("Split", [mixed, b.const_i64([2 * hk * dk, hv * dv])], f"{p}/SplitQKV",
+                 {"axis": 1}, outputs=2)  # [N, 2*Hk*Dk], [N, Hv*Dv]
+    qk = b.l2_normalize(b.reshape(qk, [0, 2 * hk, dk], f"{p}/qk/Reshape"), QK_L2_NORM_EPS,
+                        f"{p}/qk/L2Norm")  # float [N, 2*Hk, Dk], q heads then k heads
+    q, k = b.op("Split", [qk, b.const_i64([hk, hk])], f"{p}/qk/Split", {"axis": 1},
+                outputs=2)  # float [N, Hk, Dk] x2
     v = b.reshape(v, [0, hv, dv], f"{p}/v/Reshape")  # [N, Hv, Dv]
+    if b.io_dtype != "float":
+        v = b.cast(v, "float", f"{p}/v/Cast")  # float [N, Hv, Dv]
     core, _ = b.op(
         c.GATED_DELTA_NET,
         [q, k, v, cu_seqlens, decay, beta, past_recurrent, b.weight(f"{w}.A_log"),
          b.weight(f"{w}.dt_bias")],
         f"{p}/{c.GATED_DELTA_NET}",
         {"update_rule": "gated_delta", "gate_activation": "qwen", "beta_activation": "sigmoid",
-         "qk_l2_norm": 1, "scale": 0.0},
+         "qk_l2_norm": 0, "scale": 0.0},
         domain=c.MS_DOMAIN, outputs=[None, c.PRESENT_RECURRENT % i],
-    )  # [N, Hv, Dv], present recurrent (float [B, Hv, Dv, Dk])
+    )  # float [N, Hv, Dv], present recurrent (float [B, Hv, Dv, Dk])
+    if b.io_dtype != "float":
+        core = b.cast(core, b.io_dtype, f"{p}/{c.GATED_DELTA_NET}/Cast")  # [N, Hv, Dv]
     y = b.op1("GatedRMSNorm", [core, b.weight(f"{w}.norm.weight"), z], f"{p}/norm/GatedRMSNorm",
               {"activation": "silu", "epsilon": float(config.rms_norm_eps)},
               domain=c.MS_DOMAIN)  # [N, Hv, Dv]

@@ -4,8 +4,10 @@
 (PagedAttention runs there; GatedDeltaNet and VarlenCausalConvWithState fall back to the CPU EP of
 onnxruntime >= 1.32) and allocates the page buffers of every full-attention layer **on the
 device**, bound in place (one OrtValue as ``past_key_values.i.key`` and ``present.i.key``)
-through IOBinding. ``placement="paged_only"`` (the default) keeps every other node on the CPU EP
-(the WebGPU EP's ``forceCpuNodeNames``), whose float16 MatMul accumulates in float32; with
+through IOBinding. ``placement="paged_only"`` (the default) keeps the accumulating nodes -- every
+MatMul, norm and reduction -- on the CPU EP (the WebGPU EP's ``forceCpuNodeNames``; its float16
+MatMul accumulates in float32 there), and all other nodes too while their names fit ONNX
+Runtime's 8192-character option value; with
 ``placement="webgpu"`` the WebGPU EP takes every node it has a kernel for (its float16 MatMul
 accumulates in float16). Fixed states are passed per step in batch order (row ``b`` = ``b``-th
 sequence of ``cumulative_sequence_lengths``) and are also bound in place (one host OrtValue as
@@ -34,8 +36,15 @@ PAGED_ONLY = "paged_only"  # PagedAttention on WebGPU, every other node on the C
 WEBGPU = "webgpu"  # every node the WebGPU EP claims runs there (fp16 MatMul accumulates in fp16)
 
 
+ACCUMULATING = ("MatMul", "Gemm", "SimplifiedLayerNormalization",
+                "SkipSimplifiedLayerNormalization", "GatedRMSNorm", "ReduceSumSquare",
+                c.GATED_DELTA_NET, c.VARLEN_CONV)
+OPTION_LIMIT = 8192  # onnxruntime's longest config value
+
+
 def ep_options(model_path: str | Path, placement: str) -> dict[str, str]:
-    """WebGPU EP options; ``paged_only`` pins every non-PagedAttention node to the CPU EP."""
+    """WebGPU EP options; ``paged_only`` pins non-PagedAttention nodes to the CPU EP
+    (accumulating ones first, the rest while the option value has room)."""
     if placement == WEBGPU:
         return {}
     if placement != PAGED_ONLY:
@@ -43,8 +52,19 @@ def ep_options(model_path: str | Path, placement: str) -> dict[str, str]:
             f"placement {placement!r}: use {PAGED_ONLY!r} or {WEBGPU!r}")
     import onnx_ir as ir
 
-    names = [n.name for n in ir.load(model_path).graph if n.op_type != c.PAGED_ATTENTION]
-    return {"forceCpuNodeNames": "\n".join(n for n in names if n)}
+    nodes = [n for n in ir.load(model_path).graph if n.op_type != c.PAGED_ATTENTION and n.name]
+    nodes.sort(key=lambda n: n.op_type not in ACCUMULATING)  # stable: accumulating first
+    names, size = [], 0
+    for n in nodes:
+        if size + len(n.name) + 1 > OPTION_LIMIT:
+            if n.op_type in ACCUMULATING:
+                raise UnsupportedConfiguration(
+                    f"placement {PAGED_ONLY!r}: the graph's accumulating node names exceed "
+                    f"onnxruntime's {OPTION_LIMIT}-character option; use {WEBGPU!r}")
+            break
+        names.append(n.name)
+        size += len(n.name) + 1
+    return {"forceCpuNodeNames": "\n".join(names)}
 
 
 class StepOutput(NamedTuple):

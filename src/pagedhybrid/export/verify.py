@@ -15,7 +15,9 @@
    16 = ``attention_metadata``), operands 3/4 = the layer's page buffers and outputs 1/2 = its
    ``present`` names (the aliasing pairs), SEPARATE layout, RoPE outside, head counts; one
    ``VarlenCausalConvWithState`` and one ``GatedDeltaNet`` per linear layer on that layer's states,
-   ``cumulative_sequence_lengths`` as boundaries, the Qwen gate attributes, float ``A_log`` /
+   ``cumulative_sequence_lengths`` as boundaries, the Qwen gate attributes, q and k normalised
+   before the op as HF does (``x * 1/sqrt(sum(x^2) + 1e-6)`` in float32, ``qk_l2_norm=0``: the
+   op's own norm uses eps 1e-12), float ``A_log`` /
    ``dt_bias [Hv]``; conv weight ``[C, 1, K]`` and q/k/v head shapes consistent with the state
    shapes (which catches a K-major recurrent state or a channels-last conv state);
 5. ``genai_config.json``: decoder input/output templates resolve to the graph's names, the three
@@ -37,6 +39,7 @@ from typing import Any, NamedTuple
 import onnx_ir as ir
 
 from pagedhybrid.export import constants as c
+from pagedhybrid.models.qwen35.linear_attention import QK_L2_NORM_EPS
 
 DTYPE_NAME = {ir.DataType.FLOAT16: "float16", ir.DataType.BFLOAT16: "bfloat16",
               ir.DataType.FLOAT: "float", ir.DataType.INT64: "int64", ir.DataType.INT32: "int32"}
@@ -48,7 +51,9 @@ SHARED: dict[str, tuple[str, tuple[int | None, ...]]] = {  # name -> dtype, dims
     c.PAST_SEQLENS: ("int32", (None,)),
     c.ATTENTION_METADATA: ("int32", (3,)),
 }
-GDN_ATTRS = {"update_rule": "gated_delta", "beta_activation": "sigmoid", "qk_l2_norm": 1}
+GDN_ATTRS = {"update_rule": "gated_delta", "beta_activation": "sigmoid", "qk_l2_norm": 0}
+# HF l2norm, outermost node first
+L2_NORM_CHAIN = ("Mul", "Reciprocal", "Sqrt", "Add", "ReduceSumSquare")
 
 
 class Finding(NamedTuple):
@@ -124,6 +129,47 @@ def _reshape_dims(v: ir.Value | None) -> list[int] | None:
     if node is None or node.op_type != "Reshape" or len(node.inputs) < 2:
         return None
     return _const_ints(node.inputs[1])
+
+
+def _skip(v: ir.Value | None, op_type: str) -> ir.Value | None:
+    """The data input of ``v``'s producer when that is an ``op_type`` node, else ``v``."""
+    node = v.producer() if v is not None else None
+    return node.inputs[0] if node is not None and node.op_type == op_type else v
+
+
+def _skip_cast(v: ir.Value | None) -> ir.Value | None:
+    return _skip(v, "Cast")
+
+
+def _is_float(v: ir.Value) -> bool:
+    """float32 by its type, or as the output of a ``Cast`` to float (intermediates are untyped)."""
+    node = v.producer()
+    if node is not None and node.op_type == "Cast":
+        return _attr(node, "to") == ir.DataType.FLOAT
+    return v.dtype == ir.DataType.FLOAT
+
+
+def _l2_normalized(v: ir.Value | None) -> tuple[ir.Value | None, float | None]:
+    """If ``v`` is ``[Cast] Mul(x, Reciprocal(Sqrt(Add(ReduceSumSquare(x, [-1]), eps))))``
+    over float32 ``x``, return (the value before normalisation, eps); else (None, None)."""
+    inner = _skip_cast(v)
+    mul = inner.producer() if inner is not None else None
+    if mul is None or mul.op_type != "Mul" or len(mul.inputs) != 2:
+        return None, None
+    x, node = mul.inputs[0], mul.inputs[1].producer() if mul.inputs[1] is not None else None
+    eps = None
+    for op in L2_NORM_CHAIN[1:]:
+        if node is None or node.op_type != op:
+            return None, None
+        if op == "Add":
+            const = node.inputs[1].const_value if node.inputs[1] is not None else None
+            eps = float(const.numpy().reshape(-1)[0]) if const is not None else None
+        if op == "ReduceSumSquare":
+            axes = _const_ints(node.inputs[1]) if len(node.inputs) > 1 else None
+            ok = node.inputs[0] is x and axes == [-1] and _attr(node, "keepdims", 1) == 1
+            return (_skip_cast(x), eps) if ok and x is not None and _is_float(x) else (None, None)
+        node = node.inputs[0].producer() if node.inputs[0] is not None else None
+    return None, None
 
 
 def verify_package(out_dir: str | Path) -> VerifyReport:
@@ -355,7 +401,13 @@ def _verify_linear(i: int, conv_nodes: list[ir.Node], gdn_nodes: list[ir.Node],
         chk(ok, f"{c.GATED_DELTA_NET} gates", f"layer {i}: {label} "
             f"{_dtype(v) if v is not None else 'absent'} {list(_dims(v)) if v else []} "
             f"(float initializer [Hv])")
-    q, val = _reshape_dims(_inp(n, 0)), _reshape_dims(_inp(n, 2))
+    normed = {role: _l2_normalized(_skip(_inp(n, k), "Split")) for k, role in ((0, "q"),
+                                                                                  (1, "k"))}
+    chk(all(x is not None and eps is not None and abs(eps - QK_L2_NORM_EPS) <= 1e-12
+            for x, eps in normed.values()), "q/k l2 norm",
+        f"layer {i}: eps {[eps for _, eps in normed.values()]} (HF: x * 1/sqrt(sum(x^2) + "
+        f"{QK_L2_NORM_EPS:g}) in float32 before {c.GATED_DELTA_NET}, qk_l2_norm=0)")
+    q, val = _reshape_dims(normed["q"][0]), _reshape_dims(_skip_cast(_inp(n, 2)))
     ok = (q is not None and val is not None and len(q) == 3 and len(val) == 3 and len(rd) == 4
           and list(rd[1:]) == [val[1], val[2], q[2]])
     chk(ok, "recurrent state layout", f"layer {i}: state {list(rd)}, q heads {q}, v heads {val} "

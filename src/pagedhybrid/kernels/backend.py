@@ -1,73 +1,147 @@
-"""The one seam between a model and its operators: ``OpBackend`` and backend selection.
+"""The one registry of kernel backends, and the selection the model and the engine run on.
 
-Every call the model makes to ``PagedAttention``, ``VarlenCausalConvWithState`` and
-``GatedDeltaNet`` goes through an ``OpBackend``: a NamedTuple of three callables with the
-signatures of the public ops in ``pagedhybrid.ops`` (positional = ONNX Runtime input order,
-keywords = ONNX Runtime names, tuple results in ONNX Runtime output order). The default is the
-fast CPU kernels (``pagedhybrid.kernels.cpu``); the torch reference of each contract stays
-selectable (``select("reference")``, e.g. for verification runs). Any implementation of the
-same contracts is swapped in with one option (``load(..., backend=...)`` or
-``model.backend = ...``) without touching the model.
+A ``Backend`` bundles, for one implementation family:
 
-Contract reminders (shapes as the model uses them):
+* the model's step seam -- ``attention``, ``causal_conv``, ``gated_delta``: one layer's operator
+  on a validated ``StepMetadata``, with KV pages and conv / recurrent state pools updated in place
+  (see ``kernels/cpu/step.py`` for the signatures);
+* the three operator contracts with the signatures of ``pagedhybrid.ops`` (``ops``), each
+  validating its call fully (contract entry points);
+* what it declares: element types, features (``in_place_state``: state rows updated in their
+  pool; ``paged_in_place``: attention reads pages without gathering the context), and
+  ``unsupported(config, dtype)``, the reason it cannot run a model (None when it can).
 
-* ``paged_attention(query[N, H*D], key[N, Hkv*D], value[N, Hkv*D], key_cache[P, bs, Hkv, D],
-  value_cache, cumulative_sequence_length int32[B+1], past_seqlens int32[B],
-  block_table int32[B, M], attention_metadata=int32[3] | None, *, num_heads, kv_num_heads,
-  scale=0.0) -> (output[N, H*D], key_cache, value_cache)`` -- pages written in place.
-* ``varlen_causal_conv(input[T, C], weight[C, 1, K], cumulative_sequence_length int32[B+1],
-  bias=None, initial_state[B, C, K-1], *, activation="silu") -> (output[T, C], final_state)``.
-* ``gated_delta_net(query[T, Hk, Dk], key[T, Hk, Dk], value[T, Hv, Dv], cu_seqlens int32[B+1],
-  decay[T, Hv] (raw a), beta[T, Hv] (raw b), initial_state fp32[B, Hv, Dv, Dk], a_log fp32[Hv],
-  dt_bias fp32[Hv], *, gate_activation="qwen", beta_activation="sigmoid", qk_l2_norm=1,
-  scale=0.0) -> (output[T, Hv, Dv], final_state fp32[B, Hv, Dv, Dk])``.
+Registered backends:
+
+* ``native``    -- the C++ kernels (``kernels/native``) for decode / short queries and state
+  updates, the torch kernels for long prefill; needs the prebuilt extension;
+* ``torch``     -- the vectorised torch kernels (``kernels/cpu``);
+* ``reference`` -- the op references (``pagedhybrid.ops``): the declared slow path, exact.
+
+``select(name, config, dtype)`` resolves ``"auto"`` to ``native`` when it is available and can
+serve the model, else ``torch`` -- and says why in ``Selection.reason`` (never a silent
+fallback); an explicit name that cannot serve raises ``UnsupportedConfiguration``.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, NamedTuple
+
+import torch
 
 from pagedhybrid.errors import UnsupportedConfiguration
 
-BACKENDS = ("cpu", "reference")
-DEFAULT_BACKEND = "cpu"  # for torch CPU tensors
+BACKENDS = ("native", "torch", "reference")
+DEFAULT_BACKEND = "auto"
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-class OpBackend(NamedTuple):
-    """The three operator implementations a model calls."""
+class ContractOps(NamedTuple):
+    """The three operator contracts (signatures of ``pagedhybrid.ops``)."""
 
     paged_attention: Callable[..., tuple[Any, ...]]
     varlen_causal_conv: Callable[..., tuple[Any, ...]]
     gated_delta_net: Callable[..., tuple[Any, ...]]
-    name: str = "custom"
 
 
-def _backend(package: str, name: str) -> OpBackend:
-    def op(module: str) -> Callable[..., tuple[Any, ...]]:
-        return getattr(importlib.import_module(f"{package}.{module}"), module)
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    description: str
+    dtypes: tuple[torch.dtype, ...]
+    features: frozenset[str]
+    attention: Callable[..., torch.Tensor]
+    causal_conv: Callable[..., torch.Tensor]
+    gated_delta: Callable[..., torch.Tensor]
+    ops: ContractOps
+    requirement: Callable[[Any, torch.dtype], str | None]
 
-    return OpBackend(paged_attention=op("paged_attention"),
-                     varlen_causal_conv=op("varlen_causal_conv"),
-                     gated_delta_net=op("gated_delta_net"), name=name)
+    def unsupported(self, config: Any, dtype: torch.dtype) -> str | None:
+        """Why this backend cannot run a model of ``config`` in ``dtype`` (None: it can)."""
+        if dtype not in self.dtypes:
+            return f"{self.name} kernels do not serve {dtype} (they serve {list(self.dtypes)})"
+        return self.requirement(config, dtype)
+
+    def describe(self) -> dict[str, object]:
+        return {"name": self.name, "description": self.description,
+                "dtypes": [str(d).removeprefix("torch.") for d in self.dtypes],
+                "features": sorted(self.features)}
 
 
-def reference_backend() -> OpBackend:
-    """The torch references of ``pagedhybrid.ops`` (the single source of truth)."""
-    return _backend("pagedhybrid.ops", "reference")
+class Selection(NamedTuple):
+    backend: Backend
+    reason: str  # why this backend runs (and why a preferred one does not)
 
 
-def cpu_backend() -> OpBackend:
-    """The vectorised CPU kernels of ``pagedhybrid.kernels.cpu``."""
-    return _backend("pagedhybrid.kernels.cpu", "cpu")
+def _always(config: Any, dtype: torch.dtype) -> str | None:
+    return None
 
 
-def select(name: str = DEFAULT_BACKEND) -> OpBackend:
-    """``OpBackend`` by name: ``"cpu"`` (fast kernels, the default) or ``"reference"``."""
-    if name == "cpu":
-        return cpu_backend()
+def _native_requirement(config: Any, dtype: torch.dtype) -> str | None:
+    from pagedhybrid.kernels.native import status
+
+    st = status()
+    if not st.available:
+        return st.reason
+    if config is not None and (config.head_dim % 16 or config.head_dim > 256):
+        return f"native attention needs head_dim a multiple of 16 and <= 256 ({config.head_dim})"
+    return None
+
+
+def _make(name: str) -> Backend:
     if name == "reference":
-        return reference_backend()
+        from pagedhybrid import ops
+        from pagedhybrid.kernels import step_reference as step
+
+        return Backend("reference", "op references (pagedhybrid.ops), exact, slow",
+                       (*_DTYPES, torch.float64), frozenset(), step.attention, step.causal_conv,
+                       step.gated_delta, ContractOps(ops.paged_attention, ops.varlen_causal_conv,
+                                                     ops.gated_delta_net), _always)
+    if name == "torch":
+        from pagedhybrid.kernels import cpu
+        from pagedhybrid.kernels.cpu import step
+
+        return Backend("torch", "vectorised torch kernels (kernels/cpu)",
+                       (*_DTYPES, torch.float64), frozenset({"in_place_state"}), step.attention,
+                       step.causal_conv, step.gated_delta,
+                       ContractOps(cpu.paged_attention, cpu.varlen_causal_conv,
+                                   cpu.gated_delta_net), _always)
+    if name == "native":
+        from pagedhybrid.kernels.native import contract
+        from pagedhybrid.kernels.native import step as nstep
+
+        return Backend("native", "C++ kernels (kernels/native): paged decode / short-query "
+                       "attention, in-place state updates; torch kernels for long prefill",
+                       _DTYPES, frozenset({"in_place_state", "paged_in_place"}),
+                       nstep.attention, nstep.causal_conv, nstep.gated_delta,
+                       ContractOps(contract.paged_attention, contract.varlen_causal_conv,
+                                   contract.gated_delta_net), _native_requirement)
     raise UnsupportedConfiguration(
-        f"unknown op backend {name!r}; choose one of {', '.join(BACKENDS)}")
+        f"unknown kernel backend {name!r}; choose one of auto, {', '.join(BACKENDS)}")
+
+
+_CACHE: dict[str, Backend] = {}
+
+
+def backend(name: str) -> Backend:
+    """The registered backend ``name`` (``native``, ``torch`` or ``reference``)."""
+    if name not in _CACHE:
+        _CACHE[name] = _make(name)
+    return _CACHE[name]
+
+
+def select(name: str = DEFAULT_BACKEND, config: Any = None,
+           dtype: torch.dtype = torch.float32) -> Selection:
+    """The backend to run a model of ``config`` in ``dtype`` on (see the module docstring)."""
+    if name == "auto":
+        why = backend("native").unsupported(config, dtype)
+        if why is None:
+            return Selection(backend("native"), "native kernels (auto)")
+        return Selection(backend("torch"), f"torch kernels: native unavailable -- {why}")
+    chosen = backend(name)
+    why = chosen.unsupported(config, dtype)
+    if why is not None:
+        raise UnsupportedConfiguration(f"kernel backend {name!r}: {why}")
+    return Selection(chosen, f"{name} kernels (requested)")

@@ -13,15 +13,17 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+# Bound here, after the submodules are imported: importing ``pagedhybrid.ops.gated_delta_net``
+# sets the package attribute of that name to the *module*; these imports rebind it to the
+# function once and for all (a later ``import pagedhybrid.ops.x`` does not rebind it).
+from pagedhybrid.ops.gated_delta_net import gated_delta_net
+from pagedhybrid.ops.paged_attention import paged_attention
+from pagedhybrid.ops.varlen_causal_conv import varlen_causal_conv
+
 OP_MODULES = {
     "com.microsoft.PagedAttention": "pagedhybrid.ops.paged_attention",
     "com.microsoft.VarlenCausalConvWithState": "pagedhybrid.ops.varlen_causal_conv",
     "com.microsoft.GatedDeltaNet": "pagedhybrid.ops.gated_delta_net",
-}
-_FUNCTIONS = {
-    "paged_attention": "pagedhybrid.ops.paged_attention",
-    "varlen_causal_conv": "pagedhybrid.ops.varlen_causal_conv",
-    "gated_delta_net": "pagedhybrid.ops.gated_delta_net",
 }
 
 __all__ = ["OP_MODULES", "gated_delta_net", "op_module", "paged_attention", "varlen_causal_conv"]
@@ -30,9 +32,3 @@ __all__ = ["OP_MODULES", "gated_delta_net", "op_module", "paged_attention", "var
 def op_module(qualname: str) -> Any:
     """The module of an operator contract by its ``domain.Name``."""
     return importlib.import_module(OP_MODULES[qualname])
-
-
-def __getattr__(name: str) -> Any:  # lazy, so ``pagedhybrid.ops.spec`` imports stand alone
-    if name in _FUNCTIONS:
-        return getattr(importlib.import_module(_FUNCTIONS[name]), name)
-    raise AttributeError(name)

@@ -15,8 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedhybrid.errors import ContractViolation
-from pagedhybrid.kernels.cpu import gated_delta_net, gated_delta_net_pooled
-from pagedhybrid.ops import gated_delta_net as ref_mod
+from pagedhybrid.kernels.cpu import gated_delta_net
+
+ref_mod = importlib.import_module("pagedhybrid.ops.gated_delta_net")
 
 fast_mod = importlib.import_module("pagedhybrid.kernels.cpu.gated_delta_net")
 RULES = ("linear", "gated", "delta", "gated_delta")
@@ -122,40 +123,6 @@ def test_decode_only_batch_without_state_and_float64() -> None:
     ins, attrs = random_case([1] * 9, 2, 4, 8, 8, "gated_delta", False, seed=4,
                              dtype=torch.float64, fused=True, state=False)
     assert_same(ins, attrs, torch.float64)
-
-
-@pytest.mark.parametrize("block_bytes", [1, 2 << 20])
-def test_pooled_updates_pool_rows_in_place(block_bytes: int,
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fast_mod, "DECODE_BLOCK_BYTES", block_bytes)
-    lens = [5, 1, 70, 0, 1, 1]
-    ins, attrs = random_case(lens, 2, 4, 8, 8, "gated_delta", False, seed=6, fused=True)
-    q, k, v, cu, decay, beta, s0, a_log, dt_bias = ins[:9]
-    pool = torch.randn(9, *s0.shape[1:])
-    for slots in ([4, 0, 6, 2, 8, 1], [2, 3, 4, 5, 6, 7]):  # scattered rows, then a range
-        p = pool.clone()
-        idx = torch.tensor(slots, dtype=torch.int32)
-        reset = torch.tensor([False, True, False, False, True, False])
-        init = p[idx.long()].clone()
-        init[reset] = 0
-        want_o, want_s = ref_mod.gated_delta_net(q, k, v, cu, decay, beta, init, a_log, dt_bias,
-                                                 **attrs)
-        o = gated_delta_net_pooled(q, k, v, cu, decay, beta, p, idx, a_log, dt_bias,
-                                   reset=reset, **attrs)
-        torch.testing.assert_close(o, want_o, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(p[idx.long()], want_s, rtol=1e-5, atol=1e-5)
-        others = [i for i in range(9) if i not in slots]
-        assert torch.equal(p[others], pool[others])  # untouched rows
-
-
-def test_pooled_rejects_bad_slots() -> None:
-    ins, attrs = random_case([2, 3], 1, 2, 4, 4, "gated_delta", False, seed=1)
-    q, k, v, cu, decay, beta = ins[:6]
-    pool = torch.zeros(3, 2, 4, 4)
-    for bad in ([0, 0], [0, 3], [-1, 1]):
-        with pytest.raises(ContractViolation):
-            gated_delta_net_pooled(q, k, v, cu, decay, beta, pool,
-                                   torch.tensor(bad, dtype=torch.int32), **attrs)
 
 
 def test_validation_is_the_contracts() -> None:

@@ -3,29 +3,27 @@
 * ``paged_attention``     -- tiled page reads + SDPA, GQA folded into the query axis (decode);
   per-sequence native-GQA SDPA with an lse-merged history/causal split (prefill).
 * ``gated_delta_net``     -- chunked WY/UT form (chunk 64) for prefill, blocked in-place recurrent
-  step for decode; ``gated_delta_net_pooled`` updates state-pool rows in place.
+  step for decode.
 * ``varlen_causal_conv``  -- blocked shifted multiply-adds over the packed stream, explicit
   windows only for rows next to a sequence start.
 
 Each function has exactly the signature of its reference in ``pagedhybrid.ops`` and calls that
 module's ``validate``; ``CAPABILITIES`` says what each fast path covers (nothing is delegated
-silently). ``select("cpu" | "reference")`` returns the model's ``OpBackend`` of either set;
-``DEFAULT_BACKEND`` names the default for torch (CPU) tensors.
+silently). ``step.py`` holds the model's step seam on these kernels (the ``torch`` backend of
+``pagedhybrid.kernels.backend``).
 """
 
 from __future__ import annotations
 
-from pagedhybrid.kernels.backend import BACKENDS, DEFAULT_BACKEND, cpu_backend, select
 from pagedhybrid.kernels.cpu.capability import KernelCapability
 from pagedhybrid.kernels.cpu.gated_delta_net import CAPABILITY as _GDN
-from pagedhybrid.kernels.cpu.gated_delta_net import gated_delta_net, gated_delta_net_pooled
+from pagedhybrid.kernels.cpu.gated_delta_net import gated_delta_net
 from pagedhybrid.kernels.cpu.paged_attention import CAPABILITY as _PA
 from pagedhybrid.kernels.cpu.paged_attention import paged_attention
 from pagedhybrid.kernels.cpu.varlen_causal_conv import CAPABILITY as _CONV
 from pagedhybrid.kernels.cpu.varlen_causal_conv import varlen_causal_conv
 
-__all__ = ["BACKENDS", "CAPABILITIES", "DEFAULT_BACKEND", "KernelCapability", "cpu_backend",
-           "gated_delta_net", "gated_delta_net_pooled", "paged_attention", "select",
+__all__ = ["CAPABILITIES", "KernelCapability", "gated_delta_net", "paged_attention",
            "varlen_causal_conv"]
 
 CAPABILITIES: dict[str, KernelCapability] = {c.op: c for c in (_PA, _CONV, _GDN)}

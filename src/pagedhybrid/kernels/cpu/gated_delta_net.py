@@ -6,7 +6,8 @@ over all tokens), a different compute order. Everything runs in float32 (float64
 inputs); outputs are cast back to the input type, the state stays float32.
 
 State layout: ``[B, Hv, Dv, Dk]`` (V-major, as the contract), updated in place in a working
-buffer (or in the caller's pool rows, ``gated_delta_net_pooled``); it is never transposed.
+buffer (or in the caller's pool rows, ``forward(..., state_rows=slots)``); it is never
+transposed.
 
 Sequences are split by length:
 
@@ -44,13 +45,12 @@ from pagedhybrid.ops.gated_delta_net import (
     _DELTA,
     _GATED,
     L2_NORM_EPS,
-    SPEC,
     GdnDims,
     _gates,
     validate,
 )
 
-__all__ = ["CAPABILITY", "forward", "gated_delta_net", "gated_delta_net_pooled"]
+__all__ = ["CAPABILITY", "forward", "gated_delta_net"]
 
 CHUNK = 64
 CHUNK_PER_KEY = 16  # per-key decay materialises [C, C, Dk] decay tensors per head
@@ -119,43 +119,6 @@ def gated_delta_net(query: torch.Tensor, key: torch.Tensor | None = None,
              else torch.zeros(shape, dtype=d.compute_dtype))  # [B, Hv, Dv, Dk] working copy
     o = forward(q, k, v, g, b, state, d.cu_seqlens, update_rule, d.scale, chunk_size)
     return o.reshape(d.output_shape).to(d.dtype), state.to(d.state_dtype)
-
-
-def gated_delta_net_pooled(query: torch.Tensor, key: torch.Tensor | None,
-                           value: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
-                           decay: torch.Tensor | None, beta: torch.Tensor | None,
-                           state_pool: torch.Tensor, state_slots: torch.Tensor,
-                           a_log: torch.Tensor | None = None,
-                           dt_bias: torch.Tensor | None = None, *,
-                           reset: torch.Tensor | None = None, **attrs: Any) -> torch.Tensor:
-    """``GatedDeltaNet`` reading and writing the recurrent state in a pool, in place.
-
-    ``state_pool`` float32 ``[num_slots, Hv, Dv, Dk]``; sequence b uses row ``state_slots[b]``
-    (int ``[B]``, distinct); ``reset`` (bool ``[B]``) starts those sequences from zeros. The call
-    is validated as ``gated_delta_net(..., initial_state=state_pool[state_slots])`` and the final
-    states are written back into the same rows; returns the output only.
-    """
-    slots = state_slots.long()  # [B]
-    chk = SPEC.check
-    chk(state_pool.dim() == 4 and state_pool.dtype in (torch.float32, torch.float64),
-        "initial_state", "state_pool must be a float32 [num_slots, Hv, Dv, Dk] tensor",
-        (tuple(state_pool.shape), state_pool.dtype))
-    chk(slots.dim() == 1 and (slots.numel() == 0 or (int(slots.min()) >= 0 and
-                                                       int(slots.max()) < state_pool.shape[0])),
-        "initial_state", f"state_slots must be rows of the pool [0, {state_pool.shape[0]})",
-        state_slots.tolist())
-    chk(len(set(slots.tolist())) == slots.numel(), "initial_state",
-        "state_slots must be distinct", state_slots.tolist())
-    chk(state_pool.is_contiguous(), "initial_state", "state_pool must be contiguous", "strided")
-    # validated as if initial_state = state_pool[state_slots] (a stride-0 stand-in, no copy)
-    stand_in = state_pool[:1].expand(slots.numel(), *state_pool.shape[1:])
-    d = validate(query, key, value, cu_seqlens, decay, beta, stand_in, a_log, dt_bias, **attrs)
-    if reset is not None and bool(reset.any()):
-        state_pool.index_fill_(0, slots[reset.bool()], 0.0)
-    q, k, v, g, b = _prepare(d, query, key, value, decay, beta, a_log, dt_bias)
-    o = forward(q, k, v, g, b, state_pool, d.cu_seqlens, d.attrs["update_rule"], d.scale,
-                d.attrs["chunk_size"], state_rows=slots)
-    return o.reshape(d.output_shape).to(d.dtype)
 
 
 # -- compute -------------------------------------------------------------------------------------

@@ -49,7 +49,8 @@ import torch
 from pagedhybrid.kernels.cpu.capability import KernelCapability
 from pagedhybrid.ops.paged_attention import PagedAttentionDims, _rms_norm, _rope, validate
 
-__all__ = ["CAPABILITY", "compute", "paged_attention"]
+__all__ = ["CAPABILITY", "TileContext", "attend_decode", "attend_prefill", "compute",
+           "paged_attention"]
 
 TILE_BYTES = 1 << 20  # K+V bytes (cache type) gathered per decode tile (~L2 size)
 _SDPA = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -171,13 +172,13 @@ def compute(inputs: Sequence[torch.Tensor | None], dims: PagedAttentionDims
     out = torch.empty(n, hq, d, dtype=cdt)  # [N, Hq, D]
     lse = torch.empty(n, hq, dtype=cdt)  # [N, Hq]
     table = block_table.to(torch.long)  # [B, M]
-    ctx = _Ctx(key_cache, value_cache, table, dims, cdt)
+    ctx = TileContext(key_cache, value_cache, table, dims, cdt)
     decode = [b for b in range(dims.batch) if dims.q_lens[b] == 1]
     if decode:
-        _decode(ctx, q, decode, out, lse)
+        attend_decode(ctx, q, decode, out, lse)
     for b in range(dims.batch):
         if dims.q_lens[b] > 1:
-            _prefill(ctx, q, b, out, lse)
+            attend_prefill(ctx, q, b, out, lse)
 
     # 5. head sink: one more logit in the denominator
     if head_sink is not None:
@@ -186,7 +187,7 @@ def compute(inputs: Sequence[torch.Tensor | None], dims: PagedAttentionDims
     return out.reshape(n, hq * d).to(query.dtype), key_cache, value_cache
 
 
-class _Ctx:
+class TileContext:
     """Per-call constants shared by the tile functions."""
 
     def __init__(self, key_cache: torch.Tensor, value_cache: torch.Tensor, table: torch.Tensor,
@@ -216,7 +217,7 @@ class _Ctx:
 
 
 # -- decode --------------------------------------------------------------------------------------
-def _decode(ctx: _Ctx, q: torch.Tensor, seqs: list[int], out: torch.Tensor,
+def attend_decode(ctx: TileContext, q: torch.Tensor, seqs: list[int], out: torch.Tensor,
             lse: torch.Tensor) -> None:
     """All single-token sequences: (sequence group x page range) tiles merged by lse."""
     dims, bs, hkv, d, g = ctx.dims, ctx.bs, ctx.hkv, ctx.d, ctx.group
@@ -279,7 +280,8 @@ def _merge_all(outs: list[torch.Tensor], lses: list[torch.Tensor], cdt: torch.dt
 
 
 # -- prefill -------------------------------------------------------------------------------------
-def _prefill(ctx: _Ctx, q: torch.Tensor, b: int, out: torch.Tensor, lse: torch.Tensor) -> None:
+def attend_prefill(ctx: TileContext, q: torch.Tensor, b: int, out: torch.Tensor,
+                   lse: torch.Tensor) -> None:
     """One sequence with more than one new token: its whole context, native GQA."""
     dims, bs = ctx.dims, ctx.bs
     q_len, past, start = dims.q_lens[b], dims.past_lens[b], dims.cu_seqlens[b]
@@ -307,7 +309,7 @@ def _prefill(ctx: _Ctx, q: torch.Tensor, b: int, out: torch.Tensor, lse: torch.T
     lse[start: start + q_len] = l_b[0].transpose(0, 1)
 
 
-def _tile_rows(ctx: _Ctx, qb: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+def _tile_rows(ctx: TileContext, qb: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
                visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Masked attention for query rows (blocks of rows, so the mask/logits stay small)."""
     q_len = qb.shape[2]
@@ -323,7 +325,7 @@ def _tile_rows(ctx: _Ctx, qb: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
 
 
 # -- tiles ---------------------------------------------------------------------------------------
-def _tile(ctx: _Ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def _tile(ctx: TileContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
           visible: torch.Tensor | None, causal: bool = False
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q ``[n, Hq', Q, D]`` over k/v ``[n, Hkv, L, D]`` -> (out, lse ``[n,Hq',Q]``).
@@ -340,7 +342,7 @@ def _tile(ctx: _Ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return o, lse.to(ctx.cdt)
 
 
-def _tile_softcap(ctx: _Ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def _tile_softcap(ctx: TileContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   visible: torch.Tensor | None, causal: bool
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Matmul tile with ``softcap * tanh(logit / softcap)``; GQA by grouping query heads."""

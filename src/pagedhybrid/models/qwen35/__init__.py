@@ -5,15 +5,15 @@ HF parity, packed paged forward for serving.
 * ``load(model_dir, dtype)`` (``model.py``) -- memory-mapped safetensors (``weights.py``) into a
   ``Qwen35ForCausalLM`` with ``forward_dense`` and ``forward_packed``.
 * ``PackedBatch``, ``PagedHybridCache`` (``packed.py``) -- one serving step and the cache layout.
-* ``OpBackend`` (``backend.py``) -- the seam to the operators (reference by default).
-* ``default_model_dir()`` (``default_model.py``), ``load_tokenizer`` (``tokenizer.py``).
+* ``default_model_dir()`` (``default_model.py``) -- the trained built-in checkpoint;
+  ``load_tokenizer`` (``tokenizer.py``); synthetic random checkpoints for tests and benchmarks
+  (``synthetic.py``).
 """
 
 from __future__ import annotations
 
-from pagedhybrid.models.qwen35.backend import OpBackend, reference_backend
 from pagedhybrid.models.qwen35.config import Qwen35Config
-from pagedhybrid.models.qwen35.default_model import default_config, default_model_dir
+from pagedhybrid.models.qwen35.default_model import default_model_dir
 from pagedhybrid.models.qwen35.errors import CheckpointError
 from pagedhybrid.models.qwen35.model import DenseCache, Qwen35ForCausalLM, build, load
 from pagedhybrid.models.qwen35.packed import ABI_INPUT_NAMES, PackedBatch, PagedHybridCache
@@ -24,16 +24,13 @@ __all__ = [
     "ByteTokenizer",
     "CheckpointError",
     "DenseCache",
-    "OpBackend",
     "PackedBatch",
     "PagedHybridCache",
     "Qwen35Config",
     "Qwen35ForCausalLM",
     "TokenizersTokenizer",
     "build",
-    "default_config",
     "default_model_dir",
     "load",
     "load_tokenizer",
-    "reference_backend",
 ]

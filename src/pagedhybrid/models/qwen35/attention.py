@@ -9,8 +9,9 @@ Per token ``x[hidden]``:
 3. Interleaved partial MRoPE on the first ``rotary_dim`` channels (``rope.py``).
 4. Causal GQA attention, scale ``hd^-0.5``; query head ``h`` reads KV head ``h // (H/Hkv)``.
    Dense path: plain torch over a contiguous cache ``[B, L, Hkv, hd]`` (fp32 math).
-   Packed path: ``PagedAttention`` through the op backend, with norms and RoPE done outside the
-   op (``do_rotary=0``) exactly as the export does; pages are written in place.
+   Packed path: the backend's paged attention on the step's ``StepMetadata`` (the
+   ``PagedAttention`` contract with norms and RoPE done outside the op, ``do_rotary=0``, exactly
+   as the export does); the step's K/V are written into the pages in place.
 5. ``o_proj(attn · sigmoid(gate))``.
 """
 
@@ -19,7 +20,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedhybrid.models.qwen35.backend import OpBackend
+from pagedhybrid.kernels.backend import Backend
+from pagedhybrid.kernels.step import StepMetadata
 from pagedhybrid.models.qwen35.config import Qwen35Config
 from pagedhybrid.models.qwen35.layers import OffsetRMSNorm, linear
 from pagedhybrid.models.qwen35.rope import apply_rope
@@ -88,25 +90,14 @@ class FullAttention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        cu_seqlens: torch.Tensor,
-        past_seqlens: torch.Tensor,
-        block_table: torch.Tensor,
-        attention_metadata: torch.Tensor | None,
+        meta: StepMetadata,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
-        backend: OpBackend,
+        backend: Backend,
     ) -> torch.Tensor:
         """``x[N, hidden]`` -> ``[N, hidden]``; this layer's pages are written in place."""
         n = x.shape[0]
         q, k, v, gate = self.project(x, cos, sin)
-        attn, key_out, value_out = backend.paged_attention(
-            q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1),  # [N, H*hd], [N, Hkv*hd] x2
-            key_cache, value_cache, cu_seqlens, past_seqlens, block_table,
-            attention_metadata=attention_metadata,
-            num_heads=self.num_heads, kv_num_heads=self.num_kv_heads, scale=0.0,
-        )
-        if key_out is not key_cache:  # a backend that returns fresh caches
-            key_cache.copy_(key_out)
-        if value_out is not value_cache:
-            value_cache.copy_(value_out)
-        return self.output(attn, gate)  # [N, hidden]
+        attn = backend.attention(q, k, v, key_cache, value_cache, meta,
+                                 self.head_dim ** -0.5)  # [N, H, hd]
+        return self.output(attn.reshape(n, -1), gate)  # [N, hidden]

@@ -1,123 +1,32 @@
-"""The built-in default model: a tiny Qwen3.5-shaped checkpoint with random weights.
+"""The built-in default model: a small trained Qwen3.5 hybrid decoder shipped in the package.
 
-``default_model_dir()`` returns a folder holding ``config.json`` (``qwen3_5_text``),
-``model.safetensors`` and the byte-tokenizer marker; it is written once (random weights from a
-fixed seed, every parameter randomised) and afterwards read through the same loader as any HF
-checkpoint. Folder: ``$PAGEDHYBRID_CACHE/default-model-v1``, or
-``~/.cache/pagedhybrid/default-model-v1`` when the variable is unset. Writing goes to a temporary
-folder beside it that is renamed into place, so parallel processes never see a partial model (the
-loser of a race deletes its copy).
-
-Shape: hidden 64, 6 layers with ``full_attention_interval`` 3 (layers 2 and 5 full, 4 linear),
-4 query / 2 KV heads of dim 32 (partial rotary 0.25 -> rotary_dim 8, mrope_section [2, 1, 1]),
-linear heads 2 key / 4 value of dim 16, conv kernel 4, vocabulary 258 (256 bytes + BOS 256 +
-EOS 257), tied embeddings.
+``default_model_dir()`` is the folder ``default-model/`` beside this module: an ordinary HF
+checkpoint (``config.json`` ``qwen3_5_text``, bf16 ``model.safetensors``, ``tokenizer.json`` +
+``tokenizer_config.json`` with a chat template, ``generation_config.json``, a ``README.md``
+model card) read by the same loader as any checkpoint, plus ``heldout.txt``, the held-out text
+its perplexity is quoted on. It is trained by ``scripts/train_default_model.py`` on the King
+James Bible (public domain; see the model card for data, size, training time and perplexities).
 """
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
+from pagedhybrid.errors import UnsupportedConfiguration
 
-from pagedhybrid.models.qwen35.config import Qwen35Config
-from pagedhybrid.models.qwen35.tokenizer import BYTE_BOS, BYTE_EOS, BYTE_TOKENIZER_FILE
-
-DEFAULT_MODEL_NAME = "default-model-v1"
-DEFAULT_SEED = 3535
-
-
-def default_config() -> Qwen35Config:
-    return Qwen35Config(
-        vocab_size=258,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        layer_types=tuple("full_attention" if (i + 1) % 3 == 0 else "linear_attention"
-                          for i in range(6)),
-        linear_conv_kernel_dim=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        rope_theta=10000.0,
-        partial_rotary_factor=0.25,
-        mrope_section=(2, 1, 1),
-        mrope_interleaved=True,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        max_position_embeddings=4096,
-        bos_token_id=BYTE_BOS,
-        eos_token_id=(BYTE_EOS,),
-        checkpoint_dtype="float32",
-    )
-
-
-def random_weights(config: Qwen35Config, seed: int) -> dict[str, torch.Tensor]:
-    """Every parameter of the checkpoint randomised (float32), keyed by HF name."""
-    from pagedhybrid.models.qwen35.model import build
-
-    shapes = build(config, torch.float32, "meta").expected_shapes()
-    gen = torch.Generator().manual_seed(seed)
-    out: dict[str, torch.Tensor] = {}
-    for name in sorted(shapes):
-        shape = shapes[name]
-        noise = torch.randn(shape, generator=gen)
-        if name.endswith("A_log"):
-            value = noise * 0.5  # decay rate exp(A_log) around 1
-        elif name.endswith("dt_bias"):
-            value = noise * 0.5
-        elif name.endswith("linear_attn.norm.weight"):
-            value = 1.0 + 0.1 * noise  # raw-weight gated norm
-        elif name.endswith("norm.weight"):
-            value = 0.1 * noise  # offset norms: (1 + w)
-        elif name.endswith("conv1d.weight"):
-            value = noise / shape[-1] ** 0.5
-        elif name.endswith("embed_tokens.weight"):
-            value = noise
-        else:
-            value = noise / shape[-1] ** 0.5  # [out, in] projections
-        out[name] = value.contiguous()
-    return out
-
-
-def write_checkpoint(path: Path, config: Qwen35Config, weights: dict[str, torch.Tensor]) -> None:
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")
-    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
-    (path / BYTE_TOKENIZER_FILE).write_text(
-        json.dumps({"type": "bytes", "bos_token_id": BYTE_BOS, "eos_token_id": BYTE_EOS}) + "\n")
-
-
-def cache_root() -> Path:
-    root = os.environ.get("PAGEDHYBRID_CACHE")
-    return Path(root) if root else Path.home() / ".cache" / "pagedhybrid"
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default-model"
+HELDOUT_TEXT = "heldout.txt"
 
 
 def default_model_dir() -> Path:
-    """The default model's folder, written on first use (atomically)."""
-    final = cache_root() / DEFAULT_MODEL_NAME
-    if (final / "config.json").is_file():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.", dir=final.parent))
-    try:
-        config = default_config()
-        write_checkpoint(tmp, config, random_weights(config, DEFAULT_SEED))
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / "config.json").is_file():  # not a lost race: a real failure
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    """The built-in model's folder (raises when the package was installed without it)."""
+    if not (DEFAULT_MODEL_DIR / "config.json").is_file():
+        raise UnsupportedConfiguration(
+            f"the built-in default model is missing from {DEFAULT_MODEL_DIR}; reinstall "
+            "pagedhybrid or pass --model DIR (scripts/train_default_model.py rebuilds it)")
+    return DEFAULT_MODEL_DIR
+
+
+def heldout_text_path() -> Path:
+    """The held-out text of the built-in model (the default text of ``pagedhybrid perplexity``)."""
+    return default_model_dir() / HELDOUT_TEXT

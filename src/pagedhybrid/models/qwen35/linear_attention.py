@@ -8,13 +8,20 @@ Tokens come packed ``x[T, hidden]`` with ``cu_seqlens int32[B+1]`` (the dense pa
 2. Depthwise causal conv + SiLU over time per sequence, ``VarlenCausalConvWithState`` (no bias),
    carrying the last ``K-1`` inputs per channel: conv state ``[B, conv_dim, K-1]``.
 3. Split ``[Hk·Dk, Hk·Dk, Hv·Dv]`` -> ``q, k [T, Hk, Dk]``, ``v [T, Hv, Dv]``.
-4. ``GatedDeltaNet`` (``gate_activation=qwen``: ``g = -exp(A_log)·softplus(a + dt_bias)`` in fp32;
-   ``beta = sigmoid(b)``; per-head L2 norm of q, k; scale ``Dk^-0.5``; value head ``hv`` reads
-   key head ``hv // (Hv/Hk)``) with the fp32 recurrent state ``[B, Hv, Dv, Dk]`` (V-major).
-   ``a`` and ``b`` are passed raw in fp32, ``A_log``/``dt_bias`` are fp32 parameters.
-5. Gated RMSNorm per value head with the raw weight, ``silu(z)`` gate; ``out_proj``.
+4. Per-head L2 norm of q and k exactly as HF (and flash-linear-attention): in fp32,
+   ``x * rsqrt(sum(x^2) + 1e-6)`` (``l2_normalize``). The op contract's own ``qk_l2_norm=1`` is
+   ONNX Runtime's (eps 1e-12), which drifts from HF when q/k are small, so the model normalises
+   outside the op and calls it with ``qk_l2_norm=0``; q, k and v reach the op in fp32, as HF's
+   rule casts them (lossless for v).
+5. ``GatedDeltaNet`` (``gate_activation=qwen``: ``g = -exp(A_log)·softplus(a + dt_bias)`` in fp32;
+   ``beta = sigmoid(b)``; scale ``Dk^-0.5``; value head ``hv`` reads key head ``hv // (Hv/Hk)``)
+   with the fp32 recurrent state ``[B, Hv, Dv, Dk]`` (V-major). ``a`` and ``b`` are passed raw in
+   fp32, ``A_log``/``dt_bias`` are fp32 parameters; the output is cast back to the model dtype.
+6. Gated RMSNorm per value head with the raw weight, ``silu(z)`` gate; ``out_proj``.
 
-Both operators are called through the ``OpBackend`` seam; there is no second copy of this math.
+Both operators run through the backend's step seam (``kernels.backend.Backend``: ``causal_conv``
+and ``gated_delta`` on the step's ``StepMetadata``), which read and write this layer's rows of
+the conv and recurrent state pools in place; there is no second copy of this math.
 """
 
 from __future__ import annotations
@@ -22,9 +29,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedhybrid.models.qwen35.backend import OpBackend
+from pagedhybrid.kernels.backend import Backend
+from pagedhybrid.kernels.step import StepMetadata
 from pagedhybrid.models.qwen35.config import Qwen35Config
 from pagedhybrid.models.qwen35.layers import GatedRMSNorm, linear
+
+QK_L2_NORM_EPS = 1e-6  # HF ``l2norm`` / flash-linear-attention
+
+
+def l2_normalize(x: torch.Tensor) -> torch.Tensor:
+    """``x * rsqrt(sum(x^2) + 1e-6)`` over the last axis, in fp32 (HF ``l2norm``)."""
+    xf = x.float()
+    return xf * torch.rsqrt((xf * xf).sum(dim=-1, keepdim=True) + QK_L2_NORM_EPS)
 
 
 class GatedDeltaNet(nn.Module):
@@ -55,27 +71,26 @@ class GatedDeltaNet(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cu_seqlens: torch.Tensor,
-        conv_state: torch.Tensor,
-        recurrent_state: torch.Tensor,
-        backend: OpBackend,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``x[T, hidden]`` -> (out ``[T, hidden]``, conv state, recurrent state), new tensors."""
+        meta: StepMetadata,
+        conv_pool: torch.Tensor,
+        recurrent_pool: torch.Tensor,
+        backend: Backend,
+    ) -> torch.Tensor:
+        """``x[T, hidden]`` -> ``[T, hidden]``; rows ``meta.state_slots`` of the conv pool
+        ``[S, conv_dim, K-1]`` and the fp32 recurrent pool ``[S, Hv, Dv, Dk]`` advance in place
+        (fresh sequences start from zero state)."""
         t = x.shape[0]
         qkv = self.in_proj_qkv(x)  # [T, conv_dim]
         z = self.in_proj_z(x).view(t, self.num_v_heads, self.head_v_dim)  # [T, Hv, Dv]
         b = self.in_proj_b(x).float()  # [T, Hv]
         a = self.in_proj_a(x).float()  # [T, Hv]
-        mixed, conv_final = backend.varlen_causal_conv(
-            qkv, self.conv1d.weight, cu_seqlens, None, conv_state, activation="silu",
-        )  # [T, conv_dim], [B, conv_dim, K-1]
+        mixed = backend.causal_conv(qkv, self.conv1d.weight, conv_pool, meta,
+                                    "silu")  # [T, conv_dim]
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = q.reshape(t, self.num_k_heads, self.head_k_dim)  # [T, Hk, Dk]
-        k = k.reshape(t, self.num_k_heads, self.head_k_dim)  # [T, Hk, Dk]
-        v = v.reshape(t, self.num_v_heads, self.head_v_dim)  # [T, Hv, Dv]
-        core, recurrent_final = backend.gated_delta_net(
-            q, k, v, cu_seqlens, a, b, recurrent_state, self.A_log, self.dt_bias,
-            gate_activation="qwen", beta_activation="sigmoid", qk_l2_norm=1, scale=0.0,
-        )  # [T, Hv, Dv], fp32 [B, Hv, Dv, Dk]
-        y = self.norm(core, z).reshape(t, self.value_dim)  # [T, Hv*Dv]
-        return self.out_proj(y), conv_final, recurrent_final
+        q = l2_normalize(q.reshape(t, self.num_k_heads, self.head_k_dim))  # fp32 [T, Hk, Dk]
+        k = l2_normalize(k.reshape(t, self.num_k_heads, self.head_k_dim))  # fp32 [T, Hk, Dk]
+        v = v.reshape(t, self.num_v_heads, self.head_v_dim).float()  # fp32 [T, Hv, Dv]
+        core = backend.gated_delta(q, k, v, a, b, self.A_log, self.dt_bias, recurrent_pool, meta,
+                                   self.head_k_dim ** -0.5)  # fp32 [T, Hv, Dv]
+        y = self.norm(core.to(x.dtype), z).reshape(t, self.value_dim)  # [T, Hv*Dv]
+        return self.out_proj(y)

@@ -10,10 +10,16 @@ Two forwards share every weight and every layer's math:
 
 * ``forward_dense(input_ids[B, S], past)`` -- the ordinary path (parity with HF, in-repo
   reference). ``DenseCache`` holds a contiguous K/V ``[B, L, Hkv, hd]`` per full layer and the
-  conv ``[B, conv_dim, K-1]`` / fp32 recurrent ``[B, Hv, Dv, Dk]`` states per linear layer.
-  Linear layers run through the op seam with one packed sequence per batch row.
-* ``forward_packed(batch, cache, logits_rows)`` -- the serving path over a ``PackedBatch`` and a
-  ``PagedHybridCache`` (pages and state slots updated in place).
+  conv ``[B, conv_dim, K-1]`` / fp32 recurrent ``[B, Hv, Dv, Dk]`` states per linear layer
+  (row b = sequence b). Linear layers run through the same step seam as the packed path on
+  copies of ``past``'s states (``past`` itself is never modified).
+* ``forward_packed(batch, cache, logits_rows, meta)`` -- the serving path over a ``PackedBatch``
+  and a ``PagedHybridCache``: the step's ``StepMetadata`` (built and validated once, by the
+  engine's ``build_batch`` or here from the batch) is read by every layer; pages and state slots
+  are updated in place.
+
+Kernels come from one registry (``pagedhybrid.kernels.backend``): ``select("auto")`` gives the
+native kernels when the prebuilt extension is present, else the torch kernels, with the reason.
 
 Logits are returned as float32 (as the exported graph does).
 """
@@ -27,7 +33,8 @@ import torch
 from torch import nn
 
 from pagedhybrid.errors import ContractViolation, UnsupportedConfiguration
-from pagedhybrid.kernels.backend import OpBackend, select
+from pagedhybrid.kernels.backend import Backend, select
+from pagedhybrid.kernels.step import StepMetadata
 from pagedhybrid.models.qwen35.attention import FullAttention
 from pagedhybrid.models.qwen35.config import FULL_ATTENTION, Qwen35Config
 from pagedhybrid.models.qwen35.layers import MLP, OffsetRMSNorm, linear
@@ -84,7 +91,7 @@ class Qwen35ForCausalLM(nn.Module):
     """The Qwen3.5 text decoder. Build on the meta device and ``load``, or use ``load()``."""
 
     def __init__(self, config: Qwen35Config, dtype: torch.dtype = torch.float32,
-                 backend: OpBackend | None = None) -> None:
+                 backend: Backend | None = None) -> None:
         super().__init__()
         if dtype not in SUPPORTED_DTYPES:
             raise UnsupportedConfiguration(
@@ -99,13 +106,13 @@ class Qwen35ForCausalLM(nn.Module):
 
     # -- ops seam ---------------------------------------------------------------------------------
     @property
-    def backend(self) -> OpBackend:
+    def backend(self) -> Backend:
         if self._backend is None:
-            self._backend = select()  # the fast CPU kernels
+            self._backend = select("auto", self.config, self.dtype).backend
         return self._backend
 
     @backend.setter
-    def backend(self, value: OpBackend) -> None:
+    def backend(self, value: Backend) -> None:
         self._backend = value
 
     # -- weights ----------------------------------------------------------------------------------
@@ -163,9 +170,11 @@ class Qwen35ForCausalLM(nn.Module):
         positions = torch.arange(past.seq_len, past.seq_len + s, device=device)  # [S]
         position_ids = positions.repeat(b).view(1, -1).expand(3, -1)  # [3, B*S]
         cos, sin = mrope_cos_sin(self.config, position_ids)  # [B*S, rd] x2
-        cu = (torch.arange(b + 1, device=device) * s).to(torch.int32)  # [B+1]
         h = self.model.embed_tokens(input_ids).reshape(b * s, -1)  # [B*S, hidden]
-        keys, values, conv, recurrent = {}, {}, {}, {}
+        meta = StepMetadata.dense(b, s, past.seq_len)
+        keys, values = {}, {}
+        conv = {i: t.clone() for i, t in past.conv.items()}  # advanced in place below
+        recurrent = {i: t.clone() for i, t in past.recurrent.items()}
         for layer in self.model.layers:
             i = layer.index
             x = layer.input_layernorm(h)
@@ -174,8 +183,7 @@ class Qwen35ForCausalLM(nn.Module):
                     x.view(b, s, -1), cos, sin, past.keys[i], past.values[i])
                 out = out.reshape(b * s, -1)
             else:
-                out, conv[i], recurrent[i] = layer.linear_attn(
-                    x, cu, past.conv[i], past.recurrent[i], self.backend)
+                out = layer.linear_attn(x, meta, conv[i], recurrent[i], self.backend)
             h = layer.feed_forward(h + out)
         logits = self.lm_head(self.model.norm(h)).float().view(b, s, -1)  # [B, S, V]
         return logits, DenseCache(past.seq_len + s, keys, values, conv, recurrent)
@@ -183,46 +191,41 @@ class Qwen35ForCausalLM(nn.Module):
     # -- packed paged path ------------------------------------------------------------------------
     @torch.no_grad()
     def forward_packed(self, batch: PackedBatch, cache: PagedHybridCache,
-                       logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+                       logits_rows: torch.Tensor | None = None,
+                       meta: StepMetadata | None = None) -> torch.Tensor:
         """One packed step; returns float32 logits ``[N, V]`` (or ``[len(logits_rows), V]``).
 
         KV pages of the full layers and the state slots ``batch.state_slots`` of the linear
         layers are updated in place. ``logits_rows`` (int ``[R]``) selects token rows before the
-        LM head, e.g. ``batch.last_token_rows()`` for pruned prefill.
+        LM head, e.g. ``batch.last_token_rows()`` for pruned prefill. ``meta`` is the step's
+        validated metadata (the engine builds it with the batch); without it the batch is
+        validated and its metadata built here, once.
         """
-        batch.validate(self.config, cache)
         self._check_cache(cache)
-        n = batch.num_tokens
-        if logits_rows is not None:
-            ok = (isinstance(logits_rows, torch.Tensor) and logits_rows.dim() == 1
-                  and logits_rows.dtype in (torch.int32, torch.int64))
-            if ok and logits_rows.numel():
-                ok = int(logits_rows.min()) >= 0 and int(logits_rows.max()) < n
-            if not ok:
-                raise ContractViolation(OP, "logits_rows", f"must be int rows in [0, {n}) [R]",
-                                        getattr(logits_rows, "shape", logits_rows))
-        slots = batch.state_slots.long()  # [B]
-        fresh = (batch.past_seqlens == 0)  # [B]: new sequences start from zero state
+        if meta is None:
+            meta = batch.metadata(self.config, cache)
+            n = batch.num_tokens
+            if logits_rows is not None:
+                ok = (isinstance(logits_rows, torch.Tensor) and logits_rows.dim() == 1
+                      and logits_rows.dtype in (torch.int32, torch.int64))
+                if ok and logits_rows.numel():
+                    ok = int(logits_rows.min()) >= 0 and int(logits_rows.max()) < n
+                if not ok:
+                    raise ContractViolation(OP, "logits_rows",
+                                            f"must be int rows in [0, {n}) [R]",
+                                            getattr(logits_rows, "shape", logits_rows))
+        backend = self.backend
         cos, sin = mrope_cos_sin(self.config, batch.position_ids)  # [N, rd] x2
         h = self.model.embed_tokens(batch.input_ids)  # [N, hidden]
         for layer in self.model.layers:
             i = layer.index
             x = layer.input_layernorm(h)
             if layer.is_full:
-                out = layer.self_attn.forward_packed(
-                    x, cos, sin, batch.cu_seqlens, batch.past_seqlens, batch.block_table,
-                    batch.attention_metadata, cache.key_cache[i], cache.value_cache[i],
-                    self.backend)
+                out = layer.self_attn.forward_packed(x, cos, sin, meta, cache.key_cache[i],
+                                                     cache.value_cache[i], backend)
             else:
-                conv_pool, rec_pool = cache.conv_state[i], cache.recurrent_state[i]
-                conv0 = conv_pool.index_select(0, slots)  # [B, conv_dim, K-1]
-                rec0 = rec_pool.index_select(0, slots)  # [B, Hv, Dv, Dk]
-                conv0[fresh] = 0
-                rec0[fresh] = 0
-                out, conv1, rec1 = layer.linear_attn(x, batch.cu_seqlens, conv0, rec0,
-                                                     self.backend)
-                conv_pool.index_copy_(0, slots, conv1.to(conv_pool.dtype))
-                rec_pool.index_copy_(0, slots, rec1.to(rec_pool.dtype))
+                out = layer.linear_attn(x, meta, cache.conv_state[i], cache.recurrent_state[i],
+                                        backend)
             h = layer.feed_forward(h + out)
         if logits_rows is not None:
             h = h.index_select(0, logits_rows.long())  # [R, hidden]
@@ -261,7 +264,7 @@ class Qwen35ForCausalLM(nn.Module):
 
 
 def build(config: Qwen35Config, dtype: torch.dtype = torch.float32,
-          device: torch.device | str = "meta", backend: OpBackend | None = None
+          device: torch.device | str = "meta", backend: Backend | None = None
           ) -> Qwen35ForCausalLM:
     """An unloaded model; on the meta device no memory is allocated."""
     with torch.device(device):
@@ -269,7 +272,7 @@ def build(config: Qwen35Config, dtype: torch.dtype = torch.float32,
 
 
 def load(model_dir: str | Path, dtype: torch.dtype = torch.float32,
-         backend: OpBackend | None = None) -> Qwen35ForCausalLM:
+         backend: Backend | None = None) -> Qwen35ForCausalLM:
     """Load an HF Qwen3.5 checkpoint folder (config.json + safetensors), memory-mapped."""
     config = Qwen35Config.from_model_dir(model_dir)
     model = build(config, dtype, "meta", backend)

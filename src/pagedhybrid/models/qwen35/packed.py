@@ -21,14 +21,15 @@ holds (slots are reused without clearing).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import NamedTuple
 
 import torch
 
 from pagedhybrid.errors import ContractViolation
+from pagedhybrid.kernels.step import StepMetadata
 from pagedhybrid.models.qwen35.config import Qwen35Config
 
 OP = "pagedhybrid.Qwen35.forward_packed"
@@ -123,7 +124,8 @@ class PackedBatch(NamedTuple):
         )
 
     def validate(self, config: Qwen35Config, cache: PagedHybridCache) -> None:
-        """Field dtypes/ranks/shapes, token ids and state slots (ops check the rest)."""
+        """Field dtypes/ranks/shapes and token ids (``metadata`` checks lengths, pages and
+        slots)."""
 
         def check(cond: bool, where: str, rule: str, got: object = None) -> None:
             if not cond:
@@ -159,11 +161,21 @@ class PackedBatch(NamedTuple):
             lo, hi = int(ids.min()), int(ids.max())
             check(lo >= 0 and hi < config.vocab_size, "input_ids",
                   f"must be token ids in [0, {config.vocab_size})", (lo, hi))
-        slot_list = [int(s) for s in slots.tolist()]
-        check(all(0 <= s < cache.num_slots for s in slot_list), "state_slots",
-              f"must be in [0, {cache.num_slots})", slot_list)
-        check(len(set(slot_list)) == len(slot_list), "state_slots",
-              "must not repeat (one slot per sequence)", slot_list)
+
+    def metadata(self, config: Qwen35Config, cache: PagedHybridCache) -> StepMetadata:
+        """Validate the batch and build its step metadata (once per step; every layer reads
+        it). Lengths come from ``cu_seqlens``/``past_seqlens``; pages and slots are checked
+        against the cache."""
+        self.validate(config, cache)
+        cu = [int(x) for x in self.cu_seqlens.tolist()]
+        if cu[0] != 0 or any(b < a for a, b in pairwise(cu)) or \
+                cu[-1] != self.num_tokens:
+            raise ContractViolation(OP, "cu_seqlens", f"must rise from 0 to {self.num_tokens}",
+                                    cu)
+        return StepMetadata.build(
+            [b - a for a, b in pairwise(cu)], self.past_seqlens.tolist(),
+            self.block_table, self.state_slots.tolist(), block_size=cache.block_size,
+            num_pages=cache.num_pages, num_slots=cache.num_slots)
 
 
 @dataclass(frozen=True)
@@ -226,10 +238,6 @@ class PagedHybridCache:
             num_slots=num_slots,
         )
 
-    @staticmethod
-    def pages_needed(num_tokens: int, block_size: int) -> int:
-        return math.ceil(num_tokens / block_size)
-
     def clone(self) -> PagedHybridCache:
         """A deep copy of every pool (for checks and speculative runs)."""
 
@@ -239,12 +247,6 @@ class PagedHybridCache:
         return PagedHybridCache(copy(self.key_cache), copy(self.value_cache),
                                 copy(self.conv_state), copy(self.recurrent_state),
                                 self.block_size, self.num_pages, self.num_slots)
-
-    def reset_slots(self, slots: Sequence[int]) -> None:
-        """Zero the conv and recurrent state of the given slots (all linear layers)."""
-        index = torch.tensor(list(slots), dtype=torch.int64)
-        for pool in (*self.conv_state.values(), *self.recurrent_state.values()):
-            pool.index_fill_(0, index.to(pool.device), 0.0)
 
     def gather_kv(self, layer: int, pages: Sequence[int], length: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:

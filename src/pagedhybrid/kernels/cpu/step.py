@@ -1,0 +1,146 @@
+"""The torch kernels behind the model's step seam: metadata in, pools updated in place.
+
+Each function is one layer's operator on a validated ``StepMetadata`` (no re-validation, no
+per-layer host sync) with the state resident in its pool:
+
+* ``attention(q [N, Hq, D], k, v [N, Hkv, D], key_cache, value_cache, meta, scale)`` -- writes
+  the step's K/V at ``meta.write_slots`` (one ``index_copy_`` per cache) and attends with the
+  tiled decode / per-sequence prefill paths of ``paged_attention.py``; returns ``[N, Hq, D]``.
+* ``causal_conv(x [N, C], weight [C, 1, K], pool [S, C, K-1], meta, activation)`` -- decode
+  sequences update their pool rows in place (a fresh one reads zeros); longer ones run the
+  stream conv from their pool rows (zeros when fresh) and write the final states back.
+* ``gated_delta(q, k [N, Hk, Dk], v [N, Hv, Dv], a, b [N, Hv], a_log, dt_bias, pool
+  [S, Hv, Dv, Dk], meta, scale)`` -- the qwen gate and sigmoid beta, then the blocked recurrent
+  step (decode) or the chunked WY form (prefill) directly on the pool rows; fresh rows are
+  zeroed first (``index_fill_``) since the chunked form reads its initial state.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from pagedhybrid.kernels.cpu.gated_delta_net import CHUNK, forward
+from pagedhybrid.kernels.cpu.paged_attention import TileContext, attend_decode, attend_prefill
+from pagedhybrid.kernels.cpu.varlen_causal_conv import compute as conv_compute
+from pagedhybrid.kernels.step import StepMetadata
+from pagedhybrid.ops.varlen_causal_conv import ConvDims
+
+
+class StepDims(NamedTuple):
+    """The fields of ``PagedAttentionDims`` the attention tiles (``TileContext``) read."""
+
+    cu_seqlens: tuple[int, ...]
+    q_lens: tuple[int, ...]
+    past_lens: tuple[int, ...]
+    total_lens: tuple[int, ...]
+    block_size: int
+    num_heads: int
+    kv_num_heads: int
+    head_size: int
+    batch: int
+    scale: float
+    attrs: dict[str, object]
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
+             value_cache: torch.Tensor, meta: StepMetadata) -> None:
+    """The step's keys/values into their page slots (cache element type)."""
+    assert meta.write_slots is not None
+    hkv, d = key_cache.shape[2], key_cache.shape[3]
+    key_cache.view(-1, hkv, d).index_copy_(0, meta.write_slots, k.to(key_cache.dtype))
+    value_cache.view(-1, hkv, d).index_copy_(0, meta.write_slots, v.to(value_cache.dtype))
+
+
+def attend(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+           meta: StepMetadata, scale: float, seqs: tuple[int, ...] | None = None
+           ) -> torch.Tensor:
+    """Causal attention of ``q [N, Hq, D]`` over the pages (already written); float32 out.
+    ``seqs`` restricts the work to those sequences (other rows are left unwritten)."""
+    n, hq, d = q.shape
+    hkv = key_cache.shape[2]
+    dims = StepDims(meta.cu_seqlens, meta.q_lens, meta.past_lens, meta.total_lens,
+                    meta.block_size, hq, hkv, d, meta.batch, scale,
+                    {"softcap": 0.0, "local_window_size": -1, "is_causal": 1})
+    cdt = torch.float32
+    out = torch.empty(n, hq, d, dtype=cdt)
+    lse = torch.empty(n, hq, dtype=cdt)
+    ctx = TileContext(key_cache, value_cache, meta.block_table.long(), dims, cdt)  # type: ignore[arg-type]
+    todo = range(meta.batch) if seqs is None else seqs
+    decode = [b for b in todo if meta.q_lens[b] == 1]
+    if decode:
+        attend_decode(ctx, q, decode, out, lse)
+    for b in todo:
+        if meta.q_lens[b] > 1:
+            attend_prefill(ctx, q, b, out, lse)
+    return out
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
+              value_cache: torch.Tensor, meta: StepMetadata, scale: float) -> torch.Tensor:
+    write_kv(k, v, key_cache, value_cache, meta)
+    return attend(q.to(key_cache.dtype), key_cache, value_cache, meta, scale).to(q.dtype)
+
+
+# -- conv ----------------------------------------------------------------------------------------
+def _conv_dims(x: torch.Tensor, weight: torch.Tensor, cu: tuple[int, ...], activation: str
+               ) -> ConvDims:
+    k = weight.shape[-1]
+    ct = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return ConvDims(total_tokens=x.shape[0], channels=x.shape[1], batch=len(cu) - 1,
+                    kernel_size=k, dilation=1, state_len=k - 1, cu_seqlens=cu,
+                    dtype=x.dtype, compute_dtype=ct, attrs={"activation": activation})
+
+
+def conv_decode(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor,
+                slots: torch.Tensor, fresh: torch.Tensor, activation: str) -> torch.Tensor:
+    """One token per sequence (``x [n, C]``), pool rows ``slots`` updated in place."""
+    state = pool.index_select(0, slots)  # [n, C, K-1]
+    state[fresh] = 0
+    w = weight[:, 0, :].to(torch.float32)  # [C, K]
+    xf = x.to(torch.float32)
+    y = xf * w[:, -1] + (state.to(torch.float32) * w[:, :-1]).sum(-1)  # [n, C]
+    if activation in ("silu", "swish"):
+        y = F.silu(y)
+    pool.index_copy_(0, slots, torch.cat([state[:, :, 1:], x[:, :, None]], dim=2))
+    return y.to(x.dtype)
+
+
+def conv_sequences(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor,
+                   slots: torch.Tensor, fresh: torch.Tensor, cu: tuple[int, ...],
+                   activation: str) -> torch.Tensor:
+    """The stream conv of whole chunks from their pool rows; final states written back."""
+    init = pool.index_select(0, slots)  # [b, C, K-1]
+    init[fresh] = 0
+    y, final = conv_compute(x, weight, None, init, _conv_dims(x, weight, cu, activation))
+    pool.index_copy_(0, slots, final.to(pool.dtype))
+    return y
+
+
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, meta: StepMetadata,
+                activation: str) -> torch.Tensor:
+    if meta.all_decode:
+        return conv_decode(x, weight, pool, meta.state_slots, meta.fresh_t, activation)
+    return conv_sequences(x, weight, pool, meta.state_slots, meta.fresh_t, meta.cu_seqlens,
+                          activation)
+
+
+# -- gated delta net -----------------------------------------------------------------------------
+def qwen_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``g = -exp(A_log) softplus(a + dt_bias)``, ``beta = sigmoid(b)`` (the contract's qwen
+    gate and sigmoid beta, fp32)."""
+    g = -torch.exp(a_log.float()) * F.softplus(a.float() + dt_bias.float())
+    return g, torch.sigmoid(b.float())
+
+
+def gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+                b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, pool: torch.Tensor,
+                meta: StepMetadata, scale: float) -> torch.Tensor:
+    g, beta = qwen_gates(a, b, a_log, dt_bias)
+    if any(meta.fresh):
+        pool.index_fill_(0, meta.state_slots[meta.fresh_t], 0.0)
+    return forward(q.float(), k.float(), v.float(), g, beta, pool, meta.cu_seqlens,
+                   "gated_delta", scale, CHUNK, state_rows=meta.state_slots)

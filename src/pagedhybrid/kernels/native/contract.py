@@ -1,0 +1,161 @@
+"""The three operator contracts on the native kernels, with the contracts' own validation.
+
+Same signatures as ``pagedhybrid.ops`` (positional = ONNX Runtime input order). Each call is
+validated by its contract's ``validate`` (a corrupted call raises ``ContractViolation`` naming
+the port), then runs natively when the native kernel implements every feature the call uses;
+otherwise it runs the torch kernel of ``pagedhybrid.kernels.cpu`` -- a declared delegation
+(``CAPABILITIES[op].delegated`` lists each feature and why), never a silent one.
+``last_path()`` tells which path the latest call of an op took (for tests and reports).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+
+from pagedhybrid.kernels.cpu.capability import KernelCapability
+from pagedhybrid.kernels.native import KV_SPLIT, library
+from pagedhybrid.kernels.native.step import MAX_NATIVE_QUERY
+
+cpu_gdn = importlib.import_module("pagedhybrid.kernels.cpu.gated_delta_net")
+cpu_pa = importlib.import_module("pagedhybrid.kernels.cpu.paged_attention")
+cpu_conv = importlib.import_module("pagedhybrid.kernels.cpu.varlen_causal_conv")
+ref_gdn = importlib.import_module("pagedhybrid.ops.gated_delta_net")
+ref_pa = importlib.import_module("pagedhybrid.ops.paged_attention")
+ref_conv = importlib.import_module("pagedhybrid.ops.varlen_causal_conv")
+
+NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_LAST: dict[str, str] = {}
+
+CAPABILITIES: dict[str, KernelCapability] = {
+    "com.microsoft.PagedAttention": KernelCapability(
+        op="com.microsoft.PagedAttention", dtypes=NATIVE_DTYPES,
+        features=("decode", "short_query", "gqa", "packed_qkv", "attention_metadata",
+                  "split_kv"),
+        delegated={"prefill": f"more than {MAX_NATIVE_QUERY} new tokens: the torch SDPA path "
+                              "(GEMM-shaped, compute-bound)",
+                   "softcap/local_window_size/head_sink/is_causal=0": "not in the native tile",
+                   "qk_norm/do_rotary/slot_mapping": "the model does these outside the op",
+                   "head_size % 16 != 0 or > 256": "the tile is 16 lanes wide",
+                   "float64": "verification dtype only"},
+        paths={"native": "pages read in place, online softmax, GQA group per kv head, fixed "
+                         f"KV splits of {KV_SPLIT} tokens merged in split order"}),
+    "com.microsoft.GatedDeltaNet": KernelCapability(
+        op="com.microsoft.GatedDeltaNet", dtypes=NATIVE_DTYPES,
+        features=("decode", "update_rule:gated_delta", "gate:qwen", "beta:sigmoid", "gqa",
+                  "in_place_state_pool"),
+        delegated={"prefill": "sequences longer than one token: the torch chunked WY form",
+                   "other rules/gates, per-key decay, packed/rank-4 layouts, qk_l2_norm=1":
+                       "the model's form only"},
+        paths={"native": "one pass over each state row: decay, S k, delta update, S q"}),
+    "com.microsoft.VarlenCausalConvWithState": KernelCapability(
+        op="com.microsoft.VarlenCausalConvWithState", dtypes=NATIVE_DTYPES,
+        features=("decode", "activation:none", "activation:silu/swish", "bias",
+                  "in_place_state_pool"),
+        delegated={"prefill": "sequences longer than one token: the torch stream conv",
+                   "dilation > 1": "not in the native kernel"},
+        paths={"native": "one token per sequence, state shifted in place"}),
+}
+
+
+def last_path(op: str) -> str | None:
+    return _LAST.get(op)
+
+
+def _note(op: str, path: str) -> None:
+    _LAST[op] = path
+
+
+def paged_attention(
+    query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
+    key_cache: torch.Tensor, value_cache: torch.Tensor | None,
+    cumulative_sequence_length: torch.Tensor, past_seqlens: torch.Tensor,
+    block_table: torch.Tensor, cos_cache: torch.Tensor | None = None,
+    sin_cache: torch.Tensor | None = None, slot_mapping: torch.Tensor | None = None,
+    head_sink: torch.Tensor | None = None, q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None, attention_metadata: torch.Tensor | None = None,
+    **attrs: Any,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Native ``PagedAttention`` (attributes as ONNX Runtime's, keyword only)."""
+    args = [query, key, value, key_cache, value_cache, cumulative_sequence_length,
+            past_seqlens, block_table, cos_cache, sin_cache, slot_mapping, head_sink,
+            q_norm_weight, k_norm_weight, k_scale, v_scale, attention_metadata]
+    dims = ref_pa.validate(args, attrs)
+    a = dims.attrs
+    native = (dims.dtype == dims.cache_dtype and dims.dtype in NATIVE_DTYPES
+              and dims.head_size % 16 == 0 and dims.head_size <= 256
+              and dims.max_query_len <= MAX_NATIVE_QUERY and a["softcap"] == 0
+              and a["local_window_size"] == -1 and a["is_causal"] == 1 and not a["do_rotary"]
+              and not dims.has_slot_mapping and not dims.has_head_sink and not dims.has_qk_norm)
+    if not native or dims.num_tokens == 0:
+        _note("paged_attention", "torch")
+        return cpu_pa.compute(args, dims)
+    query, key, value, key_cache, value_cache, cu, past, table = args[:8]
+    n, hq, hkv, d = dims.num_tokens, dims.num_heads, dims.kv_num_heads, dims.head_size
+    if dims.packed_qkv:
+        q, k, v = query.split([hq * d, hkv * d, hkv * d], dim=1)
+    else:
+        q, k, v = query, key, value
+    slots = torch.tensor(dims.write_slots, dtype=torch.int64)
+    key_cache.view(-1, hkv, d).index_copy_(0, slots, k.reshape(n, hkv, d).to(key_cache.dtype))
+    value_cache.view(-1, hkv, d).index_copy_(0, slots, v.reshape(n, hkv, d).to(
+        value_cache.dtype))
+    out = torch.empty(n, hq, d, dtype=torch.float32)
+    seqs = torch.tensor([b for b in range(dims.batch) if dims.q_lens[b] > 0], dtype=torch.int32)
+    library().paged_attention(  # type: ignore[attr-defined]
+        q.reshape(n, hq, d).float().contiguous(), key_cache, value_cache,
+        table.to(torch.int32).contiguous(), cu.to(torch.int32).contiguous(),
+        past.to(torch.int32).contiguous(), seqs, out, dims.scale, KV_SPLIT)
+    _note("paged_attention", "native")
+    return out.reshape(n, hq * d).to(query.dtype), key_cache, value_cache
+
+
+def gated_delta_net(*inputs: Any, **attrs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    d = ref_gdn.validate(*inputs, **attrs)
+    query, key, value, _cu, decay, beta, initial_state, a_log, dt_bias = (
+        list(inputs) + [None] * 9)[:9]
+    a = d.attrs
+    native = (d.dtype in NATIVE_DTYPES and a["update_rule"] == "gated_delta"
+              and a["gate_activation"] == "qwen" and a["beta_activation"] == "sigmoid"
+              and not d.per_key_decay and not d.packed_qkv and d.token_rank == 1
+              and a["qk_l2_norm"] == 0 and d.batch > 0
+              and all(d.cu_seqlens[i + 1] - d.cu_seqlens[i] == 1 for i in range(d.batch)))
+    if not native:
+        _note("gated_delta_net", "torch")
+        return cpu_gdn.gated_delta_net(*inputs, **attrs)
+    b = d.batch
+    pool = (initial_state.to(torch.float32, copy=True) if initial_state is not None else
+            torch.empty(b, d.num_heads_v, d.head_size_v, d.head_size_qk))
+    fresh = torch.full((b,), initial_state is None, dtype=torch.bool)
+    out = torch.empty(b, d.num_heads_v, d.head_size_v, dtype=torch.float32)
+    library().gated_delta_decode(  # type: ignore[attr-defined]
+        query.float().contiguous(), key.float().contiguous(), value.float().contiguous(),
+        decay.float().contiguous(), beta.float().contiguous(), a_log.float().contiguous(),
+        dt_bias.float().contiguous(), pool, torch.arange(b), fresh, out, d.scale)
+    _note("gated_delta_net", "native")
+    return out.to(d.dtype), pool
+
+
+def varlen_causal_conv(*inputs: Any, **attrs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    d = ref_conv.validate(*inputs, **attrs)
+    x, weight, _cu, bias, initial_state = (list(inputs) + [None] * 5)[:5]
+    native = (d.dtype in NATIVE_DTYPES and d.dilation == 1 and d.total_tokens == d.batch
+              and d.batch > 0 and d.state_len > 0 and len(inputs) <= 5
+              and d.attrs["activation"] in ("none", "silu", "swish"))
+    if not native:
+        _note("varlen_causal_conv", "torch")
+        return cpu_conv.varlen_causal_conv(*inputs, **attrs)
+    b = d.batch
+    pool = (initial_state.to(d.dtype, copy=True).contiguous() if initial_state is not None else
+            torch.empty(b, d.channels, d.state_len, dtype=d.dtype))
+    fresh = torch.full((b,), initial_state is None, dtype=torch.bool)
+    y = torch.empty(b, d.channels, dtype=d.dtype)
+    library().causal_conv_decode(  # type: ignore[attr-defined]
+        x.contiguous(), weight.reshape(d.channels, -1).to(d.dtype).contiguous(),
+        None if bias is None else bias.to(d.dtype).contiguous(), pool, torch.arange(b), fresh,
+        y, d.attrs["activation"] != "none")
+    _note("varlen_causal_conv", "native")
+    return y, pool

@@ -1,0 +1,181 @@
+"""One packed step's metadata, built and validated once, read by every layer's kernels.
+
+A step packs the new tokens of ``B`` sequences back to back (``N`` tokens). ``StepMetadata``
+holds what the kernels of every layer need, on the host (python tuples, for loops and shapes)
+and as tensors (for the kernels), so no layer converts tensors to lists or re-validates:
+
+* per sequence: new tokens ``q_lens``, cached tokens ``past_lens``, ``total_lens``, the row
+  offsets ``cu_seqlens`` (also int32 ``[B+1]``), the ``block_table`` (int32 ``[B, M]``), the
+  state-pool row ``state_slots`` (int64 ``[B]``) and the ``fresh`` mask (past 0: the sequence
+  starts from zero conv/recurrent state whatever its pool row holds -- bool ``[B]``);
+* per token: its absolute ``positions`` and the flat cache slot it writes, ``write_slots``
+  (``page * block_size + offset``, int64 ``[N]``);
+* the decode split: ``decode`` (sequences with one new token) and ``multi`` (more than one).
+
+``StepMetadata.build`` checks everything a kernel could trip over -- lengths, that every page a
+sequence touches is mapped and inside the pool, that state slots are in range and distinct --
+and raises ``ContractViolation`` naming the field; kernels only assert. ``memo(key, fn)`` keeps
+a derived per-step plan (e.g. attention tiles) so it is also computed once per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pagedhybrid.errors import ContractViolation
+
+OP = "pagedhybrid.StepMetadata"
+
+
+@dataclass(frozen=True)
+class StepMetadata:
+    q_lens: tuple[int, ...]
+    past_lens: tuple[int, ...]
+    block_size: int
+    num_pages: int
+    cu_seqlens_t: torch.Tensor  # int32 [B+1]
+    past_t: torch.Tensor  # int32 [B]
+    block_table: torch.Tensor  # int32 [B, M]
+    state_slots: torch.Tensor  # int64 [B]
+    fresh_t: torch.Tensor  # bool [B]
+    positions: torch.Tensor  # int64 [N]
+    write_slots: torch.Tensor | None  # int64 [N]; None without pages (the dense path)
+    cu_seqlens: tuple[int, ...]
+    decode: tuple[int, ...]  # sequences with exactly one new token
+    multi: tuple[int, ...]  # sequences with more than one new token
+    _memo: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def batch(self) -> int:
+        return len(self.q_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.cu_seqlens[-1]
+
+    @property
+    def total_lens(self) -> tuple[int, ...]:
+        return tuple(p + q for p, q in zip(self.past_lens, self.q_lens, strict=True))
+
+    @property
+    def fresh(self) -> tuple[bool, ...]:
+        return tuple(p == 0 for p in self.past_lens)
+
+    @property
+    def all_decode(self) -> bool:
+        return len(self.decode) == self.batch
+
+    def memo(self, key: str, fn: Callable[[], Any]) -> Any:
+        """``fn()`` computed once per step (per ``key``)."""
+        if key not in self._memo:
+            self._memo[key] = fn()
+        return self._memo[key]
+
+    def subset(self, seqs: tuple[int, ...]) -> tuple[torch.Tensor, StepMetadata]:
+        """Token rows ``[n]`` of sequences ``seqs`` and the metadata of just those sequences
+        (memoised: computed once per step)."""
+
+        def make() -> tuple[torch.Tensor, StepMetadata]:
+            idx = torch.tensor(seqs, dtype=torch.int64)
+            rows = torch.cat([torch.arange(self.cu_seqlens[b], self.cu_seqlens[b + 1])
+                              for b in seqs]) if seqs else torch.zeros(0, dtype=torch.int64)
+            q = tuple(self.q_lens[b] for b in seqs)
+            cu = [0]
+            for n in q:
+                cu.append(cu[-1] + n)
+            sub = StepMetadata(
+                q_lens=q, past_lens=tuple(self.past_lens[b] for b in seqs),
+                block_size=self.block_size, num_pages=self.num_pages,
+                cu_seqlens_t=torch.tensor(cu, dtype=torch.int32),
+                past_t=self.past_t[idx], block_table=self.block_table[idx].contiguous(),
+                state_slots=self.state_slots[idx], fresh_t=self.fresh_t[idx],
+                positions=self.positions[rows],
+                write_slots=None if self.write_slots is None else self.write_slots[rows],
+                cu_seqlens=tuple(cu), decode=tuple(i for i, n in enumerate(q) if n == 1),
+                multi=tuple(i for i, n in enumerate(q) if n > 1))
+            return rows, sub
+
+        return self.memo(f"subset{seqs}", make)
+
+    def seq_index(self, seqs: tuple[int, ...]) -> torch.Tensor:
+        """int32 ``[n]`` tensor of sequence indices (memoised)."""
+        return self.memo(f"seqidx{seqs}", lambda: torch.tensor(seqs, dtype=torch.int32))
+
+    @classmethod
+    def build(cls, q_lens: Sequence[int], past_lens: Sequence[int],
+              block_tables: Sequence[Sequence[int]] | torch.Tensor | None,
+              state_slots: Sequence[int], *, block_size: int, num_pages: int, num_slots: int,
+              device: torch.device | str = "cpu") -> StepMetadata:
+        """Validated metadata of a step (``block_tables``: lists, an int32 ``[B, M]``, or None
+        for a step without KV pages)."""
+
+        def check(cond: bool, where: str, rule: str, got: object = None) -> None:
+            if not cond:
+                raise ContractViolation(OP, where, rule, got)
+
+        q_lens, past_lens = tuple(int(x) for x in q_lens), tuple(int(x) for x in past_lens)
+        slots = tuple(int(x) for x in state_slots)
+        b = len(q_lens)
+        check(b >= 1, "q_lens", "must hold at least one sequence", b)
+        check(len(past_lens) == b and len(slots) == b, "past_lens/state_slots",
+              f"need one entry per sequence ({b})", (len(past_lens), len(slots)))
+        check(all(q >= 0 for q in q_lens) and all(p >= 0 for p in past_lens), "q_lens/past_lens",
+              "must be >= 0", (q_lens, past_lens))
+        check(block_size >= 1 and block_size & (block_size - 1) == 0, "block_size",
+              "must be a power of two", block_size)
+        if block_tables is None:
+            rows, table = [[] for _ in range(b)], torch.zeros(b, 0, dtype=torch.int32)
+        elif isinstance(block_tables, torch.Tensor):
+            table = block_tables.to(torch.int32).contiguous()
+            rows = table.tolist()
+        else:
+            width = max([len(r) for r in block_tables] + [1])
+            rows = [list(r) + [-1] * (width - len(r)) for r in block_tables]
+            table = torch.tensor(rows, dtype=torch.int32).view(b, width)
+        check(table.dim() == 2 and table.shape[0] == b, "block_table", f"must be [{b}, M]",
+              tuple(table.shape))
+        for i, (p, q) in enumerate(zip(past_lens, q_lens, strict=True)):
+            if block_tables is None:
+                break
+            need = -(-(p + q) // block_size)
+            used = rows[i][:need]
+            check(len(used) == need, "block_table",
+                  f"row {i} must map the {need} pages of its {p + q} tokens", len(used))
+            check(all(0 <= x < num_pages for x in used), "block_table",
+                  f"row {i} must name pages in [0, {num_pages})", used)
+        check(all(0 <= s < num_slots for s in slots), "state_slots",
+              f"must be in [0, {num_slots})", slots)
+        check(len(set(slots)) == b, "state_slots", "must not repeat (one slot per sequence)",
+              slots)
+        cu = [0]
+        for q in q_lens:
+            cu.append(cu[-1] + q)
+        tok_seq = torch.repeat_interleave(torch.arange(b), torch.tensor(q_lens))  # [N]
+        starts = torch.tensor(cu[:-1], dtype=torch.int64)
+        positions = torch.tensor(past_lens, dtype=torch.int64)[tok_seq] + \
+            torch.arange(cu[-1]) - starts[tok_seq]  # [N]
+        write = None
+        if block_tables is not None:
+            pages = table.long()[tok_seq, positions // block_size]  # [N]
+            write = (pages * block_size + positions % block_size).to(device)  # [N]
+        i32 = {"dtype": torch.int32, "device": device}
+        return cls(
+            q_lens=q_lens, past_lens=past_lens, block_size=block_size, num_pages=num_pages,
+            cu_seqlens_t=torch.tensor(cu, **i32), past_t=torch.tensor(past_lens, **i32),
+            block_table=table.to(device), state_slots=torch.tensor(slots, dtype=torch.int64,
+                                                                   device=device),
+            fresh_t=torch.tensor([p == 0 for p in past_lens], dtype=torch.bool, device=device),
+            positions=positions.to(device), write_slots=write, cu_seqlens=tuple(cu),
+            decode=tuple(i for i, q in enumerate(q_lens) if q == 1),
+            multi=tuple(i for i, q in enumerate(q_lens) if q > 1))
+
+    @classmethod
+    def dense(cls, batch: int, seq_len: int, past: int) -> StepMetadata:
+        """``batch`` rows of ``seq_len`` new tokens after ``past`` cached ones (the dense path;
+        state row b is sequence b, no pages)."""
+        return cls.build([seq_len] * batch, [past] * batch, None, range(batch), block_size=1,
+                         num_pages=0, num_slots=batch)
