@@ -1,4 +1,4 @@
-"""Ops benchmark: fast CPU kernels vs their peers, side by side in one run.
+"""Ops benchmark: native and torch CPU kernels vs their peers, side by side in one run.
 
     python benchmarks/ops.py [--quick] [--threads N] [--reps R] [--json PATH] [--profile]
 
@@ -7,15 +7,18 @@ so runs on a shared machine can be read through the noise):
 
 * memory bandwidth of this machine, measured here: ``copy_`` of a 256 MiB buffer (read + write
   bytes counted) and a read-only ``sum``;
-* PagedAttention decode (ctx 1k/4k/16k x B 1/16/64, Hq 32 / Hkv 4, D 128, bf16 pages of 16
-  tokens, shuffled in the pool): fast kernel (full call and compute on pre-validated dims) vs
-  torch SDPA on the same K/V laid out contiguously (``enable_gqa=True``, and the stronger
-  GQA-folded call), vs the reference where it fits; K/V bytes read per second against the
-  measured copy bandwidth;
+* PagedAttention decode (ctx 1k/4k/16k x B 1/16/64, Hq 32 / Hkv 4, D 128, bf16 or fp32 pages of
+  16 tokens, shuffled in the pool): the native kernel (``native``: the contract call with its
+  validation; ``native_kernel``: the step kernel as the model calls it, metadata prebuilt) and
+  the torch kernel (``fast``) vs torch SDPA on the same K/V laid out contiguously
+  (``enable_gqa=True``, and the stronger GQA-folded call), vs the reference where it fits; K/V
+  bytes read per second against the measured copy bandwidth;
 * GatedDeltaNet (Hk 16 / Hv 32, D 128, Qwen gate + sigmoid beta + l2 norm, fp32): packed prefill
   (2x2048, 8x512) and decode (B 1/16/64) vs onnxruntime's CPU kernel (session built once, same
-  thread count), vs HF transformers' ``torch_chunk_gated_delta_rule`` per sequence (prefill) and
-  ``torch_recurrent_gated_delta_rule`` (decode, one batched call), vs the reference;
+  thread count; ``ort_inplace`` binds the state output onto the input, as a serving graph does),
+  vs HF transformers' ``torch_chunk_gated_delta_rule`` per sequence (prefill) and
+  ``torch_recurrent_gated_delta_rule`` (decode, one batched call), vs the reference; decode also
+  runs the native in-place step kernel on a state pool (``native_kernel``);
 * VarlenCausalConvWithState (C 8192 = Qwen3.5 conv_dim, K 4, silu, fp32) vs onnxruntime's CPU
   kernel and the reference.
 
@@ -42,7 +45,10 @@ import torch
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 from pagedhybrid.kernels import cpu
+from pagedhybrid.kernels.backend import backend
+from pagedhybrid.kernels.native import contract as native
 from pagedhybrid.kernels.onnxruntime.session import single_node_model
+from pagedhybrid.kernels.step import StepMetadata
 
 gdn_ref = importlib.import_module("pagedhybrid.ops.gated_delta_net")
 pa_ref = importlib.import_module("pagedhybrid.ops.paged_attention")
@@ -165,7 +171,15 @@ def paged_row(args: argparse.Namespace, bw: dict[str, float], b: int, ctx: int
     row["fast"] = timeit(lambda: cpu.paged_attention(*inputs, **attrs), args.reps)
     row["fast_compute"] = timeit(lambda: pa_fast.compute(inputs, dims), args.reps)
     row["validate"] = timeit(lambda: pa_ref.validate(inputs, attrs), args.reps)
+    row["native"] = timeit(lambda: native.paged_attention(*inputs, **attrs), args.reps)
+    meta = StepMetadata.build([1] * b, [ctx - 1] * b, inputs[7], range(b), block_size=bs,
+                              num_pages=inputs[3].shape[0], num_slots=b)  # type: ignore[union-attr]
+    q3, k3, v3 = (t.view(b, -1, d) for t in inputs[:3])  # type: ignore[union-attr]
+    step = backend("native")
+    row["native_kernel"] = timeit(lambda: step.attention(q3, k3, v3, inputs[3], inputs[4], meta,
+                                                         d ** -0.5), args.reps)
     out = pa_fast.compute(inputs, dims)[0]
+    out_native = native.paged_attention(*inputs, **attrs)[0]
     kk, vv = contiguous_kv(inputs, b, ctx)
     q = inputs[0]
     assert q is not None
@@ -176,6 +190,8 @@ def paged_row(args: argparse.Namespace, bw: dict[str, float], b: int, ctx: int
     want = sdpa(q4.float(), kk.float(), vv.float(), enable_gqa=True)
     row["max_err_vs_sdpa_fp32"] = (out.float().view(b, hq, d) -
                                    want.view(b, hq, d)).abs().max().item()
+    row["native_max_err_vs_sdpa_fp32"] = (out_native.float().view(b, hq, d) -
+                                          want.view(b, hq, d)).abs().max().item()
     if b * ctx <= args.ref_tokens:
         row["reference"] = timeit(lambda: pa_ref.paged_attention(*inputs, **attrs),
                                   max(1, args.reps // 2))
@@ -190,6 +206,11 @@ def paged_row(args: argparse.Namespace, bw: dict[str, float], b: int, ctx: int
     row["x_sdpa_folded_compute"] = ratio(row["fast_compute"], row["sdpa_folded"])
     row["x_sdpa_folded_cpu"] = ratio(row["fast_compute"], row["sdpa_folded"], "cpu_ms")
     row["reference_over_fast"] = ratio(row.get("reference"), row["fast"])
+    best = min(row["sdpa_gqa"]["ms"], row["sdpa_folded"]["ms"])
+    row["native_x_best_sdpa"] = row["native_kernel"]["ms"] / best
+    row["native_contract_x_best_sdpa"] = row["native"]["ms"] / best
+    row["native_kv_gbps"] = kv_bytes / row["native_kernel"]["ms"] / 1e6
+    row["native_frac_copy_bw"] = row["native_kv_gbps"] / bw["copy_gbps"]
     return row
 
 
@@ -250,10 +271,22 @@ def gdn_row(args: argparse.Namespace, kind: str, lens: list[int]) -> dict[str, A
     inputs, attrs = gdn_inputs(lens)
     row: dict[str, Any] = {"kind": kind, "seqs": len(lens), "tokens": sum(lens)}
     row["fast"] = timeit(lambda: cpu.gated_delta_net(*inputs, **attrs), args.reps)
+    # the model's form: q/k normalised outside the op, the state resident in a pool
+    q, k, v, _cu, a, b = inputs[:6]
+    qn, kn = (torch.nn.functional.normalize(x, dim=-1, eps=1e-6) for x in (q, k))  # type: ignore[arg-type]
     pool = inputs[6].clone()  # type: ignore[union-attr]  # state pool, rows 0..B-1
-    slots = torch.arange(len(lens), dtype=torch.int32)
-    row["fast_pooled"] = timeit(lambda: cpu.gated_delta_net_pooled(
-        *inputs[:6], pool, slots, *inputs[7:9], **attrs), args.reps)
+    meta = StepMetadata.build(lens, [1] * len(lens), None, range(len(lens)), block_size=16,
+                              num_pages=0, num_slots=len(lens))
+    scale = qn.shape[-1] ** -0.5
+    for name in ("native", "torch"):
+        if kind == "decode" or name == "torch":
+            step = backend(name)
+            row[f"{name}_kernel"] = timeit(lambda step=step: step.gated_delta(
+                qn, kn, v, a, b, inputs[7], inputs[8], pool, meta, scale), args.reps)
+    if kind == "decode":
+        row["native"] = timeit(lambda: native.gated_delta_net(
+            qn, kn, v, inputs[3], a, b, inputs[6], inputs[7], inputs[8], **{
+                **attrs, "qk_l2_norm": 0}), args.reps)
     node = OrtNode(gdn_ref.SPEC, inputs, attrs, 2, args.threads)
     row["ort"] = timeit(node.run, args.reps)
     row["ort_inplace"] = timeit(OrtNode(gdn_ref.SPEC, inputs, attrs, 2, args.threads,
@@ -268,11 +301,13 @@ def gdn_row(args: argparse.Namespace, kind: str, lens: list[int]) -> dict[str, A
     row["tok_per_s"] = sum(lens) / row["fast"]["ms"] * 1e3
     row["ort_over_fast"] = ratio(row["ort"], row["fast"])
     row["ort_over_fast_cpu"] = ratio(row["ort"], row["fast"], "cpu_ms")
-    row["ort_inplace_over_fast_pooled"] = ratio(row["ort_inplace"], row["fast_pooled"])
+    row["ort_inplace_over_torch_kernel"] = ratio(row["ort_inplace"], row["torch_kernel"])
+    row["ort_inplace_over_native_kernel"] = ratio(row["ort_inplace"], row.get("native_kernel"))
+    row["ort_over_native"] = ratio(row["ort"], row.get("native"))
     row["hf_over_fast"] = ratio(row["hf"], row["fast"])
     row["reference_over_fast"] = ratio(row.get("reference"), row["fast"])
     if kind == "decode":
-        row["state_gbps"] = 2 * s_f.numel() * 4 / row["fast_pooled"]["ms"] / 1e6  # r + w
+        row["state_gbps"] = 2 * s_f.numel() * 4 / row["native_kernel"]["ms"] / 1e6  # r + w
     return row
 
 
@@ -298,6 +333,8 @@ def conv_row(args: argparse.Namespace, kind: str, lens: list[int]) -> dict[str, 
     attrs = {"activation": "silu"}
     row: dict[str, Any] = {"kind": kind, "seqs": len(lens), "tokens": sum(lens)}
     row["fast"] = timeit(lambda: cpu.varlen_causal_conv(*inputs, **attrs), args.reps)
+    if kind == "decode":
+        row["native"] = timeit(lambda: native.varlen_causal_conv(*inputs, **attrs), args.reps)
     node = OrtNode(conv_ref.SPEC, inputs, attrs, 2, args.threads)
     row["ort"] = timeit(node.run, args.reps)
     row["reference"] = timeit(lambda: conv_ref.varlen_causal_conv(*inputs, **attrs), args.reps)
@@ -306,6 +343,7 @@ def conv_row(args: argparse.Namespace, kind: str, lens: list[int]) -> dict[str, 
     row["max_err_vs_ort"] = max((o_f - o_o).abs().max().item(), (s_f - s_o).abs().max().item())
     row["ort_over_fast"] = ratio(row["ort"], row["fast"])
     row["ort_over_fast_cpu"] = ratio(row["ort"], row["fast"], "cpu_ms")
+    row["ort_over_native"] = ratio(row["ort"], row.get("native"))
     row["reference_over_fast"] = ratio(row["reference"], row["fast"])
     row["gbps"] = 2 * x.numel() * 4 / row["fast"]["ms"] / 1e6  # read x + write y
     return row
@@ -349,7 +387,10 @@ def print_row(section: str, r: dict[str, Any], flush: bool = False) -> None:
         if "skipped" in r:
             print(f"paged  ctx={r['ctx']:>6} B={r['batch']:>3}  skipped: {r['skipped']}")
             return
-        print(f"paged  ctx={r['ctx']:>6} B={r['batch']:>3}  fast {fmt(r['fast'])} ms "
+        print(f"paged  ctx={r['ctx']:>6} B={r['batch']:>3}  native {fmt(r['native_kernel'])} ms "
+              f"(contract {fmt(r['native'])}) = {fmt(r['native_x_best_sdpa'])}x best SDPA, "
+              f"{fmt(r['native_kv_gbps'], 1)} GB/s = {100 * r['native_frac_copy_bw']:.0f}% copy bw"
+              f"  | torch kernel {fmt(r['fast'])} ms "
               f"(compute {fmt(r['fast_compute'])}, validate {fmt(r['validate'])})  "
               f"sdpa_gqa {fmt(r['sdpa_gqa'])}  sdpa_folded {fmt(r['sdpa_folded'])}  "
               f"ref {fmt(r.get('reference'))}  | x_folded {fmt(r['x_sdpa_folded'])} "
@@ -359,9 +400,12 @@ def print_row(section: str, r: dict[str, Any], flush: bool = False) -> None:
               f"GB/s = {100 * r['frac_copy_bw_cpu']:.0f}%)", flush=flush)
     else:
         extra = ""
-        if "fast_pooled" in r:
-            extra += (f"  pooled {fmt(r['fast_pooled'])} vs ort-inplace {fmt(r['ort_inplace'])}"
-                      f" = {fmt(r['ort_inplace_over_fast_pooled'])}")
+        if "native_kernel" in r:
+            extra += (f"  native kernel {fmt(r['native_kernel'])} vs ort-inplace "
+                      f"{fmt(r['ort_inplace'])} = {fmt(r['ort_inplace_over_native_kernel'])}x")
+        if "native" in r:
+            extra += (f"  native contract {fmt(r['native'])} "
+                      f"(ort/native {fmt(r['ort_over_native'])})")
         extra += f"  state {fmt(r['state_gbps'], 1)} GB/s" if "state_gbps" in r else ""
         extra += f"  hf {fmt(r['hf'])}  hf/fast {fmt(r['hf_over_fast'])}" if "hf" in r else ""
         print(f"{section:5}  {r['kind']:7} {r['seqs']:>2}x{r['tokens'] // r['seqs']:<5} "
@@ -406,6 +450,7 @@ def main(argv: list[str] | None = None) -> int:
                     "onnxruntime": ort.__version__, **bw},
         "args": {k: str(v) for k, v in vars(args).items()},
         "capabilities": {op: c.describe() for op, c in cpu.CAPABILITIES.items()},
+        "native_capabilities": {op: c.describe() for op, c in native.CAPABILITIES.items()},
     }
     print(f"# threads={args.threads}  THP_MEM_ALLOC_ENABLE="
           f"{os.environ.get('THP_MEM_ALLOC_ENABLE', '')}  copy {bw['copy_gbps']:.1f} GB/s "

@@ -20,8 +20,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from pagedhybrid import dtypes
 from pagedhybrid.ops import OP_MODULES, op_module
-from pagedhybrid.ops.spec import ONNX_TO_TORCH
 
 CASES_FILE = Path(__file__).with_name("conformance_cases.json")
 CASE_DTYPES = ("float", "float16")
@@ -65,15 +65,14 @@ def derive_cases() -> list[Case]:
     for op in OP_MODULES:
         mod, ort_mod = op_module(op), _ort_module(op)
         accepted = mod.SPEC.constraint("T").accepted
-        ort_dtypes = {str(d).removeprefix("torch.") for d in ort_mod.DTYPES}
+        ort_dtypes = set(ort_mod.DTYPES)
         for i, recipe in enumerate(mod.conformance_recipes()):
             for dtype in CASE_DTYPES:
                 if dtype not in accepted:
                     continue
                 allowed = recipe.get("backends", list(BACKENDS))
                 backends = ["reference"]
-                torch_name = str(ONNX_TO_TORCH[dtype]).removeprefix("torch.")
-                if "onnxruntime" in allowed and torch_name in ort_dtypes:
+                if "onnxruntime" in allowed and dtypes.to_torch(dtype) in ort_dtypes:
                     backends.append("onnxruntime")
                 cases.append(Case(op, recipe["name"], dtype, 1000 + i, recipe, backends))
     return cases
@@ -104,7 +103,7 @@ def run_case(case: Case, backend: str) -> Result:
     tol, shapes = TOLERANCE[case.dtype], "?"
     try:
         inputs, attrs = op_module(case.op).make_inputs(
-            case.recipe, ONNX_TO_TORCH[case.dtype], case.seed)
+            case.recipe, dtypes.to_torch(case.dtype), case.seed)
         shapes = " ".join("x".join(map(str, t.shape)) for t in inputs[:3] if t is not None)
         truth = implementation(case.op, "reference")(*_upcast(_clone(inputs)), **attrs)
         got = implementation(case.op, backend)(*_clone(inputs), **attrs)

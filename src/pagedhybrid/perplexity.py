@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from pagedhybrid import dtypes
 from pagedhybrid.errors import PagedHybridError
 
 ORT_CHUNK = 31
@@ -145,8 +146,8 @@ def engine_perplexity(engine: Any, ids: Sequence[int], context: int, stride: int
         n = w.end - w.begin
         for j in range(n - w.scored, n):
             logps.append(lps[j][ids[w.begin + j]].logprob)
-    return _finish(logps, wins, context, stride, "torch", str(engine.model.dtype).removeprefix(
-        "torch."), start)
+    return _finish(logps, wins, context, stride, "torch", dtypes.logical_name(engine.model.dtype),
+                   start)
 
 
 # -- onnxruntime: an exported package --------------------------------------------------------------
@@ -264,7 +265,7 @@ def package_perplexity(package: str | Path, model_dir: str | Path, ids: Sequence
             finished += 1
             if progress is not None:
                 progress(finished, len(wins))
-    dtype = "float16" if session.io_dtype == np.float16 else "float32"
+    dtype = dtypes.logical_name(session.io_dtype)
     return _finish(logps, wins, context, stride, f"onnxruntime/{placement}", dtype, start)
 
 

@@ -62,7 +62,7 @@ def test_generate_stream_and_errors(tiny_dir: Path, hf_greedy: Callable[..., lis
 
 
 def test_run_main_serves_the_demo(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    args = parse(add_run_arguments, ["--model", str(tiny_dir)])
+    args = parse(add_run_arguments, ["--model", str(tiny_dir), "--num-blocks", "24"])
     assert run_main(args) == 0
     out = capsys.readouterr().out
     assert "requests" in out and "abort" in out and "tok/s" in out

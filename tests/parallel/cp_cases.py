@@ -12,12 +12,12 @@ from dataclasses import dataclass
 import torch
 
 from pagedhybrid.attention.contract import AttentionContract, KVCacheSpec, ReductionSpec
+from pagedhybrid.dtypes import to_torch
 from pagedhybrid.parallel.layouts import cp_sharding
 
 HQ, HKV, D = 4, 2, 16
 KV_BLOCK = 8
 Q_BLOCK = 5  # deliberately not a divisor of the CP chunk sizes
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ def _randn(g: torch.Generator, *shape: int) -> torch.Tensor:
 def prefill_global(case: PrefillCase) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(case.seed)
     n = sum(case.seq_lens)
-    dt = DTYPES[case.dtype]
+    dt = to_torch(case.dtype)
     return (_randn(g, n, HQ, D).to(dt), _randn(g, n, HKV, D).to(dt), _randn(g, n, HKV, D).to(dt))
 
 
@@ -122,7 +122,7 @@ def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Ten
 def decode_global(case: DecodeCase) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """Query [B * qlen, HQ, D] and per-sequence dense K/V [n_b, HKV, D] (positions 0..n_b-1)."""
     g = torch.Generator().manual_seed(case.seed)
-    dt = DTYPES[case.dtype]
+    dt = to_torch(case.dtype)
     q = _randn(g, len(case.kv_lens) * case.qlen, HQ, D).to(dt)
     ks = [_randn(g, n, HKV, D).to(dt) for n in case.kv_lens]
     vs = [_randn(g, n, HKV, D).to(dt) for n in case.kv_lens]
@@ -137,7 +137,7 @@ def decode_shard(case: DecodeCase, world: int, rank: int
     and unused page slots hold NaN, so reading one would poison the result.
     """
     q, ks, vs = decode_global(case)
-    dt = DTYPES[case.dtype]
+    dt = to_torch(case.dtype)
     page = KV_BLOCK
     lens, positions, tables, chunks_k, chunks_v = [], [], [], [], []
     for b, n in enumerate(case.kv_lens):

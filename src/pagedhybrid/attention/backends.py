@@ -32,10 +32,10 @@ import torch
 
 from pagedhybrid.attention.contract import AttentionBackendCapability, AttentionContract
 from pagedhybrid.attention.registry import KernelRegistry
+from pagedhybrid.dtypes import to_torch
 from pagedhybrid.errors import ContractViolation, UnsupportedConfiguration
 
 OP = "pagedhybrid.attention.torch_varlen_attention"
-_TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ALL_MODES = ("prefill", "chunked_prefill", "decode")
 ALL_DTYPES = ("fp32", "bf16", "fp16")
 
@@ -86,7 +86,7 @@ def torch_varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     if bad:
         raise UnsupportedConfiguration(f"torch_varlen: {'; '.join(bad)}")
     sh = contract.sharding
-    dt = _TORCH[contract.dtype.value]
+    dt = to_torch(contract.dtype)
     hq, hkv, d, n = sh.local_q_heads, sh.local_kv_heads, contract.head_dim, sh.local_sequence_length
     for name, t, heads in (("query", query, hq), ("key", key, hkv), ("value", value, hkv)):
         if not isinstance(t, torch.Tensor) or t.dtype != dt:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pagedhybrid.engine.engine import Engine
-from pagedhybrid.engine.llm import DTYPES, LLM, Throughput, load_engine
+from pagedhybrid.engine.llm import DTYPE_SPELLINGS, LLM, Throughput, load_engine
 from pagedhybrid.engine.request import RequestOutput
 from pagedhybrid.engine.sampling import SamplingParams
 from pagedhybrid.errors import PagedHybridError
@@ -29,7 +29,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None,
                    help="HF Qwen3.5 checkpoint folder (default: the built-in default model)")
-    g.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    g.add_argument("--dtype", default="float32", choices=DTYPE_SPELLINGS)
     g.add_argument("--block-size", type=int, default=16, help="KV page size (power of 2, >=16)")
     g.add_argument("--num-blocks", type=int, default=None, help="KV pages (default: memory)")
     g.add_argument("--num-state-slots", type=int, default=None,
@@ -55,7 +55,7 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
-    p.set_defaults(max_num_seqs=4, max_num_batched_tokens=64, num_blocks=24)
+    p.set_defaults(max_num_seqs=4, max_num_batched_tokens=64, num_blocks=8)
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
@@ -170,7 +170,7 @@ def run_main(args: argparse.Namespace) -> int:
 
     console = Console(width=max(Console().width, 150))
     kw = _engine_kwargs(args) if hasattr(args, "block_size") else {
-        "max_num_seqs": 4, "max_num_batched_tokens": 64, "num_blocks": 24}
+        "max_num_seqs": 4, "max_num_batched_tokens": 64, "num_blocks": 8}
     try:
         engine = load_engine(getattr(args, "model", None), dtype=getattr(args, "dtype",
                                                                            "float32"), **kw)
@@ -184,7 +184,7 @@ def run_main(args: argparse.Namespace) -> int:
         f"Gated DeltaNet), {engine.blocks.capacity} KV pages x {engine.blocks.block_size} "
         f"tokens, {engine.states.capacity} state slots, budget "
         f"{engine.config.max_num_batched_tokens} tokens/step, "
-        f"max {engine.config.max_num_seqs} running")
+        f"max {engine.config.max_num_seqs} running; kernels: {engine.kernels.reason}")
     tracks = _serve_demo(engine, console)
     _report(engine, tracks, console, Table)
     ok = engine.blocks.num_free == engine.blocks.capacity and \

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from pagedhybrid import dtypes
 from pagedhybrid.engine.engine import Engine, EngineConfig
 from pagedhybrid.engine.request import RequestOutput
 from pagedhybrid.engine.sampling import SamplingParams
@@ -24,16 +25,17 @@ from pagedhybrid.errors import ContractViolation, UnsupportedConfiguration
 
 Prompt = str | Sequence[int]
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what a model may be loaded in
+# their accepted names (--dtype choices): logical ("float32") and short ("fp32") spellings
+DTYPE_SPELLINGS = dtypes.spellings(MODEL_DTYPES, kinds=("logical", "cli"))
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype not in DTYPES:
-        raise ContractViolation("LLM", "dtype", f"must be one of {sorted(DTYPES)}", dtype)
-    return DTYPES[dtype]
+    if dtype not in DTYPE_SPELLINGS:
+        raise ContractViolation("LLM", "dtype", f"must be one of {list(DTYPE_SPELLINGS)}", dtype)
+    return dtypes.to_torch(dtype)
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,10 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir import tape
 
+from pagedhybrid import dtypes
 from pagedhybrid.export import constants as c
 from pagedhybrid.export.abi import TensorSpec
-from pagedhybrid.export.weights import IR_DTYPE, WeightSource
+from pagedhybrid.export.weights import WeightSource
 
 
 class GraphBuilder:
@@ -37,7 +38,7 @@ class GraphBuilder:
     # -- values ------------------------------------------------------------------------------
     @staticmethod
     def value(spec: TensorSpec) -> ir.Value:
-        return ir.Value(name=spec.name, type=ir.TensorType(IR_DTYPE[spec.dtype]),
+        return ir.Value(name=spec.name, type=ir.TensorType(dtypes.ir_dtype(spec.dtype)),
                         shape=ir.Shape(list(spec.shape)))
 
     def add_input(self, spec: TensorSpec) -> ir.Value:
@@ -69,10 +70,8 @@ class GraphBuilder:
         """A zero vector ``[size]`` in the activation dtype (e.g. an all-zero bias)."""
         import torch
 
-        from pagedhybrid.export.weights import TORCH_DTYPE
-
-        tensor = ir.tensor_adapters.TorchTensor(torch.zeros(size, dtype=TORCH_DTYPE[self.io_dtype]),
-                                                name=name)
+        zeros = torch.zeros(size, dtype=dtypes.to_torch(self.io_dtype))
+        tensor = ir.tensor_adapters.TorchTensor(zeros, name=name)
         return self.tape.initializer(tensor, name=name)
 
     def const_f32(self, name: str, values: np.ndarray) -> ir.Value:
@@ -147,7 +146,7 @@ class GraphBuilder:
         return self.op1("Mul", [x, self.op1("Sigmoid", [x], f"{name}/Sigmoid")], f"{name}/Mul")
 
     def cast(self, x: ir.Value, to: str, name: str) -> ir.Value:
-        return self.op1("Cast", [x], name, {"to": IR_DTYPE[to]})
+        return self.op1("Cast", [x], name, {"to": dtypes.ir_dtype(to)})
 
     def reshape(self, x: ir.Value, shape: Sequence[int], name: str) -> ir.Value:
         return self.op1("Reshape", [x, self.const_i64(shape)], name)

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+from pagedhybrid import dtypes
 from pagedhybrid.errors import UnsupportedConfiguration
 from pagedhybrid.models.qwen35.config import Qwen35Config
 
 EPS = ("cuda", "webgpu")
 DTYPES = ("fp16", "bf16")
-ONNX_DTYPE = {"fp16": "float16", "bf16": "bfloat16"}
 DEFAULT_BLOCK_SIZE = 256
 DEFAULT_MAX_BATCH_SIZE = 16
 MAX_BATCH_SIZE_LIMIT = 256
@@ -48,7 +50,7 @@ class ExportOptions:
 
     @property
     def onnx_dtype(self) -> str:
-        return ONNX_DTYPE[self.dtype]
+        return dtypes.onnx_name(self.dtype)
 
     def page_budget(self) -> dict[str, int | float]:
         """``engine.dynamic_batching`` page budget: ``num_blocks`` or the utilization factor."""
@@ -71,7 +73,7 @@ def check_options(options: ExportOptions) -> None:
         raise UnsupportedConfiguration(
             f"--ep {o.ep!r}: the packed paged export targets {list(EPS)} (the execution providers "
             "with a PagedAttention kernel); pick one of them")
-    if o.dtype in ("fp32", "float32", "float"):
+    if o.dtype in dtypes.spellings([torch.float32]):
         raise UnsupportedConfiguration(
             "--dtype fp32: com.microsoft.PagedAttention accepts only float16/bfloat16 "
             "activations; export with --dtype fp16 (or bf16 on --ep cuda)")

@@ -38,11 +38,10 @@ from typing import Any, NamedTuple
 
 import onnx_ir as ir
 
+from pagedhybrid import dtypes
 from pagedhybrid.export import constants as c
 from pagedhybrid.models.qwen35.linear_attention import QK_L2_NORM_EPS
 
-DTYPE_NAME = {ir.DataType.FLOAT16: "float16", ir.DataType.BFLOAT16: "bfloat16",
-              ir.DataType.FLOAT: "float", ir.DataType.INT64: "int64", ir.DataType.INT32: "int32"}
 SHARED: dict[str, tuple[str, tuple[int | None, ...]]] = {  # name -> dtype, dims (None = dynamic)
     c.INPUT_IDS: ("int64", (None,)),
     c.POSITION_IDS: ("int64", (3, None)),
@@ -99,7 +98,7 @@ def _dims(v: ir.Value) -> tuple[int | str | None, ...]:
 
 
 def _dtype(v: ir.Value) -> str:
-    return DTYPE_NAME.get(v.dtype, str(v.dtype)) if v.dtype is not None else "?"
+    return dtypes.describe(v.dtype) if v.dtype is not None else "?"
 
 
 def _attr(node: ir.Node, name: str, default: Any = None) -> Any:

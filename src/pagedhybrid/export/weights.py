@@ -25,16 +25,12 @@ from pathlib import Path
 import onnx_ir as ir
 import torch
 
+from pagedhybrid import dtypes
 from pagedhybrid.export import constants as c
 from pagedhybrid.models.qwen35.config import Qwen35Config
 from pagedhybrid.models.qwen35.model import build
 from pagedhybrid.models.qwen35.weights import iter_checkpoint, load_state_dict
 
-TORCH_DTYPE = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float": torch.float32}
-IR_DTYPE = {
-    "float16": ir.DataType.FLOAT16, "bfloat16": ir.DataType.BFLOAT16, "float": ir.DataType.FLOAT,
-    "int64": ir.DataType.INT64, "int32": ir.DataType.INT32,
-}
 FLOAT32_PARAMS = (".A_log", ".dt_bias")
 TRANSFORMS = ("cast", "transpose", "offset")
 
@@ -91,9 +87,9 @@ class CheckpointWeights:
         shape = out_shape([tuple(r.shape) for r in raws], transform)
 
         def make() -> ir.TensorProtocol:
-            return ir.tensor_adapters.TorchTensor(_apply(raws, transform, TORCH_DTYPE[dtype]))
+            return ir.tensor_adapters.TorchTensor(_apply(raws, transform, dtypes.to_torch(dtype)))
 
-        return ir.LazyTensor(make, IR_DTYPE[dtype], ir.Shape(shape))
+        return ir.LazyTensor(make, dtypes.ir_dtype(dtype), ir.Shape(shape))
 
 
 class AbsentWeights:
@@ -110,10 +106,10 @@ class AbsentWeights:
         numel = 1
         for s in shape:
             numel *= s
-        length = numel * TORCH_DTYPE[dtype].itemsize
+        length = numel * dtypes.itemsize(dtype)
         offset = self._offset
         self._offset += (length + 4095) // 4096 * 4096  # onnx_ir's page alignment
-        return ir.ExternalTensor(c.WEIGHTS_FILE, offset, length, IR_DTYPE[dtype],
+        return ir.ExternalTensor(c.WEIGHTS_FILE, offset, length, dtypes.ir_dtype(dtype),
                                  shape=ir.Shape(shape), name="|".join(_names(names)))
 
 

@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from pagedhybrid.dtypes import logical_name
 from pagedhybrid.errors import UnsupportedConfiguration
 
 BACKENDS = ("native", "torch", "reference")
@@ -66,7 +67,7 @@ class Backend:
 
     def describe(self) -> dict[str, object]:
         return {"name": self.name, "description": self.description,
-                "dtypes": [str(d).removeprefix("torch.") for d in self.dtypes],
+                "dtypes": [logical_name(d) for d in self.dtypes],
                 "features": sorted(self.features)}
 
 

@@ -25,8 +25,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from pagedhybrid.dtypes import describe
 from pagedhybrid.ops.spec import (
-    TORCH_TO_ONNX,
     Attribute,
     OpSpec,
     Port,
@@ -143,10 +143,6 @@ class PagedAttentionDims(NamedTuple):
     attrs: dict[str, Any]  # resolved attributes (defaults filled in)
 
 
-def _name(dt: torch.dtype) -> str:
-    return TORCH_TO_ONNX.get(dt, str(dt))
-
-
 def _resolve_attributes(given: Mapping[str, Any]) -> dict[str, Any]:
     a = SPEC.resolve_attributes(given)
     chk = SPEC.check
@@ -166,9 +162,9 @@ def _resolve_attributes(given: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _check_cache_dtype_attr(attr: str, value: str, cache: torch.Tensor) -> None:
-    SPEC.check(value in ("", _name(cache.dtype)), attr,
+    SPEC.check(value in ("", describe(cache.dtype)), attr,
                "must be '' or name the cache's own element type", f"{value!r} vs "
-               f"{_name(cache.dtype)}")
+               f"{describe(cache.dtype)}")
 
 
 def validate(inputs: Sequence[torch.Tensor | None], attrs: Mapping[str, Any]) -> PagedAttentionDims:
@@ -221,7 +217,7 @@ def validate(inputs: Sequence[torch.Tensor | None], attrs: Mapping[str, Any]) ->
     check_shape(SPEC, "value_cache", value_cache, list(key_cache.shape), "(same as key_cache)")
     chk(key_cache.dtype == query.dtype, "key_cache",
         "must have the element type of 'query' (unquantized cache)",
-        f"{_name(key_cache.dtype)} vs {_name(query.dtype)}")
+        f"{describe(key_cache.dtype)} vs {describe(query.dtype)}")
     _check_cache_dtype_attr("k_cache_dtype", a["k_cache_dtype"], key_cache)
     _check_cache_dtype_attr("v_cache_dtype", a["v_cache_dtype"], value_cache)
 

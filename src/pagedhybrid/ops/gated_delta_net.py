@@ -54,6 +54,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from pagedhybrid.dtypes import describe
 from pagedhybrid.ops._gated_delta_net_recipes import (  # re-exported
     _DELTA,
     _GATED,
@@ -61,7 +62,6 @@ from pagedhybrid.ops._gated_delta_net_recipes import (  # re-exported
     make_inputs,
 )
 from pagedhybrid.ops.spec import (
-    TORCH_TO_ONNX,
     Attribute,
     OpSpec,
     Port,
@@ -168,11 +168,11 @@ def validate(query: torch.Tensor, key: torch.Tensor | None = None,
     for name, t in (("initial_state", initial_state), ("a_log", a_log), ("dt_bias", dt_bias)):
         chk(t is None or t.dtype == state_dtype, name,
             f"must be {'double (double extension)' if wide else 'float'}",
-            None if t is None else TORCH_TO_ONNX.get(t.dtype, t.dtype))
+            None if t is None else describe(t.dtype))
     for name, t in (("decay", decay), ("beta", beta)):
         chk(t is None or t.dtype in (torch.float32, query.dtype), name,
             "must be float or the query element type",
-            None if t is None else TORCH_TO_ONNX.get(t.dtype, t.dtype))
+            None if t is None else describe(t.dtype))
 
     # -- layout and head geometry
     chk((key is None) == (value is None), "value" if value is None else "key",

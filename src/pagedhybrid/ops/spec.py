@@ -17,21 +17,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from pagedhybrid import dtypes
 from pagedhybrid.errors import ContractViolation, UnsupportedConfiguration
-
-# ONNX tensor element type names <-> torch dtypes.
-ONNX_TO_TORCH: dict[str, torch.dtype] = {
-    "float": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "double": torch.float64,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "float8e4m3fn": torch.float8_e4m3fn,
-}
-TORCH_TO_ONNX = {v: k for k, v in ONNX_TO_TORCH.items()}
 
 REQUIRED = object()  # sentinel default of a required attribute
 
@@ -159,7 +146,7 @@ class OpSpec(NamedTuple):
                            f"must have rank {' or '.join(map(str, port.ranks))} {port.shape}",
                            t.dim())
             tc = self.constraint(port.type_param)
-            name = TORCH_TO_ONNX.get(t.dtype, str(t.dtype))
+            name = dtypes.describe(t.dtype)
             if name in tc.unsupported:
                 raise UnsupportedConfiguration(
                     f"{self.qualname}: '{port.name}' of type {name} is valid in ONNX Runtime but "
@@ -169,7 +156,7 @@ class OpSpec(NamedTuple):
             prev = bound.setdefault(port.type_param, (t.dtype, port.name))
             self.check(prev[0] == t.dtype, port.name,
                        f"must have the same element type as '{prev[1]}' ({tc.param})",
-                       f"{name} vs {TORCH_TO_ONNX.get(prev[0], prev[0])}")
+                       f"{name} vs {dtypes.describe(prev[0])}")
         return {k: v[0] for k, v in bound.items()}
 
     # -- JSON ---------------------------------------------------------------------------------

@@ -34,7 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pagedhybrid.attention.contract import AttentionContract, AttentionDType, AttentionRole
+from pagedhybrid.attention.contract import AttentionContract, AttentionRole
+from pagedhybrid.dtypes import to_torch
 from pagedhybrid.errors import ContractViolation, UnsupportedConfiguration
 from pagedhybrid.parallel.cp_plan import (
     OP,
@@ -49,9 +50,6 @@ from pagedhybrid.parallel.cp_plan import (
     prefill_tiles,
     tile_partials,
 )
-
-TORCH_DTYPES = {AttentionDType.FP32: torch.float32, AttentionDType.BF16: torch.bfloat16,
-                AttentionDType.FP16: torch.float16}
 
 
 def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
@@ -143,7 +141,7 @@ def _validate(contract: AttentionContract, query: torch.Tensor, key: torch.Tenso
             "(fusion_boundary=unfused_rope_attention)")
     if query_block_size < 1:
         raise ContractViolation(OP, "query_block_size", "must be >= 1", query_block_size)
-    dt = TORCH_DTYPES[contract.dtype]
+    dt = to_torch(contract.dtype)
     hq, hkv, d = sh.local_q_heads, sh.local_kv_heads, contract.head_dim
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedhybrid.dtypes import logical_name
+
 
 @dataclass(frozen=True)
 class KernelCapability:
@@ -35,6 +37,6 @@ class KernelCapability:
 
     def describe(self) -> dict[str, object]:
         """JSON-able summary (for ``pagedhybrid kernels`` and benchmark reports)."""
-        return {"op": self.op, "dtypes": [str(d).removeprefix("torch.") for d in self.dtypes],
+        return {"op": self.op, "dtypes": [logical_name(d) for d in self.dtypes],
                 "features": list(self.features), "delegated": dict(self.delegated),
                 "paths": dict(self.paths)}

@@ -20,13 +20,15 @@ Steps:
    ``_scaled_dot_product_flash_attention_for_cpu`` with GQA folded into the query axis: the
    ``G = Hq/Hkv`` query heads of a kv head are ``G`` query rows over that kv head, so every K/V
    row is read once for all of them and K/V are never repeated. Tiles return ``(out, lse)``
-   and are merged once per sequence group by log-sum-exp; a key mask (length, window) is built
-   only for tiles that need one.
+   (``lse = -inf`` for a row that sees no key of the tile); per sequence group they are folded
+   left in ascending page order with ``pagedhybrid.kernels.lse.merge_states``, the package's one
+   merge. A key mask (length, window) is built only for tiles that need one.
 4. Prefill / chunked-prefill sequences (more than one new token), one at a time: the context's
    pages are gathered once into ``[Hkv, L, D]`` (attention is compute-bound here) and attended
-   with native GQA in two SDPA calls merged by lse: the history ``[0, past)`` unmasked and the
-   step's own keys with ``is_causal`` (top-left aligned == the contract's alignment). Sliding
-   windows and ``is_causal=0`` use an explicit mask (query rows in blocks) instead.
+   with native GQA in two SDPA calls merged by ``merge_states`` (history first): the history
+   ``[0, past)`` unmasked and the step's own keys with ``is_causal`` (top-left aligned == the
+   contract's alignment). Sliding windows and ``is_causal=0`` use an explicit mask (query rows
+   in blocks) instead.
 5. ``head_sink`` enters the merged lse as one more logit: ``out *= exp(lse - logaddexp(lse, s))``.
 
 ``softcap > 0`` cannot be expressed through SDPA: those tiles use float32 matmul/tanh/softmax
@@ -37,7 +39,7 @@ Precision: tiles run in the cache type with float32 accumulation inside SDPA (fl
 caches); q is rounded to the cache type as ONNX Runtime's kernels do. float32/float64 results
 match the reference to summation order; bf16/fp16 results differ from the all-float32 reference
 by about 2 ulps of the output type (probabilities and tile partials are rounded to bf16).
-Merging, the sink and the output are float32.
+Merging, the sink and the output are float32 (float64 for double caches).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from collections.abc import Sequence
 import torch
 
 from pagedhybrid.kernels.cpu.capability import KernelCapability
+from pagedhybrid.kernels.lse import NEG_INF, fold_left, merge_states
 from pagedhybrid.ops.paged_attention import PagedAttentionDims, _rms_norm, _rope, validate
 
 __all__ = ["CAPABILITY", "TileContext", "attend_decode", "attend_prefill", "compute",
@@ -54,7 +57,6 @@ __all__ = ["CAPABILITY", "TileContext", "attend_decode", "attend_prefill", "comp
 
 TILE_BYTES = 1 << 20  # K+V bytes (cache type) gathered per decode tile (~L2 size)
 _SDPA = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_NEG_INF = float("-inf")
 
 CAPABILITY = KernelCapability(
     op="com.microsoft.PagedAttention",
@@ -239,7 +241,7 @@ def attend_decode(ctx: TileContext, q: torch.Tensor, seqs: list[int], out: torch
         pages_all = ctx.table[grp][:, :pages_longest].clamp(min=0)  # [n, pages]; -1 -> page 0
         raw, head = (n_seq * w_pages, bs, hkv, d), (hkv, n_seq * w_pages, bs, d)
         buf = [torch.empty(s, dtype=ctx.adt) for s in (raw, raw, head, head)]
-        outs, lses = [], []
+        parts: list[tuple[torch.Tensor, torch.Tensor]] = []  # tile (out, lse), cdt
         for p0 in range(0, pages_longest, w_pages):
             p1 = min(pages_longest, p0 + w_pages)
             wp, m = p1 - p0, n_seq * (p1 - p0)
@@ -259,24 +261,11 @@ def attend_decode(ctx: TileContext, q: torch.Tensor, seqs: list[int], out: torch
             vt = vt.view(hkv, n_seq, wp * bs, d).transpose(0, 1)
             o_t, l_t = _tile(ctx, qg, kt, vt, mask)  # [n, Hkv, G, D], [n, Hkv, G]
             if any_key is not None:
-                l_t = l_t.masked_fill(~any_key[:, None, None], _NEG_INF)
-            outs.append(o_t)
-            lses.append(l_t)
-        o_g, l_g = _merge_all(outs, lses, ctx.cdt)
+                l_t = l_t.masked_fill(~any_key[:, None, None], NEG_INF)
+            parts.append((o_t.to(ctx.cdt), l_t))
+        o_g, l_g = fold_left(parts)  # ascending page order
         out[rows] = o_g.reshape(n_seq, hkv * g, d)
         lse[rows] = l_g.reshape(n_seq, hkv * g)
-
-
-def _merge_all(outs: list[torch.Tensor], lses: list[torch.Tensor], cdt: torch.dtype
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge tile partials ``[..., D]`` / ``[...]`` by log-sum-exp in one pass."""
-    if len(outs) == 1:
-        return outs[0].to(cdt), lses[0]
-    ls = torch.stack(lses)  # [T, ...]
-    tot = torch.logsumexp(ls, dim=0)  # [...]; -inf where no tile saw a key
-    w = torch.exp(ls - tot.masked_fill(torch.isinf(tot), 0.0))  # [T, ...]
-    o = (torch.stack(outs).to(cdt) * w[..., None]).sum(0)  # [..., D]
-    return o, tot
 
 
 # -- prefill -------------------------------------------------------------------------------------
@@ -304,7 +293,7 @@ def attend_prefill(ctx: TileContext, q: torch.Tensor, b: int, out: torch.Tensor,
         o_b, l_b = _tile(ctx, qb, kc[:, :, past:], vc[:, :, past:], None, causal=True)
         if past > 0:
             o_h, l_h = _tile(ctx, qb, kc[:, :, :past], vc[:, :, :past], None)
-            o_b, l_b = _merge(o_h.to(ctx.cdt), l_h, o_b.to(ctx.cdt), l_b)
+            o_b, l_b = merge_states(o_h.to(ctx.cdt), l_h, o_b.to(ctx.cdt), l_b)
     out[start: start + q_len] = o_b[0].transpose(0, 1).to(ctx.cdt)  # [Q, Hq, D]
     lse[start: start + q_len] = l_b[0].transpose(0, 1)
 
@@ -318,7 +307,7 @@ def _tile_rows(ctx: TileContext, qb: torch.Tensor, kc: torch.Tensor, vc: torch.T
     for r0 in range(0, q_len, rows):
         vis = visible[r0: r0 + rows]  # [r, L]
         o_r, l_r = _tile(ctx, qb[:, :, r0: r0 + rows], kc, vc, vis[None, None])
-        l_r = l_r.masked_fill(~vis.any(dim=1)[None, None], _NEG_INF)
+        l_r = l_r.masked_fill(~vis.any(dim=1)[None, None], NEG_INF)
         outs.append(o_r)
         lses.append(l_r)
     return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
@@ -337,7 +326,7 @@ def _tile(ctx: TileContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return _tile_softcap(ctx, q, k, v, visible, causal)
     mask = None
     if visible is not None:
-        mask = torch.zeros(visible.shape, dtype=q.dtype).masked_fill_(~visible, _NEG_INF)
+        mask = torch.zeros(visible.shape, dtype=q.dtype).masked_fill_(~visible, NEG_INF)
     o, lse = _SDPA(q, k, v, 0.0, causal, attn_mask=mask, scale=ctx.scale)
     return o, lse.to(ctx.cdt)
 
@@ -357,22 +346,8 @@ def _tile_softcap(ctx: TileContext, q: torch.Tensor, k: torch.Tensor, v: torch.T
         visible = torch.ones(q_len, total, dtype=torch.bool).tril()  # [Q, L]
     if visible is not None:  # broadcastable to [n, 1, Q, L] -> [n, 1, 1, Q, L]
         vis = visible.unsqueeze(-3) if visible.dim() >= 3 else visible
-        logits = logits.masked_fill(~vis, _NEG_INF)
+        logits = logits.masked_fill(~vis, NEG_INF)
     lse = torch.logsumexp(logits, dim=-1)  # [n, Hkv, G, Q]
     probs = torch.exp(logits - lse.masked_fill(torch.isinf(lse), 0.0)[..., None])
     o = probs.view(n, hkv, g * q_len, total) @ v  # [n, Hkv, G*Q, D]
     return o.view(n, hq, q_len, d), lse.reshape(n, hq, q_len)
-
-
-def _merge(o1: torch.Tensor | None, l1: torch.Tensor | None, o2: torch.Tensor,
-           l2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Combine two partial softmaxes by their log-sum-exp (``-inf`` = no keys)."""
-    if o1 is None or l1 is None:
-        return o2, l2
-    m = torch.maximum(l1, l2)  # [...]
-    m0 = m.masked_fill(torch.isinf(m), 0.0)
-    w1, w2 = torch.exp(l1 - m0), torch.exp(l2 - m0)  # [...]
-    tot = w1 + w2
-    o = (o1 * w1[..., None] + o2 * w2[..., None]) / tot.clamp(min=torch.finfo(tot.dtype).tiny)[
-        ..., None]
-    return o, m0 + torch.log(tot)

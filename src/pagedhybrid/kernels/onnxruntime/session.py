@@ -21,14 +21,9 @@ import onnx
 import torch
 from onnx import helper
 
+from pagedhybrid import dtypes
 from pagedhybrid.errors import UnsupportedConfiguration
-from pagedhybrid.ops.spec import TORCH_TO_ONNX, OpSpec
-
-_ONNX_ELEM = {
-    "float": onnx.TensorProto.FLOAT, "float16": onnx.TensorProto.FLOAT16,
-    "int32": onnx.TensorProto.INT32, "int64": onnx.TensorProto.INT64,
-    "double": onnx.TensorProto.DOUBLE,
-}
+from pagedhybrid.ops.spec import OpSpec
 
 
 @functools.cache
@@ -60,7 +55,7 @@ def single_node_model(spec: OpSpec, inputs: Sequence[torch.Tensor | None],
         if t is None:
             names.append("")
             continue
-        elem = _ONNX_ELEM[TORCH_TO_ONNX[t.dtype]]
+        elem = dtypes.onnx_code(t.dtype, op=spec.qualname, where=port.name)
         names.append(port.name)
         graph_inputs.append(helper.make_tensor_value_info(port.name, elem, list(t.shape)))
     out_names = [p.name for p in spec.outputs[:n_outputs]]

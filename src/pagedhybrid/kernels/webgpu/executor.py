@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import jinja2
 import numpy as np
 
+from pagedhybrid import dtypes
 from pagedhybrid.errors import UnsupportedConfiguration
 from pagedhybrid.kernels.webgpu import runner
 from pagedhybrid.kernels.webgpu.package import (
@@ -34,7 +35,8 @@ from pagedhybrid.kernels.webgpu.package import (
 )
 
 FOLD = 65535
-_STRUCT_NP = {"u32": np.uint32, "i32": np.int32, "f32": np.float32}
+# uniform struct fields are one 32-bit word each: WGSL scalar name -> numpy type
+_STRUCT_NP = {WGSL_SCALAR[n]: dtypes.numpy_dtype(n) for n in ("uint32", "int32", "float32")}
 
 
 class Plan(NamedTuple):
@@ -127,7 +129,7 @@ def plan(pkg: KernelPackage, scope: dict[str, Any], buffers: Mapping[str, Any],
     scratch: dict[str, Any] = {}
     for inter in variant.get("intermediates", []):
         shape = [int(s) for s in evaluate(inter["shape"], scope)]
-        nbytes = int(np.prod(shape)) * np.dtype(runner.NP_DTYPES[inter["dtype"]]).itemsize
+        nbytes = int(np.prod(shape)) * dtypes.itemsize(inter["dtype"])
         scratch[inter["id"]] = pool.buffer(f"scratch:{inter['id']}", nbytes)
     dispatches: list[runner.Dispatch] = []
     sources: dict[str, str] = {}

@@ -28,23 +28,21 @@ from typing import Any
 import numpy as np
 import torch
 
+from pagedhybrid import dtypes
 from pagedhybrid.errors import ContractViolation, UnsupportedConfiguration
 from pagedhybrid.kernels.webgpu import executor, runner
 from pagedhybrid.kernels.webgpu.package import WGSL_SCALAR, KernelPackage, evaluate, package_dir
 from pagedhybrid.kernels.webgpu.runner import GpuTensor
 
-_NP_TO_LOGICAL = {np.dtype(v): k for k, v in runner.NP_DTYPES.items()}
-_TORCH_TO_LOGICAL = {torch.float16: "float16", torch.float32: "float32", torch.int32: "int32",
-                     torch.bfloat16: "bfloat16", torch.float64: "float64", torch.int64: "int64"}
-_LOGICAL_TO_TORCH = {"float16": torch.float16, "int32": torch.int32, "float32": torch.float32}
-
 
 def _logical(x: Any) -> str:
+    """The logical dtype of a bound value; an unknown one keeps its own name (the port check
+    then rejects it)."""
     if isinstance(x, GpuTensor):
         return x.dtype
-    if isinstance(x, torch.Tensor):
-        return _TORCH_TO_LOGICAL.get(x.dtype, str(x.dtype))
-    return _NP_TO_LOGICAL.get(np.asarray(x).dtype, str(np.asarray(x).dtype))
+    dt = x.dtype if isinstance(x, torch.Tensor) else np.asarray(x).dtype
+    e = dtypes.find(dt)
+    return str(dt) if e is None else e.logical
 
 
 class WebGpuKernel:
@@ -162,7 +160,7 @@ class WebGpuKernel:
             if v is None:
                 tensors.append(None)
             elif isinstance(v, GpuTensor):
-                tensors.append(torch.empty(v.shape, dtype=_LOGICAL_TO_TORCH[v.dtype],
+                tensors.append(torch.empty(v.shape, dtype=dtypes.to_torch(v.dtype),
                                            device="meta"))
             elif isinstance(v, torch.Tensor):
                 tensors.append(v)
@@ -179,7 +177,7 @@ class WebGpuKernel:
             raise self._fail("output", "must be 'cpu' or 'gpu'", output)
         inputs = {k: v for k, v in inputs.items() if v is not None or k not in
                   self.manifest["inputs"]}
-        dtypes = self.check_ports(inputs)
+        bound = self.check_ports(inputs)
         inputs = {k: v for k, v in inputs.items() if k in self.manifest["inputs"]}
         resolved = self.resolve_attrs(dict(attrs or {}))
         dims = self._contract(inputs, resolved)
@@ -201,8 +199,8 @@ class WebGpuKernel:
         shapes = {k: list(map(int, v.shape)) for k, v in inputs.items()}
         scope: dict[str, Any] = {
             "shapes": shapes, "ranks": {k: len(s) for k, s in shapes.items()},
-            "logicalDtypes": dict(dtypes), "tensorDtypes": dict(dtypes),
-            "dtypes": {k: WGSL_SCALAR.get(d, d) for k, d in dtypes.items()},
+            "logicalDtypes": dict(bound), "tensorDtypes": dict(bound),
+            "dtypes": {k: WGSL_SCALAR.get(d, d) for k, d in bound.items()},
             "present": {k: k in inputs for k in self.manifest["inputs"]},
             "args": call_args, "attrs": resolved, "tunables": tun,
             "device": {"features": sorted(ctx.features), "limits": ctx.limits,
@@ -217,14 +215,12 @@ class WebGpuKernel:
         result: dict[str, Any] = {}
         if dims.num_tokens == 0:  # nothing to scatter or attend: no GPU work at all
             shape, dt = out_specs["outputT"]
-            result["outputT"] = np.zeros(shape, runner.NP_DTYPES[dt])
+            result["outputT"] = np.zeros(shape, dtypes.numpy_dtype(dt))
             self.last = {"variant": None, "dispatches": []}
             return {**result, **{k: inputs[k] for k in out_specs if k in inputs}}
         biggest = ctx.limits.get("max-storage-buffer-binding-size", 1 << 27)
-        sizes = {k: int(np.prod(v.shape)) * np.dtype(runner.NP_DTYPES.get(dtypes[k], np.float32)
-                                                      ).itemsize for k, v in inputs.items()}
-        sizes.update({k: int(np.prod(s)) * np.dtype(runner.NP_DTYPES[d]).itemsize
-                      for k, (s, d) in out_specs.items()})
+        sizes = {k: int(np.prod(v.shape)) * dtypes.itemsize(bound[k]) for k, v in inputs.items()}
+        sizes.update({k: int(np.prod(s)) * dtypes.itemsize(d) for k, (s, d) in out_specs.items()})
         for key, nbytes in sizes.items():
             if nbytes > biggest:
                 raise UnsupportedConfiguration(
@@ -248,7 +244,7 @@ class WebGpuKernel:
                 owned[key] = GpuTensor.empty(tuple(shape), dt)
                 buffers[key] = owned[key].buffer
             else:
-                nbytes = int(np.prod(shape)) * np.dtype(runner.NP_DTYPES[dt]).itemsize
+                nbytes = int(np.prod(shape)) * dtypes.itemsize(dt)
                 buffers[key] = self.pool.buffer(f"out:{key}", nbytes)
         plan = executor.plan(self.package, scope, buffers, self.pool, ctx.features)
         runner.run_dispatches(plan.dispatches)

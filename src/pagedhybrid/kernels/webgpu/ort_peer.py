@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from pagedhybrid import dtypes
 from pagedhybrid.errors import UnsupportedConfiguration
 
 # ONNX Runtime's PagedAttention inputs in schema order (onnxruntime 1.32.0, bert_defs.cc).
@@ -30,7 +31,6 @@ ORT_INPUTS = (
     "q_norm_weight", "k_norm_weight", "k_scale", "v_scale", "attention_metadata",
 )
 ORT_OUTPUTS = ("output", "key_cache_out", "value_cache_out")
-_ELEM = {np.dtype(np.float16): 10, np.dtype(np.int32): 6, np.dtype(np.float32): 1}
 
 
 def _model_bytes(inputs: Mapping[str, np.ndarray], attrs: Mapping[str, Any]) -> bytes:
@@ -40,8 +40,8 @@ def _model_bytes(inputs: Mapping[str, np.ndarray], attrs: Mapping[str, Any]) -> 
     present = [n for n in ORT_INPUTS if n in inputs]
     last = max(ORT_INPUTS.index(n) for n in present)
     names = [n if n in inputs else "" for n in ORT_INPUTS[: last + 1]]
-    graph_inputs = [helper.make_tensor_value_info(n, _ELEM[inputs[n].dtype], list(inputs[n].shape))
-                    for n in present]
+    graph_inputs = [helper.make_tensor_value_info(n, dtypes.onnx_code(inputs[n].dtype, where=n),
+                                                  list(inputs[n].shape)) for n in present]
     outputs = [onnx.ValueInfoProto(name=n) for n in ORT_OUTPUTS]
     node = helper.make_node("PagedAttention", names, list(ORT_OUTPUTS), domain="com.microsoft",
                             **dict(attrs))

@@ -33,6 +33,7 @@ from typing import Any
 
 import jinja2
 
+from pagedhybrid import dtypes
 from pagedhybrid.errors import ContractViolation
 
 MANIFEST_SPEC = "2.1"
@@ -92,7 +93,7 @@ EXPR_FUNCTIONS: dict[str, Any] = {
     "ceilDiv": _ceil_div, "pow2ceil": _pow2ceil,
     "log2ceil": lambda n: max(0, (int(n) - 1).bit_length()), "numel": _numel,
     "dim": lambda shape, i: int(shape[i]), "has": lambda m, k: k in m,
-    "dtypeBytes": lambda d: {"float16": 2, "float32": 4, "int32": 4, "uint32": 4}[d],
+    "dtypeBytes": lambda d: dtypes.itemsize(d, op="manifest expression", where="dtypeBytes"),
     "range": range, "DISPATCH_FOLD_WIDTH": 65535,
 }
 

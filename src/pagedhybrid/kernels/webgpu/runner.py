@@ -22,9 +22,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from pagedhybrid import dtypes
 from pagedhybrid.errors import UnsupportedConfiguration
+from pagedhybrid.kernels.webgpu.package import WGSL_SCALAR
 
-NP_DTYPES = {"float16": np.float16, "float32": np.float32, "int32": np.int32, "uint32": np.uint32}
 _WANTED_LIMITS = ("max-buffer-size", "max-storage-buffer-binding-size",
                   "max-storage-buffers-per-shader-stage", "max-compute-workgroup-storage-size",
                   "max-compute-invocations-per-workgroup", "max-compute-workgroup-size-x")
@@ -123,20 +124,23 @@ class GpuTensor:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape)) * np.dtype(NP_DTYPES[self.dtype]).itemsize
+        return int(np.prod(self.shape)) * dtypes.itemsize(self.dtype)
 
     @classmethod
     def empty(cls, shape: tuple[int, ...], dtype: str) -> GpuTensor:
         import wgpu
 
-        nbytes = int(np.prod(shape)) * np.dtype(NP_DTYPES[dtype]).itemsize
+        nbytes = int(np.prod(shape)) * dtypes.itemsize(dtype)
         usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_DST | wgpu.BufferUsage.COPY_SRC
         buf = gpu().device.create_buffer(size=_padded(nbytes), usage=usage)
         return cls(buf, shape, dtype)
 
     @classmethod
     def from_numpy(cls, array: np.ndarray) -> GpuTensor:
-        dtype = next(k for k, v in NP_DTYPES.items() if np.dtype(v) == array.dtype)
+        dtype = dtypes.logical_name(array.dtype, op="GpuTensor", where="array")
+        if dtype not in WGSL_SCALAR:
+            raise UnsupportedConfiguration(
+                f"GpuTensor: {dtype} has no WGSL storage type; use one of {list(WGSL_SCALAR)}")
         t = cls.empty(array.shape, dtype)
         t.write(array)
         return t
@@ -146,9 +150,9 @@ class GpuTensor:
 
     def numpy(self) -> np.ndarray:
         if self.nbytes == 0:
-            return np.empty(self.shape, NP_DTYPES[self.dtype])
+            return np.empty(self.shape, dtypes.numpy_dtype(self.dtype))
         raw = gpu().device.queue.read_buffer(self.buffer, 0, _padded(self.nbytes))
-        flat = np.frombuffer(raw, dtype=NP_DTYPES[self.dtype])
+        flat = np.frombuffer(raw, dtype=dtypes.numpy_dtype(self.dtype))
         return flat[: int(np.prod(self.shape))].reshape(self.shape).copy()
 
     def destroy(self) -> None:

@@ -17,13 +17,10 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from pagedhybrid import errors
+from pagedhybrid import dtypes, errors
 from pagedhybrid.kernels.webgpu.cases import make_case, to_onnx_names
 from pagedhybrid.kernels.webgpu.loader import WebGpuKernel
 from pagedhybrid.kernels.webgpu.package import KernelPackage
-
-_TORCH = {"float16": torch.float16, "float32": torch.float32, "int32": torch.int32,
-          "int64": torch.int64, "bfloat16": torch.bfloat16}
 
 
 class CaseResult(NamedTuple):
@@ -105,9 +102,9 @@ def edited_call(rej: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]
     for key in edit.get("drop", []):
         call.pop(key, None)
     for key, spec in edit.get("bind", {}).items():
-        call[key] = torch.zeros(spec["shape"], dtype=_TORCH[spec["dtype"]])
+        call[key] = torch.zeros(spec["shape"], dtype=dtypes.to_torch(spec["dtype"]))
     for key, dtype in edit.get("cast", {}).items():
-        call[key] = call[key].to(_TORCH[dtype])
+        call[key] = call[key].to(dtypes.to_torch(dtype))
     return call, attrs
 
 

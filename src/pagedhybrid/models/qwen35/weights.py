@@ -29,20 +29,17 @@ from pathlib import Path
 
 import torch
 
+from pagedhybrid.dtypes import find
 from pagedhybrid.models.qwen35.errors import CheckpointError
 
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
+
+def safetensors_dtype(name: object) -> torch.dtype:
+    """The torch dtype of a safetensors header ``dtype`` (``KeyError`` when unknown)."""
+    e = find(name) if isinstance(name, str) else None
+    if e is None or e.safetensors != name:
+        raise KeyError(name)
+    return e.torch
+
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 SKIPPED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
 RENAMED_PREFIXES = (
@@ -96,7 +93,7 @@ class SafetensorsFile:
         self._entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
         for name, entry in header.items():
             try:
-                dtype = SAFETENSORS_DTYPES[entry["dtype"]]
+                dtype = safetensors_dtype(entry["dtype"])
                 shape = tuple(int(s) for s in entry["shape"])
                 begin, end = (int(o) for o in entry["data_offsets"])
             except (KeyError, TypeError, ValueError) as exc:

@@ -49,7 +49,61 @@ struct Geometry {
   int bs_log2;
 };
 
-// One item: all rows (q_len x G) of sequence b / kv head h over keys [k0, k1).
+// One item: all rows (q_len x G) of sequence b / kv head h over keys [k0, k1), kLanes keys per
+// tile. Rows go in blocks of up to kRowBlock so a K/V tile element loaded from L1 feeds several
+// rows' FMAs (the G query heads of a GQA group share every K/V read).
+constexpr int kRowBlock = 8;
+
+// Scores, online-softmax update and P.V for NR rows against one transposed K tile `kt` and V
+// tile `vt` (n valid keys starting at key t0; row k sees keys <= limit[k]). NR is a compile-time
+// constant so the row accumulators stay in registers.
+template <int NR>
+inline void tile_rows_n(const float* const* qrow, const int* limit, int t0, int n, int d,
+                        float scale, const float (*kt)[kLanes], const float (*vt)[kMaxHead],
+                        float* acc, float* m, float* l) {
+  VF sc[NR];
+  for (int k = 0; k < NR; ++k) sc[k] = zero();
+  for (int e = 0; e < d; ++e) {
+    const VF ke = load(kt[e]);
+    for (int k = 0; k < NR; ++k) sc[k] = fma(bcast(qrow[k][e]), ke, sc[k]);
+  }
+  alignas(64) float pr[NR][kLanes];
+  float corr[NR];
+  for (int k = 0; k < NR; ++k) {
+    const int visible = std::max(0, std::min(n, limit[k] - t0 + 1));
+    const VF s = first_n(mul(sc[k], bcast(scale)), visible);
+    const float mnew = visible > 0 ? std::max(m[k], reduce_max(s)) : m[k];
+    corr[k] = mnew == kNegInf ? 1.f : std::exp(m[k] - mnew);
+    const VF e = visible > 0 ? exp(sub(s, bcast(mnew))) : zero();
+    store(pr[k], e);
+    l[k] = l[k] * corr[k] + reduce_add(e);
+    m[k] = mnew;
+  }
+  for (int c = 0; c < d; c += kLanes) {
+    VF a[NR];
+    for (int k = 0; k < NR; ++k) a[k] = mul(load(acc + k * d + c), bcast(corr[k]));
+    for (int j = 0; j < n; ++j) {
+      const VF vj = load(&vt[j][c]);
+      for (int k = 0; k < NR; ++k) a[k] = fma(bcast(pr[k][j]), vj, a[k]);
+    }
+    for (int k = 0; k < NR; ++k) store(acc + k * d + c, a[k]);
+  }
+}
+
+inline void tile_rows(int nr, const float* const* qrow, const int* limit, int t0, int n, int d,
+                      float scale, const float (*kt)[kLanes], const float (*vt)[kMaxHead],
+                      float* acc, float* m, float* l) {
+  switch (nr) {
+#define PH_CASE(N) \
+  case N:          \
+    return tile_rows_n<N>(qrow, limit, t0, n, d, scale, kt, vt, acc, m, l);
+    PH_CASE(1) PH_CASE(2) PH_CASE(3) PH_CASE(4) PH_CASE(5) PH_CASE(6) PH_CASE(7) PH_CASE(8)
+#undef PH_CASE
+    default:
+      break;
+  }
+}
+
 template <typename T>
 void run_item(const Item& it, const float* q, const T* kc, const T* vc, const int32_t* table,
               const int32_t* cu, const int32_t* past, const Geometry& g, float* acc, float* m,
@@ -65,8 +119,9 @@ void run_item(const Item& it, const float* q, const T* kc, const T* vc, const in
   std::fill(acc, acc + static_cast<int64_t>(rows) * d, 0.f);
   alignas(64) float kt[kMaxHead][kLanes];  // K tile transposed: kt[dim][key]
   alignas(64) float vt[kLanes][kMaxHead];  // V tile rows
-  alignas(64) float s[kLanes];
   int64_t offs[kLanes];
+  const float* qrow[kRowBlock];
+  int limit[kRowBlock];
   const int32_t* row_table = table + static_cast<int64_t>(it.b) * g.max_pages;
   for (int t0 = it.k0; t0 < it.k1; t0 += kLanes) {
     const int n = std::min(kLanes, it.k1 - t0);
@@ -77,43 +132,31 @@ void run_item(const Item& it, const float* q, const T* kc, const T* vc, const in
                 static_cast<int64_t>(it.h) * d;
     }
     for (int c = 0; c < dv; ++c) {
-      V16 rowsk[16];
+      VF rk[kLanes];
       for (int j = 0; j < kLanes; ++j) {
         if (j < n) {
-          rowsk[j] = load16(kc + offs[j] + c * kLanes);
-          store16(&vt[j][c * kLanes], load16(vc + offs[j] + c * kLanes));
+          rk[j] = load(kc + offs[j] + c * kLanes);
+          store(&vt[j][c * kLanes], load(vc + offs[j] + c * kLanes));
         } else {
-          rowsk[j] = V16{};
-          store16(&vt[j][c * kLanes], V16{});
+          rk[j] = zero();
+          store(&vt[j][c * kLanes], zero());
         }
       }
-      transpose16(rowsk);
-      for (int e = 0; e < kLanes; ++e) store16(kt[c * kLanes + e], rowsk[e]);
+      transpose(rk);
+      for (int e = 0; e < kLanes; ++e) store(kt[c * kLanes + e], rk[e]);
     }
-    for (int r = 0; r < rows; ++r) {
-      const int i = r / g.group, hh = it.h * g.group + r % g.group;
-      const int limit = p + i;  // last visible key of this query token
-      if (t0 > limit) continue;
-      const float* qr = q + (static_cast<int64_t>(q0 + i) * g.hq + hh) * d;
-      V16 sc = V16{};
-      for (int e = 0; e < d; ++e) sc += qr[e] * load16(kt[e]);
-      sc *= g.scale;
-      store16(s, sc);
-      for (int j = 0; j < kLanes; ++j)
-        if (j >= n || t0 + j > limit) s[j] = kNegInf;
-      sc = load16(s);
-      const float mnew = std::max(m[r], hmax(sc));
-      const float corr = std::exp(m[r] - mnew);  // exp(-inf) = 0 on the first tile
-      V16 pr = exp16(sc - mnew);
-      store16(s, pr);
-      l[r] = l[r] * corr + hsum(pr);
-      m[r] = mnew;
-      float* ar = acc + static_cast<int64_t>(r) * d;
-      for (int c = 0; c < dv; ++c) {
-        V16 a = load16(ar + c * kLanes) * corr;
-        for (int j = 0; j < n; ++j) a += s[j] * load16(&vt[j][c * kLanes]);
-        store16(ar + c * kLanes, a);
+    for (int r0 = 0; r0 < rows; r0 += kRowBlock) {
+      const int nr = std::min(kRowBlock, rows - r0);
+      int live = 0;  // rows of the block that see at least one key of the tile
+      for (int k = 0; k < nr; ++k) {
+        const int r = r0 + k, i = r / g.group, hh = it.h * g.group + r % g.group;
+        qrow[k] = q + (static_cast<int64_t>(q0 + i) * g.hq + hh) * d;
+        limit[k] = p + i;  // last visible key of this query token
+        live += t0 <= limit[k];
       }
+      if (live == 0) continue;
+      tile_rows(nr, qrow, limit, t0, n, d, g.scale, kt, vt, acc + static_cast<int64_t>(r0) * d,
+                m + r0, l + r0);
     }
   }
 }
@@ -202,7 +245,7 @@ void paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && key_cache.is_contiguous() &&
                   value_cache.is_contiguous() && block_table.is_contiguous(),
               "tensors must be contiguous");
-  TORCH_CHECK(q.size(2) % kLanes == 0 && q.size(2) <= kMaxHead,
+  TORCH_CHECK(q.size(2) % 16 == 0 && q.size(2) <= kMaxHead,
               "head size must be a multiple of 16 and at most 256");
   const int64_t bs = key_cache.size(1);
   TORCH_CHECK(bs > 0 && (bs & (bs - 1)) == 0, "block size must be a power of two");

@@ -1,116 +1,170 @@
-// Portable 16-lane float vectors (GCC vector extensions) for the native CPU kernels.
+// A float vector of the build's widest ISA for the native CPU kernels.
 //
-// One source for both instruction sets: built with -mavx512f -mavx512bw ... a `V16` is one zmm
-// register; built with -mavx2 -mfma -mf16c it is a pair of ymm registers (the compiler splits
-// every operation). Loads convert the cache element types to fp32: bf16 is the high half of an
-// fp32 (shift left 16), fp16 goes through the hardware converter (F16C / AVX-512), fp32 loads
-// as is. `exp16` is a Cody-Waite range reduction with a degree-6 polynomial (max rel. error
-// ~2e-7 on [-87, 88]; -inf -> 0). `transpose16` is the 4-stage butterfly of a 16x16 tile.
+// Built with -mavx512f/bw/vl/dq, `VF` is one zmm register (16 lanes); built with -mavx2 -mfma
+// -mf16c it is one ymm register (8 lanes). Kernels are written once against `kLanes`:
+//   load(p)         fp32 / bf16 / fp16 memory -> fp32 lanes (bf16 is the high half of an fp32:
+//                   widen and shift left 16; fp16 through the hardware converter)
+//   fma(a, b, c)    a * b + c               bcast(x)  all lanes = x
+//   reduce_add/max  horizontal sum / max    exp(x)    Cody-Waite + degree-6 polynomial
+//                                                     (rel. error ~2e-7; -inf -> 0)
+//   first_n(x, n)   lanes >= n set to -inf  transpose(rows[kLanes])  in registers
 #pragma once
+
+#include <immintrin.h>
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
 #include <cstdint>
-#include <cstring>
 
 namespace pagedhybrid {
 
-typedef float V16 __attribute__((vector_size(64)));
-typedef int32_t I16 __attribute__((vector_size(64)));
-typedef uint32_t U16 __attribute__((vector_size(64)));
-typedef uint16_t H16 __attribute__((vector_size(32)));
-typedef _Float16 F16x16 __attribute__((vector_size(32)));
-
-constexpr int kLanes = 16;
-
-inline V16 splat(float x) { return V16{} + x; }
-
-inline V16 load16(const float* p) {
-  V16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline V16 load16(const c10::BFloat16* p) {
-  H16 h;
-  std::memcpy(&h, p, sizeof(h));
-  U16 w = __builtin_convertvector(h, U16) << 16;
-  V16 v;
-  std::memcpy(&v, &w, sizeof(v));
-  return v;
-}
-inline V16 load16(const c10::Half* p) {
-  F16x16 h;
-  std::memcpy(&h, p, sizeof(h));
-  return __builtin_convertvector(h, V16);
-}
-inline void store16(float* p, V16 v) { std::memcpy(p, &v, sizeof(v)); }
-
-// element-wise scalar conversions (tails, scalar paths)
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
 template <typename T> inline T from_float(float x) { return static_cast<T>(x); }
 
-inline float hsum(V16 v) {
-  float s = 0.f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
-}
-inline float hmax(V16 v) {
-  float m = v[0];
-  for (int i = 1; i < kLanes; ++i) m = v[i] > m ? v[i] : m;
-  return m;
-}
+#if defined(__AVX512F__)
 
-// exp(x) for 16 lanes; x = -inf (masked keys) gives exactly 0.
-inline V16 exp16(V16 x) {
-  const V16 lo = splat(-87.3f), hi = splat(88.3f);
-  V16 xc = x < lo ? lo : (x > hi ? hi : x);  // GCC vector ?: selects per lane
-  const float log2e = 1.44269504088896341f;
-  const V16 magic = splat(12582912.0f);  // 1.5 * 2^23: round to nearest integer
-  V16 t = xc * log2e + magic;
-  V16 n = t - magic;
-  V16 r = xc - n * 0.693359375f + n * 2.12194440e-4f;  // ln2 split in hi/lo
-  V16 p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  I16 ni = __builtin_convertvector(n, I16);
-  I16 bits;
-  std::memcpy(&bits, &p, sizeof(bits));
-  bits += ni << 23;
-  V16 out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return x < lo ? V16{} : out;
-}
+constexpr int kLanes = 16;
+using VF = __m512;
 
-// In-place transpose of 16 vectors (rows) into 16 vectors (columns).
-inline void transpose16(V16 (&m)[16]) {
-  // stage s swaps blocks of size 2^s between row pairs (i, i ^ 2^s)
-#define PH_T_STAGE(S, LO, HI)                                                   \
-  for (int i = 0; i < 16; ++i) {                                                \
-    if (i & (S)) continue;                                                      \
-    V16 a = m[i], b = m[i | (S)];                                               \
-    m[i] = __builtin_shuffle(a, b, LO);                                         \
-    m[i | (S)] = __builtin_shuffle(a, b, HI);                                   \
+inline VF load(const float* p) { return _mm512_loadu_ps(p); }
+inline VF load(const c10::BFloat16* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline VF load(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline void store(float* p, VF v) { _mm512_storeu_ps(p, v); }
+inline VF bcast(float x) { return _mm512_set1_ps(x); }
+inline VF zero() { return _mm512_setzero_ps(); }
+inline VF fma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
+inline VF mul(VF a, VF b) { return _mm512_mul_ps(a, b); }
+inline VF sub(VF a, VF b) { return _mm512_sub_ps(a, b); }
+inline float reduce_add(VF v) { return _mm512_reduce_add_ps(v); }
+inline float reduce_max(VF v) { return _mm512_reduce_max_ps(v); }
+inline VF first_n(VF x, int n) {
+  const __mmask16 keep = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1u);
+  return _mm512_mask_blend_ps(keep, _mm512_set1_ps(-__builtin_inff()), x);
+}
+inline VF exp(VF x) {
+  const VF lo = _mm512_set1_ps(-87.3f);
+  const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_min_ps(_mm512_max_ps(x, lo), _mm512_set1_ps(88.3f));
+  VF n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  VF r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  VF p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~under), _mm512_scalef_ps(p, n));
+}
+inline void transpose(VF (&m)[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(m[i], m[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(m[i], m[i + 1]);
   }
-  const I16 lo1 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
-  const I16 hi1 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
-  const I16 lo2 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
-  const I16 hi2 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
-  const I16 lo4 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
-  const I16 hi4 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
-  const I16 lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-  const I16 hi8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
-  PH_T_STAGE(1, lo1, hi1)
-  PH_T_STAGE(2, lo2, hi2)
-  PH_T_STAGE(4, lo4, hi4)
-  PH_T_STAGE(8, lo8, hi8)
-#undef PH_T_STAGE
+  for (int i = 0; i < 16; i += 4) {
+    m[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+    m[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+    m[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    m[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_f32x4(m[i], m[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(m[i], m[i + 4], 0xDD);
+    t[i + 8] = _mm512_shuffle_f32x4(m[i + 8], m[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(m[i + 8], m[i + 12], 0xDD);
+  }
+  for (int i = 0; i < 4; ++i) {
+    m[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    m[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+    m[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88);
+    m[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xDD);
+  }
 }
+
+#else  // AVX2 + FMA + F16C
+
+constexpr int kLanes = 8;
+using VF = __m256;
+
+inline VF load(const float* p) { return _mm256_loadu_ps(p); }
+inline VF load(const c10::BFloat16* p) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline VF load(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline void store(float* p, VF v) { _mm256_storeu_ps(p, v); }
+inline VF bcast(float x) { return _mm256_set1_ps(x); }
+inline VF zero() { return _mm256_setzero_ps(); }
+inline VF fma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
+inline VF mul(VF a, VF b) { return _mm256_mul_ps(a, b); }
+inline VF sub(VF a, VF b) { return _mm256_sub_ps(a, b); }
+inline float reduce_add(VF v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline float reduce_max(VF v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline VF first_n(VF x, int n) {
+  const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), idx));
+  return _mm256_blendv_ps(_mm256_set1_ps(-__builtin_inff()), x, keep);
+}
+inline VF exp(VF x) {
+  const VF lo = _mm256_set1_ps(-87.3f);
+  const VF under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(88.3f));
+  VF n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  VF r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  VF p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)),
+                                23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+inline void transpose(VF (&m)[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(m[i], m[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(m[i], m[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    m[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    m[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+
+#endif
 
 }  // namespace pagedhybrid
