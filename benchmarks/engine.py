@@ -100,7 +100,8 @@ def run_engine(model: torch.nn.Module, w: Workload, args: argparse.Namespace
     pages = args.max_num_seqs * -(-longest // args.block_size) + 8
     engine = Engine(model, EngineConfig(block_size=args.block_size, num_blocks=pages,  # type: ignore[arg-type]
                                         max_num_seqs=args.max_num_seqs,
-                                        max_num_batched_tokens=args.max_num_batched_tokens))
+                                        max_num_batched_tokens=args.max_num_batched_tokens,
+                                        backend=args.backend))
     # warm-up (excluded): one short request
     engine.add_request("warm", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=2,
                                                          ignore_eos=True))
@@ -161,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-hf-single", action="store_true")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="weights and activations of both systems (KV pages follow)")
+    p.add_argument("--backend", default="auto", help="engine kernels: auto|native|torch")
     p.add_argument("--out", default="benchmarks/results/engine.json")
     args = p.parse_args(argv)
     if args.quick:
@@ -171,8 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = small_config()
     with tempfile.TemporaryDirectory(prefix="ph-bench-") as tmp:
         write_checkpoint(Path(tmp), cfg, random_weights(cfg, seed=args.seed))
-        model = load(tmp, dtype=torch.float32)
-        hf = transformers.Qwen3_5ForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+        dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+        model = load(tmp, dtype=dtype)
+        hf = transformers.Qwen3_5ForCausalLM.from_pretrained(tmp, dtype=dtype).eval()
         n_params = sum(t.numel() for t in model.state_dict().values()) - (
             cfg.vocab_size * cfg.hidden_size if cfg.tie_word_embeddings else 0)
         w = make_workload(args.requests, tuple(args.prompt_range), tuple(args.output_range),
@@ -181,9 +186,9 @@ def main(argv: list[str] | None = None) -> int:
               f"({len(cfg.full_attention_layers)} full), hidden {cfg.hidden_size}, vocab "
               f"{cfg.vocab_size}; workload: {args.requests} requests, prompts "
               f"{args.prompt_range}, outputs {args.output_range}; torch threads "
-              f"{torch.get_num_threads()}", flush=True)
+              f"{torch.get_num_threads()}; {args.dtype}", flush=True)
         eng, eng_tokens, engine = run_engine(model, w, args)
-        print(f"engine done in {eng.seconds:.1f} s", flush=True)
+        print(f"engine done in {eng.seconds:.1f} s ({engine.kernels.reason})", flush=True)
         results = [eng]
         match = None
         if not args.skip_hf_single:
@@ -217,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
                      "output_range": list(args.output_range), "seed": args.seed,
                      "prompt_tokens": w.prompt_tokens, "generated_tokens": w.generated_tokens},
         "engine_config": {"max_num_seqs": args.max_num_seqs, "block_size": args.block_size,
-                          "max_num_batched_tokens": args.max_num_batched_tokens},
+                          "max_num_batched_tokens": args.max_num_batched_tokens,
+                          "kernels": engine.kernels.reason},
+        "dtype": args.dtype,
         "results": [{"system": r.system, "seconds": r.seconds,
                      "generated_tokens_per_s": r.generated_tps,
                      "total_tokens_per_s": r.total_tps} for r in results],

@@ -66,7 +66,8 @@ def test_run_main_serves_the_demo(tiny_dir: Path, capsys: pytest.CaptureFixture[
     assert run_main(args) == 0
     out = capsys.readouterr().out
     assert "requests" in out and "abort" in out and "tok/s" in out
-    assert "24/24 pages and 4/4 slots free" in out
+    assert re.search(r"24/24 pages \(\d+ of them cached prefix pages\) and 4/4 slots free", out)
+    assert "prefix cache:" in out
 
 
 def test_run_on_the_built_in_model_prints_english(capsys: pytest.CaptureFixture[str]) -> None:

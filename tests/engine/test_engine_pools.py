@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedhybrid.engine.pages import BlockPool
+from pagedhybrid.engine.request import Request
+from pagedhybrid.engine.sampling import SamplingParams
 from pagedhybrid.engine.scheduler import HybridAllocator
 from pagedhybrid.engine.states import StatePool
 from pagedhybrid.errors import ContractViolation
@@ -62,16 +65,21 @@ def test_state_pool() -> None:
         StatePool(0)
 
 
+def _req(rid: str, n: int) -> Request:
+    return Request(rid, tuple(range(1, n + 1)), SamplingParams(), 0, torch.Generator())
+
+
 def test_admission_is_atomic() -> None:
     blocks, states = BlockPool(2, 16), StatePool(1)
     alloc = HybridAllocator(blocks, states)
-    assert alloc.admit("a", 16) == 0
+    slot, hit, n = alloc.admit(_req("a", 16), 64)
+    assert (slot, hit.tokens, n) == (0, 0, 16)
     # no slot left: nothing may be taken from the page pool
-    assert alloc.admit("b", 16) is None
+    assert alloc.admit(_req("b", 16), 64) is None
     assert blocks.num_free == 1 and not blocks.has("b")
     alloc.release("a")
     # a slot but not enough pages: no slot may be taken either
-    assert alloc.admit("c", 3 * 16) is None
+    assert alloc.admit(_req("c", 3 * 16), 64) is None
     assert states.num_free == 1 and not states.has("c")
     assert alloc.idle
     alloc.check_invariants()
@@ -93,7 +101,7 @@ def test_pool_invariants_under_random_operations(ops: list[tuple[str, int, bool]
             assert after[: len(before)] == before  # tables are append-only
             assert ok == (len(after) >= blocks.blocks_for(n))
         else:
-            alloc.admit(rid, n)
+            alloc.admit(_req(rid, max(n, 1)), max(n, 1))
         alloc.check_invariants()
         owners = blocks.owners() | states.owners()
         assert blocks.owners() <= states.owners() or not owners

@@ -36,6 +36,15 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="state slots (default: --max-num-seqs)")
     g.add_argument("--max-num-seqs", type=int, default=32)
     g.add_argument("--max-num-batched-tokens", type=int, default=512)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True, help="share cached KV pages and state checkpoints of "
+                   "repeated prefixes (default on)")
+    g.add_argument("--state-checkpoint-interval", type=int, default=None,
+                   help="tokens between state checkpoints (a multiple of --block-size; "
+                   "default max(64, block size))")
+    g.add_argument("--num-state-checkpoints", type=int, default=None,
+                   help="rows of the state-checkpoint pool (default: as many as state slots)")
+    g.add_argument("--backend", default="auto", help="kernels: auto | native | torch")
 
 
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
@@ -55,13 +64,17 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
-    p.set_defaults(max_num_seqs=4, max_num_batched_tokens=64, num_blocks=8)
+    p.set_defaults(max_num_seqs=4, max_num_batched_tokens=64, num_blocks=8,
+                   state_checkpoint_interval=16)
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
     return {"block_size": args.block_size, "num_blocks": args.num_blocks,
             "num_state_slots": args.num_state_slots, "max_num_seqs": args.max_num_seqs,
-            "max_num_batched_tokens": args.max_num_batched_tokens}
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "enable_prefix_caching": args.enable_prefix_caching,
+            "state_checkpoint_interval": args.state_checkpoint_interval,
+            "num_state_checkpoints": args.num_state_checkpoints, "backend": args.backend}
 
 
 def _record(out: RequestOutput, prompt: str | None = None) -> dict[str, object]:
@@ -69,6 +82,7 @@ def _record(out: RequestOutput, prompt: str | None = None) -> dict[str, object]:
         "request_id": out.request_id, "text": out.text, "token_ids": list(out.token_ids),
         "new_token_ids": list(out.new_token_ids), "finished": out.finished,
         "finish_reason": out.finish_reason, "num_prompt_tokens": len(out.prompt_token_ids),
+        "num_cached_tokens": out.num_cached_tokens,
         "num_generated_tokens": len(out.token_ids), "num_preemptions": out.num_preemptions,
     }
     if prompt is not None:
@@ -141,6 +155,9 @@ DEMO = (  # (arrival step, prompt, params): the built-in model was trained on th
     (0, "And it came to pass, when the king had heard the words of the prophet, that he rent "
         "his clothes, and",
      SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)),
+    (2, "And it came to pass, when the king had heard the words of the prophet, that he went "
+        "up", SamplingParams(temperature=0.7, top_p=0.9, seed=1, max_tokens=20,
+                             ignore_eos=True)),  # shares r1's prefix: a prefix-cache hit
     (3, "The LORD is my shepherd;", SamplingParams(temperature=0.8, top_k=40, seed=7,
                                                    max_tokens=40, ignore_eos=True)),
     (6, "Then Jesus went up into a mountain, and there he sat with his disciples. And when he "
@@ -148,10 +165,8 @@ DEMO = (  # (arrival step, prompt, params): the built-in model was trained on th
      SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)),
     (10, "And the children of Israel", SamplingParams(temperature=0.0, max_tokens=64,
                                                        ignore_eos=True)),
-    (14, "Blessed are the meek:", SamplingParams(temperature=0.7, top_p=0.9, seed=1,
-                                                 max_tokens=20, ignore_eos=True)),
 )
-ABORT_AFTER = ("r4", 6)  # abort r4 after it generated this many tokens
+ABORT_AFTER = ("r5", 6)  # abort r5 after it generated this many tokens
 
 
 @dataclass
@@ -170,7 +185,8 @@ def run_main(args: argparse.Namespace) -> int:
 
     console = Console(width=max(Console().width, 150))
     kw = _engine_kwargs(args) if hasattr(args, "block_size") else {
-        "max_num_seqs": 4, "max_num_batched_tokens": 64, "num_blocks": 8}
+        "max_num_seqs": 4, "max_num_batched_tokens": 64, "num_blocks": 8,
+        "state_checkpoint_interval": 16}
     try:
         engine = load_engine(getattr(args, "model", None), dtype=getattr(args, "dtype",
                                                                            "float32"), **kw)
@@ -234,7 +250,7 @@ def _serve_demo(engine: Engine, console: object) -> dict[str, _Track]:
 
 def _report(engine: Engine, tracks: dict[str, _Track], console: object, table_cls: type) -> None:
     table = table_cls(title="requests")
-    for col in ("id", "prompt", "out", "finish", "preempt", "ttft s", "total s"):
+    for col in ("id", "prompt", "cached", "out", "finish", "preempt", "ttft s", "total s"):
         table.add_column(col, justify="right" if col not in ("id", "finish") else "left")
     table.add_column("text", overflow="ellipsis", no_wrap=True, max_width=60)
     for rid, tr in tracks.items():
@@ -242,7 +258,8 @@ def _report(engine: Engine, tracks: dict[str, _Track], console: object, table_cl
         assert o is not None
         first = "-" if tr.first_s is None else f"{tr.first_s - tr.added_s:.2f}"
         lat = "-" if tr.done_s is None else f"{tr.done_s - tr.added_s:.2f}"
-        table.add_row(rid, str(len(o.prompt_token_ids)), str(len(o.token_ids)),
+        table.add_row(rid, str(len(o.prompt_token_ids)), str(o.num_cached_tokens),
+                      str(len(o.token_ids)),
                       str(o.finish_reason), str(o.num_preemptions), first, lat,
                       repr((o.text or "")[:56]))
     console.print(table)  # type: ignore[attr-defined]
@@ -257,7 +274,16 @@ def _report(engine: Engine, tracks: dict[str, _Track], console: object, table_cl
         f"{st.peak_blocks}/{engine.blocks.capacity} pages, {st.preemptions} preemptions; "
         f"engine overhead (scheduling + batch building) {100 * st.overhead_fraction:.1f}% of "
         f"step time; after draining: {engine.blocks.num_free}/{engine.blocks.capacity} pages "
-        f"and {engine.states.num_free}/{engine.states.capacity} slots free")
+        f"({engine.blocks.num_cached} of them cached prefix pages) and "
+        f"{engine.states.num_free}/{engine.states.capacity} slots free")
+    pc = engine.prefix_cache_stats()
+    if engine.checkpoints is not None:
+        console.print(  # type: ignore[attr-defined]
+            f"prefix cache: {pc['hits']}/{pc['queries']} admissions hit, {pc['hit_tokens']} of "
+            f"{pc['query_tokens']} tokens served from cache "
+            f"({100 * pc['cached_token_fraction']:.0f}%), {pc['checkpoints_written']} state "
+            f"checkpoints written, {pc['page_evictions']} page and "
+            f"{pc['checkpoint_evictions']} checkpoint evictions")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

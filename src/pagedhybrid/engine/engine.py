@@ -39,8 +39,8 @@ from pagedhybrid.engine.pages import BlockPool
 from pagedhybrid.engine.request import InvalidRequest, Request, RequestOutput
 from pagedhybrid.engine.sampling import SampledToken, SamplingParams, logprob_dicts, sample
 from pagedhybrid.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from pagedhybrid.engine.states import StatePool
-from pagedhybrid.errors import CapacityError, ContractViolation
+from pagedhybrid.engine.states import CheckpointPool, StatePool
+from pagedhybrid.errors import CapacityError, ContractViolation, UnsupportedConfiguration
 from pagedhybrid.kernels.backend import Selection, select
 from pagedhybrid.kernels.step import StepMetadata
 from pagedhybrid.models.qwen35 import PackedBatch, PagedHybridCache, Qwen35ForCausalLM
@@ -61,6 +61,12 @@ class EngineConfig:
     kernels (``pagedhybrid.kernels.backend.select``): ``auto`` runs the native kernels when the
     prebuilt extension is present and says why not otherwise; a named backend that cannot serve
     the model's dtype/shape is refused here, at construction.
+
+    Prefix caching (``enable_prefix_caching``, on by default): full KV pages are content-hashed
+    and kept after their requests finish, and the linear layers' states are checkpointed every
+    ``state_checkpoint_interval`` tokens (a multiple of ``block_size``) into their own pool of
+    ``num_state_checkpoints`` rows; a new request starts after its longest prefix that has both
+    (``engine/scheduler.py``, ``HybridAllocator``).
     """
 
     block_size: int = 16
@@ -74,16 +80,30 @@ class EngineConfig:
     device: str = "cpu"
     cache_fill: float | None = 0.0
     backend: str = "auto"  # kernel backend: auto | native | torch | reference
+    enable_prefix_caching: bool = True
+    state_checkpoint_interval: int | None = None  # tokens; default max(64, block_size)
+    num_state_checkpoints: int | None = None  # default: as many as state slots
+    prefix_cache_key: str | None = None  # e.g. a model/adapter id, part of every page hash
 
     def __post_init__(self) -> None:
         if self.num_blocks is not None and self.cache_memory_bytes is not None:
             raise ContractViolation("EngineConfig", "num_blocks/cache_memory_bytes",
                                     "are exclusive: give one", (self.num_blocks,
                                                                 self.cache_memory_bytes))
-        for name in ("num_blocks", "cache_memory_bytes", "num_state_slots", "max_model_len"):
+        for name in ("num_blocks", "cache_memory_bytes", "num_state_slots", "max_model_len",
+                     "state_checkpoint_interval", "num_state_checkpoints"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v < 1):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ContractViolation("EngineConfig", name, "must be None or an int >= 1", v)
+        if self.state_checkpoint_interval is not None and \
+                self.state_checkpoint_interval % self.block_size:
+            raise ContractViolation("EngineConfig", "state_checkpoint_interval",
+                                    f"must be a multiple of block_size {self.block_size}",
+                                    self.state_checkpoint_interval)
+
+    @property
+    def checkpoint_interval(self) -> int:
+        return self.state_checkpoint_interval or max(64, self.block_size)
 
 
 def page_bytes(config: Qwen35Config, block_size: int, dtype: torch.dtype) -> int:
@@ -105,11 +125,14 @@ class PoolSizes:
     num_blocks: int
     num_slots: int
     max_model_len: int
+    num_checkpoints: int = 0
 
 
 def size_pools(model_config: Qwen35Config, cfg: EngineConfig, dtype: torch.dtype) -> PoolSizes:
-    """Pages, slots and max_model_len from an ``EngineConfig`` (see its docstring)."""
+    """Pages, slots, checkpoints and max_model_len from an ``EngineConfig`` (its docstring);
+    checkpoint rows cost what slots cost."""
     slots = cfg.num_state_slots or cfg.max_num_seqs
+    checkpoints = (cfg.num_state_checkpoints or slots) if cfg.enable_prefix_caching else 0
     limit = min(cfg.max_model_len or model_config.max_position_embeddings,
                 model_config.max_position_embeddings)
     if cfg.num_blocks is not None:
@@ -117,16 +140,17 @@ def size_pools(model_config: Qwen35Config, cfg: EngineConfig, dtype: torch.dtype
     else:
         budget = cfg.cache_memory_bytes or DEFAULT_CACHE_MEMORY
         per_page = max(page_bytes(model_config, cfg.block_size, dtype), 1)
-        blocks = (budget - slots * slot_bytes(model_config, dtype)) // per_page
+        blocks = (budget - (slots + checkpoints) * slot_bytes(model_config, dtype)) // per_page
         if cfg.cache_memory_bytes is None:
             blocks = min(blocks, cfg.max_num_seqs * -(-limit // cfg.block_size))
         if blocks < 1:
             raise CapacityError(
-                f"cache memory {budget} B holds {slots} state slots of "
-                f"{slot_bytes(model_config, dtype)} B and no KV page of {per_page} B; "
-                "raise cache_memory_bytes or lower num_state_slots")
+                f"cache memory {budget} B holds {slots} state slots and {checkpoints} state "
+                f"checkpoints of {slot_bytes(model_config, dtype)} B and no KV page of "
+                f"{per_page} B; raise cache_memory_bytes or lower num_state_slots / "
+                "num_state_checkpoints")
     max_len = cfg.max_model_len or min(limit, blocks * cfg.block_size)
-    return PoolSizes(int(blocks), int(slots), int(max_len))
+    return PoolSizes(int(blocks), int(slots), int(max_len), int(checkpoints))
 
 
 @dataclass
@@ -197,7 +221,10 @@ def build_batch(output: SchedulerOutput, cache: PagedHybridCache, device: str = 
     meta = StepMetadata.build([s.num_new_tokens for s in seqs], [s.start for s in seqs],
                               batch.block_table, [s.slot for s in seqs],
                               block_size=cache.block_size, num_pages=cache.num_pages,
-                              num_slots=cache.num_slots, device=device)
+                              num_slots=cache.num_slots, device=device,
+                              checkpoints=[(i, off, row) for i, s in enumerate(seqs)
+                                           for off, row in s.checkpoints],
+                              num_checkpoints=cache.num_checkpoints)
     rows: list[int] = []
     sampling, sample_rows, spans = [], [], []
     offset = 0
@@ -233,17 +260,25 @@ class Engine:
         sizes = size_pools(mc, self.config, model.dtype)
         self.sizes = sizes
         gen = torch.Generator().manual_seed(self.config.seed)
+        caching = self.config.enable_prefix_caching
+        if caching and "state_checkpoints" not in self.kernels.backend.features:
+            raise UnsupportedConfiguration(
+                f"EngineConfig.enable_prefix_caching: the {self.kernels.backend.name!r} kernels "
+                "cannot emit the linear layers' intermediate states (state checkpoints); use "
+                "backend native or torch, or enable_prefix_caching=False")
         self.cache = PagedHybridCache.allocate(
             mc, num_pages=sizes.num_blocks, block_size=self.config.block_size,
             num_slots=sizes.num_slots, dtype=model.dtype, device=self.config.device,
-            fill=self.config.cache_fill, generator=gen)
-        self.blocks = BlockPool(sizes.num_blocks, self.config.block_size)
+            fill=self.config.cache_fill, generator=gen, num_checkpoints=sizes.num_checkpoints)
+        self.blocks = BlockPool(sizes.num_blocks, self.config.block_size, caching=caching)
         self.states = StatePool(sizes.num_slots)
+        self.checkpoints = CheckpointPool(sizes.num_checkpoints) if caching else None
         eos = tuple(mc.eos_token_id) or tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
         self.scheduler = Scheduler(
             SchedulerConfig(self.config.max_num_seqs, self.config.max_num_batched_tokens,
                             sizes.max_model_len),
-            self.blocks, self.states, eos)
+            self.blocks, self.states, eos, self.checkpoints, self.config.checkpoint_interval,
+            self.config.prefix_cache_key)
         self._generator = torch.Generator().manual_seed(self.config.seed)
         self._arrivals = 0
         self._pending: list[RequestOutput] = []
@@ -326,6 +361,9 @@ class Engine:
         if not sched.sequences:
             return outputs
         step = build_batch(sched, self.cache, self.config.device)
+        for s in sched.sequences:  # prefix hits start from their checkpointed state
+            if s.restore is not None:
+                self.cache.restore_checkpoint(s.restore, s.slot)
         t2 = time.perf_counter()
         logits = self.model.forward_packed(step.batch, self.cache, step.rows,
                                            step.meta)  # [R, V]
@@ -351,6 +389,9 @@ class Engine:
         t4 = time.perf_counter()
         for req, why in failed:
             self.scheduler.finish(req, "error", why)
+            if self.checkpoints is not None:  # never keep states of a failed computation
+                seq = next(s for s in sched.sequences if s.request is req)
+                self.checkpoints.discard(row for _, row in seq.checkpoints)
         self.scheduler.update(sched, sampled)
         for s in sched.sequences:
             req = s.request
@@ -380,6 +421,24 @@ class Engine:
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
 
+    def prefix_cache_stats(self) -> dict[str, float | int]:
+        """Prefix-cache counters: lookups, hits, tokens looked up / served, evictions, and the
+        memory of the checkpoint pool (all zero when prefix caching is off)."""
+        st = self.scheduler.alloc.stats
+        ck = self.checkpoints
+        return {
+            "queries": st.queries, "hits": st.hits, "query_tokens": st.query_tokens,
+            "hit_tokens": st.hit_tokens,
+            "hit_rate": st.hits / st.queries if st.queries else 0.0,
+            "cached_token_fraction": st.hit_tokens / st.query_tokens if st.query_tokens else 0.0,
+            "page_evictions": self.blocks.evictions, "cached_pages": self.blocks.num_cached,
+            "checkpoints_written": st.checkpoints_written,
+            "checkpoint_evictions": ck.evictions if ck is not None else 0,
+            "cached_checkpoints": ck.num_cached if ck is not None else 0,
+            "checkpoint_bytes": (ck.capacity if ck is not None else 0) * slot_bytes(
+                self.model.config, self.model.dtype),
+        }
+
     # -- outputs ---------------------------------------------------------------------------------
     def _output(self, req: Request) -> RequestOutput:
         out = req.output_token_ids
@@ -401,4 +460,5 @@ class Engine:
                              and req.prompt_logprobs_done else None),
             error=req.error,
             num_preemptions=req.num_preemptions,
+            num_cached_tokens=req.num_cached_tokens,
         )

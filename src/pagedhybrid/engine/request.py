@@ -62,6 +62,9 @@ class Request:
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     prompt_logprobs: list[dict[int, Logprob] | None] = field(default_factory=lambda: [None])
     num_emitted: int = 0  # output tokens already reported by step()
+    page_hashes: list[int] = field(default_factory=list)  # chain hashes of the full pages
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    admitted: bool = False  # admitted at least once (num_cached_tokens is then final)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -122,6 +125,8 @@ class RequestOutput:
     generated tokens so far; ``text`` decodes ``token_ids`` when the engine has a tokenizer.
     ``logprobs`` (when asked) has one dict per generated token; ``prompt_logprobs`` (when asked)
     one per prompt token, ``None`` for the first (vLLM's layout), once the prompt is computed.
+    ``num_cached_tokens``: prompt tokens whose KV pages and linear-layer state came from the
+    prefix cache at admission (not recomputed).
     """
 
     request_id: str
@@ -135,3 +140,4 @@ class RequestOutput:
     prompt_logprobs: tuple[dict[int, Logprob] | None, ...] | None = None
     error: str | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens that were prefix-cache hits (vLLM's field)

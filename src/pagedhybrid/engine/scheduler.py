@@ -27,27 +27,117 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from pagedhybrid.engine.pages import BlockPool
+from pagedhybrid.engine.pages import BlockPool, chain_hashes
 from pagedhybrid.engine.request import FinishReason, Request, RequestStatus
 from pagedhybrid.engine.sampling import SampledToken
-from pagedhybrid.engine.states import StatePool
+from pagedhybrid.engine.states import CheckpointPool, StatePool
 from pagedhybrid.errors import CapacityError, ContractViolation
 
 
+class Hit(NamedTuple):
+    """A prefix-cache hit: the first ``tokens`` tokens are served by ``pages`` and the state
+    checkpoint in row ``checkpoint`` (``tokens == 0``: a miss)."""
+
+    tokens: int
+    pages: list[int]
+    checkpoint: int | None
+
+
+@dataclass
+class PrefixStats:
+    queries: int = 0  # admissions looked up
+    hits: int = 0  # admissions with a hit
+    query_tokens: int = 0  # tokens of the looked-up sequences
+    hit_tokens: int = 0  # tokens served from the cache
+    checkpoints_written: int = 0
+
+
 class HybridAllocator:
-    """KV pages and state slots taken and returned together."""
+    """KV pages and state slots taken and returned together, plus (prefix caching) the lookup
+    of a new request's longest cached prefix and the plan of this step's state checkpoints.
 
-    def __init__(self, blocks: BlockPool, states: StatePool) -> None:
-        self.blocks, self.states = blocks, states
+    Hit rule: the longest prefix whose KV pages are all cached (verified page by page) AND that
+    has a state checkpoint at its end; checkpoints sit every ``interval`` tokens, so the search
+    walks down from the longest KV hit one interval at a time and takes the first position with
+    a checkpoint (never zero while a shorter joint hit exists). At most ``num_tokens - 1``
+    tokens hit, so the last token is always recomputed (its logits are needed).
+    """
 
-    def admit(self, request_id: str, num_tokens: int) -> int | None:
-        """Take pages for ``num_tokens`` tokens and a slot, or nothing; returns the slot."""
-        if self.states.num_free == 0 or not self.blocks.can_grow(request_id, num_tokens):
+    def __init__(self, blocks: BlockPool, states: StatePool,
+                 checkpoints: CheckpointPool | None = None, interval: int = 0,
+                 extra_key: object = None) -> None:
+        self.blocks, self.states, self.checkpoints = blocks, states, checkpoints
+        self.interval, self.extra_key = interval, extra_key
+        self.stats = PrefixStats()
+
+    @property
+    def caching(self) -> bool:
+        return self.checkpoints is not None
+
+    def page_hashes(self, req: Request) -> list[int]:
+        req.page_hashes = chain_hashes(req.token_ids, self.blocks.block_size, self.extra_key,
+                                       req.page_hashes)
+        return req.page_hashes
+
+    def lookup(self, req: Request) -> Hit:
+        if self.checkpoints is None:
+            return Hit(0, [], None)
+        hashes = self.page_hashes(req)
+        pages = self.blocks.lookup(hashes, req.token_ids)
+        bs = self.blocks.block_size
+        pos = min(len(pages) * bs, req.num_tokens - 1) // self.interval * self.interval
+        while pos > 0:
+            row = self.checkpoints.find(hashes[pos // bs - 1])
+            if row is not None:
+                return Hit(pos, pages[:pos // bs], row)
+            pos -= self.interval
+        return Hit(0, [], None)
+
+    def admit(self, req: Request, budget: int) -> tuple[int, Hit, int] | None:
+        """Take a slot and the pages of the (hit prefix +) first chunk, or nothing; returns
+        (slot, hit, tokens to compute now)."""
+        if self.states.num_free == 0:
             return None
-        slot = self.states.acquire(request_id)
-        ok = self.blocks.grow(request_id, num_tokens)
-        assert slot is not None and ok
-        return slot
+        rid = req.request_id
+        hit = self.lookup(req)
+        n = min(req.num_tokens - hit.tokens, budget)
+        if hit.pages:
+            self.blocks.share(rid, hit.pages)
+        if not self.blocks.grow(rid, hit.tokens + n):
+            self.blocks.release(rid)
+            return None
+        slot = self.states.acquire(rid)
+        assert slot is not None
+        if self.checkpoints is not None:
+            self.stats.queries += 1
+            self.stats.query_tokens += req.num_tokens
+            if hit.checkpoint is not None:
+                self.checkpoints.pin(hit.checkpoint)
+                self.stats.hits += 1
+                self.stats.hit_tokens += hit.tokens
+        return slot, hit, n
+
+    def plan_checkpoints(self, req: Request, start: int, n: int) -> tuple[tuple[int, int], ...]:
+        """(offset in the chunk, checkpoint row) for each checkpoint position in
+        ``(start, start + n]`` that has no checkpoint yet and gets a row."""
+        if self.checkpoints is None:
+            return ()
+        out = []
+        hashes = self.page_hashes(req)
+        bs = self.blocks.block_size
+        first = (start // self.interval + 1) * self.interval
+        for pos in range(first, start + n + 1, self.interval):
+            row = self.checkpoints.reserve(hashes[pos // bs - 1])
+            if row is not None:
+                out.append((pos - start, row))
+        self.stats.checkpoints_written += len(out)
+        return tuple(out)
+
+    def computed(self, req: Request) -> None:
+        """``req`` advanced: index its full pages (prefix caching)."""
+        if self.checkpoints is not None:
+            self.blocks.register_full(req.request_id, self.page_hashes(req), req.token_ids,
+                                      req.num_computed_tokens)
 
     def grow(self, request_id: str, num_tokens: int) -> bool:
         return self.blocks.grow(request_id, num_tokens)
@@ -59,6 +149,8 @@ class HybridAllocator:
     def check_invariants(self) -> None:
         self.blocks.check_invariants()
         self.states.check_invariants()
+        if self.checkpoints is not None:
+            self.checkpoints.check_invariants()
 
     @property
     def idle(self) -> bool:
@@ -80,7 +172,11 @@ class SchedulerConfig:
 
 
 class ScheduledSequence(NamedTuple):
-    """One request's share of a step: tokens ``[start, start + num_new_tokens)``."""
+    """One request's share of a step: tokens ``[start, start + num_new_tokens)``.
+
+    ``restore``: a prefix hit's checkpoint row, copied into the slot before the step (the
+    request starts at ``start`` = the hit length). ``checkpoints``: (offset, row) -- the state
+    after ``start + offset`` tokens is saved into checkpoint row ``row`` during the step."""
 
     request: Request
     start: int
@@ -88,6 +184,8 @@ class ScheduledSequence(NamedTuple):
     slot: int
     block_table: tuple[int, ...]
     samples: bool  # the chunk reaches the last known token: its last row's logits are sampled
+    restore: int | None = None
+    checkpoints: tuple[tuple[int, int], ...] = ()
 
 
 class SchedulerOutput(NamedTuple):
@@ -103,14 +201,15 @@ class Scheduler:
     """FCFS continuous batching with chunked prefill and preemption by recompute."""
 
     def __init__(self, config: SchedulerConfig, blocks: BlockPool, states: StatePool,
-                 eos_token_ids: Iterable[int] = ()) -> None:
+                 eos_token_ids: Iterable[int] = (), checkpoints: CheckpointPool | None = None,
+                 checkpoint_interval: int = 0, extra_key: object = None) -> None:
         kv_need = config.max_model_len - 1
         if blocks.blocks_for(kv_need) > blocks.capacity:
             raise CapacityError(
                 f"max_model_len {config.max_model_len} needs {blocks.blocks_for(kv_need)} KV "
                 f"pages but the pool has {blocks.capacity}")
         self.config = config
-        self.alloc = HybridAllocator(blocks, states)
+        self.alloc = HybridAllocator(blocks, states, checkpoints, checkpoint_interval, extra_key)
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -161,11 +260,13 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(victim)
 
-    def _entry(self, req: Request, n: int, slot: int) -> ScheduledSequence:
+    def _entry(self, req: Request, n: int, slot: int, restore: int | None = None
+               ) -> ScheduledSequence:
         start = req.num_computed_tokens
         return ScheduledSequence(req, start, n, slot,
                                  tuple(self.alloc.blocks.table(req.request_id)),
-                                 start + n == req.num_tokens)
+                                 start + n == req.num_tokens, restore,
+                                 self.alloc.plan_checkpoints(req, start, n))
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
@@ -190,14 +291,17 @@ class Scheduler:
             while (self.waiting and budget > 0
                    and len(self.running) < self.config.max_num_seqs):
                 req = self.waiting[0]
-                n = min(req.num_tokens - req.num_computed_tokens, budget)
-                slot = self.alloc.admit(req.request_id, req.num_computed_tokens + n)
-                if slot is None:
+                admitted = self.alloc.admit(req, budget)
+                if admitted is None:
                     break
+                slot, hit, n = admitted
                 self.waiting.popleft()
                 req.status = RequestStatus.RUNNING
+                req.num_computed_tokens = hit.tokens
+                if not req.admitted:
+                    req.admitted, req.num_cached_tokens = True, hit.tokens
                 self.running.append(req)
-                out.append(self._entry(req, n, slot))
+                out.append(self._entry(req, n, slot, hit.checkpoint))
                 budget -= n
         return SchedulerOutput(tuple(out), tuple(preempted))
 
@@ -211,6 +315,7 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue  # aborted or finished (e.g. error) in between
             req.num_computed_tokens = seq.start + seq.num_new_tokens
+            self.alloc.computed(req)
             if not seq.samples:
                 continue
             tok = sampled.get(req.request_id)
@@ -220,6 +325,8 @@ class Scheduler:
             if reason is not None:
                 self.finish(req, reason)
                 finished.append(req)
+        if self.alloc.checkpoints is not None:
+            self.alloc.checkpoints.commit()
         return finished
 
     def check_invariants(self) -> None:
@@ -233,5 +340,12 @@ class Scheduler:
         for rid in running:
             if not states.has(rid):
                 raise AssertionError(f"running request {rid!r} has no state slot")
+        for req in self.running:  # a request's next writes never land in a shared/cached page
+            table = blocks.table(req.request_id)
+            first = req.num_computed_tokens // blocks.block_size
+            for page in table[first:]:
+                if blocks.ref_count(page) > 1 or blocks.is_hashed(page):
+                    raise AssertionError(f"request {req.request_id!r} would write page {page}, "
+                                         "which is shared or cached")
         if len(self.running) > self.config.max_num_seqs:
             raise AssertionError("more running requests than max_num_seqs")

@@ -8,7 +8,8 @@ A ``Backend`` bundles, for one implementation family:
 * the three operator contracts with the signatures of ``pagedhybrid.ops`` (``ops``), each
   validating its call fully (contract entry points);
 * what it declares: element types, features (``in_place_state``: state rows updated in their
-  pool; ``paged_in_place``: attention reads pages without gathering the context), and
+  pool; ``paged_in_place``: attention reads pages without gathering the context;
+  ``state_checkpoints``: the linear layers emit intermediate states for prefix caching), and
   ``unsupported(config, dtype)``, the reason it cannot run a model (None when it can).
 
 Registered backends:
@@ -105,7 +106,9 @@ def _make(name: str) -> Backend:
         from pagedhybrid.kernels.cpu import step
 
         return Backend("torch", "vectorised torch kernels (kernels/cpu)",
-                       (*_DTYPES, torch.float64), frozenset({"in_place_state"}), step.attention,
+                       (*_DTYPES, torch.float64), frozenset({"in_place_state",
+                                                             "state_checkpoints"}),
+                       step.attention,
                        step.causal_conv, step.gated_delta,
                        ContractOps(cpu.paged_attention, cpu.varlen_causal_conv,
                                    cpu.gated_delta_net), _always)
@@ -115,7 +118,8 @@ def _make(name: str) -> Backend:
 
         return Backend("native", "C++ kernels (kernels/native): paged decode / short-query "
                        "attention, in-place state updates; torch kernels for long prefill",
-                       _DTYPES, frozenset({"in_place_state", "paged_in_place"}),
+                       _DTYPES, frozenset({"in_place_state", "paged_in_place",
+                                           "state_checkpoints"}),
                        nstep.attention, nstep.causal_conv, nstep.gated_delta,
                        ContractOps(contract.paged_attention, contract.varlen_causal_conv,
                                    contract.gated_delta_net), _native_requirement)

@@ -10,7 +10,11 @@ and as tensors (for the kernels), so no layer converts tensors to lists or re-va
   starts from zero conv/recurrent state whatever its pool row holds -- bool ``[B]``);
 * per token: its absolute ``positions`` and the flat cache slot it writes, ``write_slots``
   (``page * block_size + offset``, int64 ``[N]``);
-* the decode split: ``decode`` (sequences with one new token) and ``multi`` (more than one).
+* the decode split: ``decode`` (sequences with one new token) and ``multi`` (more than one);
+* state checkpoints to emit (prefix caching): ``checkpoints`` -- (sequence, offset, row): the
+  conv and recurrent state after the sequence's first ``offset`` new tokens of this step goes
+  into row ``row`` of the layer's checkpoint pools (``offset`` = its new-token count: the state
+  at the end of the chunk).
 
 ``StepMetadata.build`` checks everything a kernel could trip over -- lengths, that every page a
 sequence touches is mapped and inside the pool, that state slots are in range and distinct --
@@ -47,6 +51,7 @@ class StepMetadata:
     cu_seqlens: tuple[int, ...]
     decode: tuple[int, ...]  # sequences with exactly one new token
     multi: tuple[int, ...]  # sequences with more than one new token
+    checkpoints: tuple[tuple[int, int, int], ...] = ()  # (sequence, offset, checkpoint row)
     _memo: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -96,7 +101,9 @@ class StepMetadata:
                 positions=self.positions[rows],
                 write_slots=None if self.write_slots is None else self.write_slots[rows],
                 cu_seqlens=tuple(cu), decode=tuple(i for i, n in enumerate(q) if n == 1),
-                multi=tuple(i for i, n in enumerate(q) if n > 1))
+                multi=tuple(i for i, n in enumerate(q) if n > 1),
+                checkpoints=tuple((seqs.index(s), o, r) for s, o, r in self.checkpoints
+                                  if s in seqs))
             return rows, sub
 
         return self.memo(f"subset{seqs}", make)
@@ -109,7 +116,9 @@ class StepMetadata:
     def build(cls, q_lens: Sequence[int], past_lens: Sequence[int],
               block_tables: Sequence[Sequence[int]] | torch.Tensor | None,
               state_slots: Sequence[int], *, block_size: int, num_pages: int, num_slots: int,
-              device: torch.device | str = "cpu") -> StepMetadata:
+              device: torch.device | str = "cpu",
+              checkpoints: Sequence[tuple[int, int, int]] = (), num_checkpoints: int = 0
+              ) -> StepMetadata:
         """Validated metadata of a step (``block_tables``: lists, an int32 ``[B, M]``, or None
         for a step without KV pages)."""
 
@@ -151,6 +160,11 @@ class StepMetadata:
               f"must be in [0, {num_slots})", slots)
         check(len(set(slots)) == b, "state_slots", "must not repeat (one slot per sequence)",
               slots)
+        ck = tuple((int(s), int(o), int(r)) for s, o, r in checkpoints)
+        check(all(0 <= s < b and 1 <= o <= q_lens[s] and 0 <= r < num_checkpoints
+                  for s, o, r in ck), "checkpoints",
+              f"must be (sequence, 1 <= offset <= its new tokens, row < {num_checkpoints})", ck)
+        check(len({r for _, _, r in ck}) == len(ck), "checkpoints", "rows must not repeat", ck)
         cu = [0]
         for q in q_lens:
             cu.append(cu[-1] + q)
@@ -171,7 +185,7 @@ class StepMetadata:
             fresh_t=torch.tensor([p == 0 for p in past_lens], dtype=torch.bool, device=device),
             positions=positions.to(device), write_slots=write, cu_seqlens=tuple(cu),
             decode=tuple(i for i, q in enumerate(q_lens) if q == 1),
-            multi=tuple(i for i, q in enumerate(q_lens) if q > 1))
+            multi=tuple(i for i, q in enumerate(q_lens) if q > 1), checkpoints=ck)
 
     @classmethod
     def dense(cls, batch: int, seq_len: int, past: int) -> StepMetadata:

@@ -2,15 +2,23 @@
 
 Each step function calls its contract's torch reference (``pagedhybrid.ops``) with full
 validation, gathering the sequences' state rows out of the pool (zeros when fresh) and writing
-the final states back -- the copies the fast paths avoid. Exact semantics, for verification.
+the final states back -- the copies the fast paths avoid. Exact semantics, for verification. It
+cannot emit intermediate states, so it refuses state checkpoints (prefix caching).
 """
 
 from __future__ import annotations
 
 import torch
 
+from pagedhybrid.errors import UnsupportedConfiguration
 from pagedhybrid.kernels.step import StepMetadata
 from pagedhybrid.ops import gated_delta_net, paged_attention, varlen_causal_conv
+
+
+def _no_checkpoints(meta: StepMetadata) -> None:
+    if meta.checkpoints:
+        raise UnsupportedConfiguration("the reference kernels cannot emit intermediate states "
+                                       "(state checkpoints for prefix caching)")
 
 
 def _rows(pool: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
@@ -30,7 +38,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torc
 
 
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, meta: StepMetadata,
-                activation: str) -> torch.Tensor:
+                activation: str, checkpoints: torch.Tensor | None = None) -> torch.Tensor:
+    _no_checkpoints(meta)
     y, final = varlen_causal_conv(x, weight, meta.cu_seqlens_t, None, _rows(pool, meta),
                                   activation=activation)
     pool.index_copy_(0, meta.state_slots, final.to(pool.dtype))
@@ -39,7 +48,9 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, meta:
 
 def gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
                 b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, pool: torch.Tensor,
-                meta: StepMetadata, scale: float) -> torch.Tensor:
+                meta: StepMetadata, scale: float, checkpoints: torch.Tensor | None = None
+                ) -> torch.Tensor:
+    _no_checkpoints(meta)
     o, final = gated_delta_net(q, k, v, meta.cu_seqlens_t, a, b, _rows(pool, meta), a_log,
                                dt_bias, gate_activation="qwen", beta_activation="sigmoid",
                                qk_l2_norm=0, scale=scale)

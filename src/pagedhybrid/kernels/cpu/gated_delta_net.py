@@ -36,6 +36,8 @@ head and broadcast, only the per-value-head operands are expanded.
 
 from __future__ import annotations
 
+import math
+from itertools import pairwise
 from typing import Any, NamedTuple
 
 import torch
@@ -125,12 +127,19 @@ def gated_delta_net(query: torch.Tensor, key: torch.Tensor | None = None,
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None,
             beta: torch.Tensor | None, state: torch.Tensor, cu_seqlens: tuple[int, ...],
             rule: str, scale: float, chunk_size: int = CHUNK,
-            state_rows: torch.Tensor | None = None) -> torch.Tensor:
+            state_rows: torch.Tensor | None = None,
+            emit: dict[int, list[tuple[int, torch.Tensor]]] | None = None) -> torch.Tensor:
     """Run the recurrence on prepared inputs, updating ``state`` in place.
 
     q, k ``[T, Hk, Dk]``, v ``[T, Hv, Dv]``, g ``[T, Hv]`` / ``[T, Hv, Dk]`` (log-space) or None,
     beta ``[T, Hv]`` or None, all of the compute dtype. ``state`` ``[P, Hv, Dv, Dk]``: sequence
     b owns row ``state_rows[b]`` (default: row b). Returns o ``[T, Hv, Dv]``.
+
+    ``emit`` (state checkpoints inside a chunk): sequence b -> [(offset, target)]: the state after
+    b's first ``offset`` tokens (0 < offset < its length) is copied into ``target``
+    ``[Hv, Dv, Dk]`` as the chunked form passes it. The sequence's chunks are phase-shifted so a
+    chunk ends at each offset (leading padding tokens change nothing); the offsets of a sequence
+    must be a multiple of the chunk size apart, which is cut to their gcd with it.
     """
     t, hv, dv = v.shape
     o = torch.empty(t, hv, dv, dtype=v.dtype)  # [T, Hv, Dv]; every token is written
@@ -145,11 +154,22 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor |
         per_key = g is not None and g.dim() == 3
         c = max(1, min(int(chunk_size), 256))
         c = min(c, CHUNK_PER_KEY) if per_key else c
-        nc = (lens[multi] + c - 1) // c  # [nm]
+        emit = emit or {}
+        for targets in emit.values():  # chunk ends must fall on every offset of a sequence
+            for a, b in pairwise(sorted(off for off, _ in targets)):
+                c = math.gcd(c, b - a)
+        phase = torch.tensor([(-min(off for off, _ in emit[int(b)])) % c if int(b) in emit
+                              else 0 for b in multi])  # [nm] leading padding per sequence
+        nc = (lens[multi] + phase + c - 1) // c  # [nm]
         order = torch.sort(nc, descending=True, stable=True).indices
         seqs = multi[order]  # [nm], most chunks first
-        _with_rows(state, srows[seqs], lambda s: _chunked(q, k, v, g, beta, s, cu[seqs],
-                                                          lens[seqs], rule, scale, c, o))
+        marks = {}  # (chunk step, sorted position) -> targets
+        for pos, b in enumerate(seqs.tolist()):
+            for off, target in emit.get(b, ()):
+                step = (int(phase[order[pos]]) + off) // c - 1
+                marks.setdefault((step, pos), []).append(target)
+        _with_rows(state, srows[seqs], lambda s: _chunked(
+            q, k, v, g, beta, s, cu[seqs], lens[seqs], rule, scale, c, o, phase[order], marks))
     return o
 
 
@@ -238,8 +258,14 @@ class _Chunks(NamedTuple):
 
 def _chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None,
              beta: torch.Tensor | None, s: torch.Tensor, starts: torch.Tensor,
-             lens: torch.Tensor, rule: str, scale: float, c: int, o: torch.Tensor) -> None:
+             lens: torch.Tensor, rule: str, scale: float, c: int, o: torch.Tensor,
+             phase: torch.Tensor | None = None,
+             marks: dict[tuple[int, int], list[torch.Tensor]] | None = None) -> None:
     """Chunked WY/UT form for sequences sorted by chunk count (descending); ``s`` in place.
+
+    ``phase`` ``[nseq]``: leading padding tokens per sequence (its chunks then end at
+    ``phase + j*c``); ``marks``: (chunk step, sorted position) -> targets that receive that
+    sequence's state right after the step (state checkpoints).
 
     Chunk ids are ordered by (chunk position j, sequence), so the chunks of step j are one
     contiguous id range and their sequences the prefix ``s[:n_j]``. Groups of consecutive steps
@@ -248,14 +274,16 @@ def _chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor 
     """
     _, hv, dv, dk = s.shape
     t = k.shape[0]
-    nc = (lens + c - 1) // c  # [nseq], descending
+    phase = torch.zeros_like(lens) if phase is None else phase
+    marks = marks or {}
+    nc = (lens + phase + c - 1) // c  # [nseq], descending
     max_nc = int(nc[0])
     active = (nc[None, :] > torch.arange(max_nc)[:, None]).sum(1).tolist()  # n_j per step
     offs = [0, *torch.tensor(active).cumsum(0).tolist()]  # chunk-id range of each step
     jj = torch.repeat_interleave(torch.arange(max_nc), torch.tensor(active))  # [NC] step
     bb = torch.arange(offs[-1]) - torch.tensor(offs[:-1])[jj]  # [NC] sequence (sorted pos)
-    pos = jj[:, None] * c + torch.arange(c)[None, :]  # [NC, C] local positions
-    valid_all = pos < lens[bb][:, None]  # [NC, C]
+    pos = jj[:, None] * c + torch.arange(c)[None, :] - phase[bb][:, None]  # [NC, C] local
+    valid_all = (pos >= 0) & (pos < lens[bb][:, None])  # [NC, C]
     rows_all = torch.where(valid_all, starts[bb][:, None] + pos, 0)  # [NC, C]; pads -> row 0
     out = o.view(t, hv * dv)
     j0 = 0
@@ -279,6 +307,10 @@ def _chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor 
             if ch.s_decay is not None:
                 sj.mul_(ch.s_decay[a:b])
             sj.baddbmm_(vnew.transpose(-1, -2), ch.kd[a:b])  # S += V'^T (decayed K)
+            for (step, spos), targets in marks.items():
+                if step == j:
+                    for target in targets:
+                        target.copy_(s[spos])
         res = oc.view(hi - lo, hv, c, dv).permute(0, 2, 1, 3).reshape(hi - lo, c, hv * dv)
         flat = res.reshape(-1, hv * dv)  # [N*C, Hv*Dv]
         if bool(valid.all()):

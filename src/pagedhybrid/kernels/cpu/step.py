@@ -13,6 +13,12 @@ per-layer host sync) with the state resident in its pool:
   [S, Hv, Dv, Dk], meta, scale)`` -- the qwen gate and sigmoid beta, then the blocked recurrent
   step (decode) or the chunked WY form (prefill) directly on the pool rows; fresh rows are
   zeroed first (``index_fill_``) since the chunked form reads its initial state.
+
+State checkpoints (``meta.checkpoints``, prefix caching) go into the layer's checkpoint pool
+(``checkpoints``, same row layout as ``pool``): at the end of a sequence's chunk they are copies
+of its pool row after the update; inside the chunk, the conv's is the window of the last K-1
+inputs and the recurrence's is emitted by the chunked form as it passes the position (no second
+pass over the tokens).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import torch.nn.functional as F
 from pagedhybrid.kernels.cpu.gated_delta_net import CHUNK, forward
 from pagedhybrid.kernels.cpu.paged_attention import TileContext, attend_decode, attend_prefill
 from pagedhybrid.kernels.cpu.varlen_causal_conv import compute as conv_compute
+from pagedhybrid.kernels.cpu.varlen_causal_conv import window
 from pagedhybrid.kernels.step import StepMetadata
 from pagedhybrid.ops.varlen_causal_conv import ConvDims
 
@@ -84,6 +91,22 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torc
     return attend(q.to(key_cache.dtype), key_cache, value_cache, meta, scale).to(q.dtype)
 
 
+# -- state checkpoints ---------------------------------------------------------------------------
+def save_chunk_ends(pool: torch.Tensor, checkpoints: torch.Tensor | None, meta: StepMetadata
+                    ) -> None:
+    """Checkpoints at the end of their sequence's chunk: the pool rows, after the update."""
+    ends = [(b, r) for b, o, r in meta.checkpoints if o == meta.q_lens[b]]
+    if checkpoints is None or not ends:
+        return
+    rows = torch.tensor([r for _, r in ends])
+    checkpoints.index_copy_(0, rows, pool.index_select(0, meta.state_slots[[b for b, _ in ends]]))
+
+
+def inner_checkpoints(meta: StepMetadata) -> list[tuple[int, int, int]]:
+    """Checkpoints strictly inside their sequence's chunk."""
+    return [(b, o, r) for b, o, r in meta.checkpoints if o < meta.q_lens[b]]
+
+
 # -- conv ----------------------------------------------------------------------------------------
 def _conv_dims(x: torch.Tensor, weight: torch.Tensor, cu: tuple[int, ...], activation: str
                ) -> ConvDims:
@@ -109,22 +132,35 @@ def conv_decode(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor,
 
 
 def conv_sequences(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor,
-                   slots: torch.Tensor, fresh: torch.Tensor, cu: tuple[int, ...],
-                   activation: str) -> torch.Tensor:
-    """The stream conv of whole chunks from their pool rows; final states written back."""
-    init = pool.index_select(0, slots)  # [b, C, K-1]
-    init[fresh] = 0
-    y, final = conv_compute(x, weight, None, init, _conv_dims(x, weight, cu, activation))
-    pool.index_copy_(0, slots, final.to(pool.dtype))
+                   meta: StepMetadata, activation: str,
+                   checkpoints: torch.Tensor | None = None) -> torch.Tensor:
+    """The stream conv of whole chunks from their pool rows; final states written back, and
+    checkpoints inside the chunks taken from the inputs (the last K-1 before the position)."""
+    init = pool.index_select(0, meta.state_slots)  # [b, C, K-1]
+    init[meta.fresh_t] = 0
+    y, final = conv_compute(x, weight, None, init,
+                            _conv_dims(x, weight, meta.cu_seqlens, activation))
+    inner = inner_checkpoints(meta)
+    if checkpoints is not None and inner:
+        sl = init.shape[-1]
+        seq = torch.tensor([b for b, _, _ in inner])
+        pos = torch.tensor([o for _, o, _ in inner])[:, None] + torch.arange(-sl, 0)  # [R, L]
+        state_rows = init.permute(0, 2, 1).reshape(-1, init.shape[1])  # [b*L, C]
+        win = window(x, state_rows, torch.tensor(meta.cu_seqlens), seq, pos, sl)  # [R, L, C]
+        checkpoints.index_copy_(0, torch.tensor([r for _, _, r in inner]),
+                                win.permute(0, 2, 1).to(checkpoints.dtype))
+    pool.index_copy_(0, meta.state_slots, final.to(pool.dtype))
+    save_chunk_ends(pool, checkpoints, meta)
     return y
 
 
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, meta: StepMetadata,
-                activation: str) -> torch.Tensor:
+                activation: str, checkpoints: torch.Tensor | None = None) -> torch.Tensor:
     if meta.all_decode:
-        return conv_decode(x, weight, pool, meta.state_slots, meta.fresh_t, activation)
-    return conv_sequences(x, weight, pool, meta.state_slots, meta.fresh_t, meta.cu_seqlens,
-                          activation)
+        y = conv_decode(x, weight, pool, meta.state_slots, meta.fresh_t, activation)
+        save_chunk_ends(pool, checkpoints, meta)
+        return y
+    return conv_sequences(x, weight, pool, meta, activation, checkpoints)
 
 
 # -- gated delta net -----------------------------------------------------------------------------
@@ -138,9 +174,16 @@ def qwen_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: t
 
 def gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
                 b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, pool: torch.Tensor,
-                meta: StepMetadata, scale: float) -> torch.Tensor:
+                meta: StepMetadata, scale: float, checkpoints: torch.Tensor | None = None
+                ) -> torch.Tensor:
     g, beta = qwen_gates(a, b, a_log, dt_bias)
     if any(meta.fresh):
         pool.index_fill_(0, meta.state_slots[meta.fresh_t], 0.0)
-    return forward(q.float(), k.float(), v.float(), g, beta, pool, meta.cu_seqlens,
-                   "gated_delta", scale, CHUNK, state_rows=meta.state_slots)
+    emit: dict[int, list[tuple[int, torch.Tensor]]] = {}
+    if checkpoints is not None:
+        for s, o, r in inner_checkpoints(meta):
+            emit.setdefault(s, []).append((o, checkpoints[r]))
+    o = forward(q.float(), k.float(), v.float(), g, beta, pool, meta.cu_seqlens, "gated_delta",
+                scale, CHUNK, state_rows=meta.state_slots, emit=emit)
+    save_chunk_ends(pool, checkpoints, meta)
+    return o

@@ -96,7 +96,7 @@ def compute(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         local = torch.arange(int(nfix.sum())) - torch.repeat_interleave(
             torch.cumsum(nfix, 0) - nfix, nfix)  # [R] local position p < L
         taps = (torch.arange(k) - (k - 1)) * dil  # [K], <= 0
-        win = _window(x, state_rows, cu, seq, local[:, None] + taps[None, :], sl)  # [R, K, C]
+        win = window(x, state_rows, cu, seq, local[:, None] + taps[None, :], sl)  # [R, K, C]
         yf = win[:, 0] * wt[0]  # [R, C]
         for j in range(1, k):
             yf.addcmul_(win[:, j], wt[j])
@@ -109,7 +109,7 @@ def compute(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     # 3. final state: local positions n_b - L .. n_b - 1 (negative ones from the state)
     if sl > 0:
         tail = lens[:, None] + (torch.arange(sl) - sl)[None, :]  # [B, L]
-        rows = _window(x, state_rows, cu, torch.arange(d.batch), tail, sl)  # [B, L, C]
+        rows = window(x, state_rows, cu, torch.arange(d.batch), tail, sl)  # [B, L, C]
         final = rows.permute(0, 2, 1).contiguous()  # [B, C, L]
     else:
         final = torch.zeros(d.batch, c, 0, dtype=ct)
@@ -134,7 +134,7 @@ def _decode(x: torch.Tensor, wt: torch.Tensor, bz: torch.Tensor | None, state: t
     return y.to(d.dtype), final.to(d.dtype)
 
 
-def _window(x: torch.Tensor, state_rows: torch.Tensor, cu: torch.Tensor, seq: torch.Tensor,
+def window(x: torch.Tensor, state_rows: torch.Tensor, cu: torch.Tensor, seq: torch.Tensor,
             pos: torch.Tensor, sl: int) -> torch.Tensor:
     """Rows at local positions ``pos [R, W]`` of sequences ``seq [R]`` -> ``[R, W, C]``;
     negative positions read the carried state (``state_rows`` ``[B*L, C]``). Row copies only

@@ -13,9 +13,10 @@ Build: ``python -m pagedhybrid.kernels.native.build`` (``make native``; ``make r
 test`` depend on it) compiles ``csrc/*.cpp`` with g++ and ninja through
 ``torch.utils.cpp_extension`` for the machine's ISA (AVX-512 when the CPU has
 avx512f/bw/vl/dq, else AVX2 + FMA + F16C) into ``_build/`` with a ``build.json`` stamp (ISA,
-torch version, source digest). Parallel work items go through ``at::parallel_for`` (torch's
-OpenMP pool, so ``torch.set_num_threads`` governs them). Nothing is compiled at import or on a
-request: ``status()`` says whether the library is present and current, and why not.
+torch version, source digest). Work items run in parallel through ``at::parallel_for``,
+compiled with ``-fopenmp`` so that it is torch's own OpenMP pool (the wheel's ``libgomp.so.1``;
+``torch.set_num_threads`` governs it). Nothing is compiled at import or on a request:
+``status()`` says whether the library is present and current, and why not.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ BUILD_DIR = HERE / "_build"
 LIB_NAME = "pagedhybrid_native"
 STAMP = BUILD_DIR / "build.json"
 KV_SPLIT = 512  # tokens per KV split of the native attention (a multiple of every block size)
+CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=fast")  # + the ISA flags of build.py
+LDFLAGS = ("-fopenmp",)
 
 
 class NativeStatus(NamedTuple):
@@ -43,7 +46,8 @@ class NativeStatus(NamedTuple):
 
 
 def source_digest() -> str:
-    h = hashlib.sha256()
+    """Digest of the sources and the compiler flags (a change of either makes a build stale)."""
+    h = hashlib.sha256(" ".join(CFLAGS + LDFLAGS).encode())
     for path in sorted(CSRC.glob("*")):
         h.update(path.name.encode())
         h.update(path.read_bytes())

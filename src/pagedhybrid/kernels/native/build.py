@@ -1,9 +1,10 @@
 """Build the native CPU kernels ahead of time: ``python -m pagedhybrid.kernels.native.build``.
 
-Picks the ISA from ``/proc/cpuinfo`` (AVX-512 F/BW/VL/DQ when present, else AVX2 + FMA + F16C;
-anything older is refused), compiles ``csrc/*.cpp`` with ``torch.utils.cpp_extension.load``
-(g++, ninja) into ``_build/`` and writes ``build.json`` (ISA, torch version, source digest,
-seconds). A current build is kept (``--force`` rebuilds). Exit status 0 on success.
+Picks the ISA from ``/proc/cpuinfo`` (AVX-512 F/BW/VL/DQ, with AVX512-BF16 when present, else
+AVX2 + FMA + F16C; anything older is refused), compiles ``csrc/*.cpp`` with
+``torch.utils.cpp_extension.load`` (g++, ninja) into ``_build/`` and writes ``build.json`` (ISA,
+torch version, source digest of sources and flags, seconds). A current build is kept (``--force``
+rebuilds). Exit status 0 on success.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import sys
 import time
 from pathlib import Path
 
+_AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-mavx2"]
 ISA_FLAGS = {
-    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
-               "-mavx2"],
+    "avx512_bf16": [*_AVX512, "-mavx512bf16"],  # + bf16 pair dot products (vdpbf16ps)
+    "avx512": _AVX512,
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
 }
 
@@ -30,7 +32,7 @@ def cpu_isa(cpuinfo: str | None = None) -> str | None:
             flags = set(line.split(":", 1)[1].split())
             break
     if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
-        return "avx512"
+        return "avx512_bf16" if "avx512_bf16" in flags else "avx512"
     if {"avx2", "fma", "f16c"} <= flags:
         return "avx2"
     return None
@@ -60,8 +62,7 @@ def build(force: bool = False, isa: str | None = None, verbose: bool = False) ->
     start = time.perf_counter()
     cpp_extension.load(
         name=native.LIB_NAME, sources=[str(p) for p in sorted(native.CSRC.glob("*.cpp"))],
-        extra_cflags=["-O3", "-fopenmp-simd", "-ffp-contract=fast",
-                      *ISA_FLAGS[isa]],
+        extra_cflags=[*native.CFLAGS, *ISA_FLAGS[isa]], extra_ldflags=list(native.LDFLAGS),
         build_directory=str(native.BUILD_DIR), is_python_module=False, verbose=verbose)
     seconds = time.perf_counter() - start
     native.STAMP.write_text(json.dumps({"isa": isa, "torch": torch.__version__,

@@ -38,25 +38,26 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torc
 
 
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, meta: StepMetadata,
-                activation: str) -> torch.Tensor:
+                activation: str, checkpoints: torch.Tensor | None = None) -> torch.Tensor:
     silu = activation in ("silu", "swish")
     w = weight.view(weight.shape[0], weight.shape[-1])  # [C, K] (a view: [C, 1, K] contiguous)
     if meta.all_decode:
         y = torch.empty_like(x)
         library().causal_conv_decode(x.contiguous(), w, None, pool, meta.state_slots,  # type: ignore[attr-defined]
-                                 meta.fresh_t, y, silu)
+                                     meta.fresh_t, y, silu)
+        torch_step.save_chunk_ends(pool, checkpoints, meta)
         return y
     y = torch.empty_like(x)
     if meta.decode:
         rows, sub = meta.subset(meta.decode)
         yd = torch.empty(rows.numel(), x.shape[1], dtype=x.dtype)
         library().causal_conv_decode(x.index_select(0, rows), w, None, pool, sub.state_slots,  # type: ignore[attr-defined]
-                                 sub.fresh_t, yd, silu)
+                                     sub.fresh_t, yd, silu)
+        torch_step.save_chunk_ends(pool, checkpoints, sub)
         y.index_copy_(0, rows, yd)
     rows, sub = meta.subset(meta.multi)
-    y.index_copy_(0, rows, torch_step.conv_sequences(
-        x.index_select(0, rows), weight, pool, sub.state_slots, sub.fresh_t, sub.cu_seqlens,
-        activation))
+    y.index_copy_(0, rows, torch_step.conv_sequences(x.index_select(0, rows), weight, pool, sub,
+                                                     activation, checkpoints))
     return y
 
 
@@ -73,17 +74,22 @@ def _gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
 
 def gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
                 b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, pool: torch.Tensor,
-                meta: StepMetadata, scale: float) -> torch.Tensor:
+                meta: StepMetadata, scale: float, checkpoints: torch.Tensor | None = None
+                ) -> torch.Tensor:
     if meta.all_decode:
-        return _gdn_decode(q, k, v, a, b, a_log, dt_bias, pool, meta.state_slots, meta.fresh_t,
-                           scale)
+        o = _gdn_decode(q, k, v, a, b, a_log, dt_bias, pool, meta.state_slots, meta.fresh_t,
+                        scale)
+        torch_step.save_chunk_ends(pool, checkpoints, meta)
+        return o
     out = torch.empty(v.shape, dtype=torch.float32)
     if meta.decode:
         rows, sub = meta.subset(meta.decode)
         out.index_copy_(0, rows, _gdn_decode(
             q[rows], k[rows], v[rows], a[rows], b[rows], a_log, dt_bias, pool, sub.state_slots,
             sub.fresh_t, scale))
+        torch_step.save_chunk_ends(pool, checkpoints, sub)
     rows, sub = meta.subset(meta.multi)
     out.index_copy_(0, rows, torch_step.gated_delta(
-        q[rows], k[rows], v[rows], a[rows], b[rows], a_log, dt_bias, pool, sub, scale))
+        q[rows], k[rows], v[rows], a[rows], b[rows], a_log, dt_bias, pool, sub, scale,
+        checkpoints))
     return out

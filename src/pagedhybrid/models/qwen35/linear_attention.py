@@ -75,22 +75,25 @@ class GatedDeltaNet(nn.Module):
         conv_pool: torch.Tensor,
         recurrent_pool: torch.Tensor,
         backend: Backend,
+        checkpoints: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """``x[T, hidden]`` -> ``[T, hidden]``; rows ``meta.state_slots`` of the conv pool
         ``[S, conv_dim, K-1]`` and the fp32 recurrent pool ``[S, Hv, Dv, Dk]`` advance in place
-        (fresh sequences start from zero state)."""
+        (fresh sequences start from zero state); ``checkpoints`` -- this layer's (conv,
+        recurrent) checkpoint pools, written where ``meta.checkpoints`` asks."""
+        ck_conv, ck_rec = checkpoints if checkpoints is not None else (None, None)
         t = x.shape[0]
         qkv = self.in_proj_qkv(x)  # [T, conv_dim]
         z = self.in_proj_z(x).view(t, self.num_v_heads, self.head_v_dim)  # [T, Hv, Dv]
         b = self.in_proj_b(x).float()  # [T, Hv]
         a = self.in_proj_a(x).float()  # [T, Hv]
-        mixed = backend.causal_conv(qkv, self.conv1d.weight, conv_pool, meta,
-                                    "silu")  # [T, conv_dim]
+        mixed = backend.causal_conv(qkv, self.conv1d.weight, conv_pool, meta, "silu",
+                                    ck_conv)  # [T, conv_dim]
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = l2_normalize(q.reshape(t, self.num_k_heads, self.head_k_dim))  # fp32 [T, Hk, Dk]
         k = l2_normalize(k.reshape(t, self.num_k_heads, self.head_k_dim))  # fp32 [T, Hk, Dk]
         v = v.reshape(t, self.num_v_heads, self.head_v_dim).float()  # fp32 [T, Hv, Dv]
         core = backend.gated_delta(q, k, v, a, b, self.A_log, self.dt_bias, recurrent_pool, meta,
-                                   self.head_k_dim ** -0.5)  # fp32 [T, Hv, Dv]
+                                   self.head_k_dim ** -0.5, ck_rec)  # fp32 [T, Hv, Dv]
         y = self.norm(core.to(x.dtype), z).reshape(t, self.value_dim)  # [T, Hv*Dv]
         return self.out_proj(y)

@@ -225,7 +225,7 @@ class Qwen35ForCausalLM(nn.Module):
                                                      cache.value_cache[i], backend)
             else:
                 out = layer.linear_attn(x, meta, cache.conv_state[i], cache.recurrent_state[i],
-                                        backend)
+                                        backend, cache.checkpoint_pools(i))
             h = layer.feed_forward(h + out)
         if logits_rows is not None:
             h = h.index_select(0, logits_rows.long())  # [R, hidden]

@@ -17,12 +17,17 @@ Cache layout (``PagedHybridCache``), per layer index:
 
 A sequence with ``past_seqlens == 0`` starts from zero conv/recurrent state whatever its slot
 holds (slots are reused without clearing).
+
+Prefix caching adds state-checkpoint pools with the slot pools' row layout, per linear layer:
+``checkpoint_conv[i]`` ``[num_checkpoints, conv_dim, K-1]`` and ``checkpoint_recurrent[i]``
+``[num_checkpoints, Hv, Dv, Dk]`` (fp32). The layers write a row when the step's metadata asks
+for a checkpoint; ``restore_checkpoint(row, slot)`` copies one into a slot (a prefix hit).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import NamedTuple
 
@@ -189,6 +194,24 @@ class PagedHybridCache:
     block_size: int
     num_pages: int
     num_slots: int
+    checkpoint_conv: dict[int, torch.Tensor] = field(default_factory=dict)
+    checkpoint_recurrent: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def num_checkpoints(self) -> int:
+        first = next(iter(self.checkpoint_recurrent.values()), None)
+        return 0 if first is None else int(first.shape[0])
+
+    def checkpoint_pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if layer not in self.checkpoint_conv:
+            return None
+        return self.checkpoint_conv[layer], self.checkpoint_recurrent[layer]
+
+    def restore_checkpoint(self, row: int, slot: int) -> None:
+        """Copy checkpoint ``row`` into state slot ``slot`` (every linear layer)."""
+        for i, conv in self.checkpoint_conv.items():
+            self.conv_state[i][slot].copy_(conv[row])
+            self.recurrent_state[i][slot].copy_(self.checkpoint_recurrent[i][row])
 
     @staticmethod
     def page_shape(config: Qwen35Config, num_pages: int, block_size: int) -> tuple[int, ...]:
@@ -215,6 +238,7 @@ class PagedHybridCache:
         device: torch.device | str = "cpu",
         fill: float | None = 0.0,
         generator: torch.Generator | None = None,
+        num_checkpoints: int = 0,
     ) -> PagedHybridCache:
         """Allocate pools; ``fill=None`` fills them with random garbage (for tests)."""
 
@@ -236,6 +260,11 @@ class PagedHybridCache:
             block_size=block_size,
             num_pages=num_pages,
             num_slots=num_slots,
+            checkpoint_conv={i: pool(cls.conv_state_shape(config, num_checkpoints), dtype)
+                             for i in lin} if num_checkpoints else {},
+            checkpoint_recurrent={
+                i: pool(cls.recurrent_state_shape(config, num_checkpoints), torch.float32)
+                for i in lin} if num_checkpoints else {},
         )
 
     def clone(self) -> PagedHybridCache:
@@ -246,7 +275,8 @@ class PagedHybridCache:
 
         return PagedHybridCache(copy(self.key_cache), copy(self.value_cache),
                                 copy(self.conv_state), copy(self.recurrent_state),
-                                self.block_size, self.num_pages, self.num_slots)
+                                self.block_size, self.num_pages, self.num_slots,
+                                copy(self.checkpoint_conv), copy(self.checkpoint_recurrent))
 
     def gather_kv(self, layer: int, pages: Sequence[int], length: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,6 +27,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <limits>
 #include <vector>
 
@@ -49,54 +50,194 @@ struct Geometry {
   int bs_log2;
 };
 
-// One item: all rows (q_len x G) of sequence b / kv head h over keys [k0, k1), kLanes keys per
-// tile. Rows go in blocks of up to kRowBlock so a K/V tile element loaded from L1 feeds several
-// rows' FMAs (the G query heads of a GQA group share every K/V read).
+// Per item: all rows (q_len x G) of sequence b / kv head h over keys [k0, k1), kLanes keys per
+// tile. The K tile is transposed (key index in the lanes) so scores are broadcast-FMAs over the
+// head dim; with a bf16 cache and AVX512-BF16 the K tile stays bf16, transposed as pairs of
+// dims, and scores are vdpbf16ps pair products (q rounded to bf16, as the bf16 model's q is).
+// Rows go in blocks of kRowBlock for the scores (a K element loaded once feeds every row of the
+// block) and in pairs for P.V with the pair's accumulators in registers across the tile's keys.
 constexpr int kRowBlock = 8;
+constexpr int kPrefetchTiles = 4;  // tiles ahead whose K/V rows are prefetched into L2
 
-// Scores, online-softmax update and P.V for NR rows against one transposed K tile `kt` and V
-// tile `vt` (n valid keys starting at key t0; row k sees keys <= limit[k]). NR is a compile-time
-// constant so the row accumulators stay in registers.
-template <int NR>
-inline void tile_rows_n(const float* const* qrow, const int* limit, int t0, int n, int d,
-                        float scale, const float (*kt)[kLanes], const float (*vt)[kMaxHead],
-                        float* acc, float* m, float* l) {
-  VF sc[NR];
+struct Tile {
+  alignas(64) float kt[kMaxHead][kLanes];  // K transposed: kt[dim][key] (fp32 path), or
+                                           // kt[dim pair][key] as bf16 pairs (bf16 path)
+  alignas(64) float vt[kLanes][kMaxHead];  // V rows, fp32; bf16 path: key pairs interleaved
+                                           // (vt[pair] = 16-lane chunks of (v_2j, v_2j+1)
+                                           // dim pairs, dims permuted within 32: see below)
+  alignas(64) float pr[kRowBlock][kLanes];  // probabilities of the tile, per row
+  float corr[kRowBlock];
+};
+
+#if defined(__AVX512BF16__)
+constexpr bool kBf16Dot = true;
+#else
+constexpr bool kBf16Dot = false;
+#endif
+
+template <typename T>
+constexpr bool pairs_path() {
+  return kBf16Dot && std::is_same_v<T, c10::BFloat16>;
+}
+
+// Scores of NR rows (q rows as fp32, or as bf16 pairs `qp` when pairs_path) against the tile.
+template <int NR, bool Pairs>
+inline void scores(const float* const* qrow, const uint32_t* const* qpair, int d, const Tile& t,
+                   VF (&sc)[NR]) {
   for (int k = 0; k < NR; ++k) sc[k] = zero();
-  for (int e = 0; e < d; ++e) {
-    const VF ke = load(kt[e]);
-    for (int k = 0; k < NR; ++k) sc[k] = fma(bcast(qrow[k][e]), ke, sc[k]);
-  }
-  alignas(64) float pr[NR][kLanes];
-  float corr[NR];
-  for (int k = 0; k < NR; ++k) {
-    const int visible = std::max(0, std::min(n, limit[k] - t0 + 1));
-    const VF s = first_n(mul(sc[k], bcast(scale)), visible);
-    const float mnew = visible > 0 ? std::max(m[k], reduce_max(s)) : m[k];
-    corr[k] = mnew == kNegInf ? 1.f : std::exp(m[k] - mnew);
-    const VF e = visible > 0 ? exp(sub(s, bcast(mnew))) : zero();
-    store(pr[k], e);
-    l[k] = l[k] * corr[k] + reduce_add(e);
-    m[k] = mnew;
-  }
-  for (int c = 0; c < d; c += kLanes) {
-    VF a[NR];
-    for (int k = 0; k < NR; ++k) a[k] = mul(load(acc + k * d + c), bcast(corr[k]));
-    for (int j = 0; j < n; ++j) {
-      const VF vj = load(&vt[j][c]);
-      for (int k = 0; k < NR; ++k) a[k] = fma(bcast(pr[k][j]), vj, a[k]);
+#if defined(__AVX512BF16__)
+  if constexpr (Pairs) {
+    for (int e = 0; e < d / 2; ++e) {
+      const __m512bh ke = reinterpret_cast<const __m512bh&>(t.kt[e]);
+      for (int k = 0; k < NR; ++k)
+        sc[k] = _mm512_dpbf16_ps(sc[k], (__m512bh)_mm512_set1_epi32(static_cast<int>(qpair[k][e])),
+                                 ke);
     }
-    for (int k = 0; k < NR; ++k) store(acc + k * d + c, a[k]);
+    return;
+  }
+#endif
+  (void)qpair;
+  for (int e = 0; e < d; ++e) {
+    const VF ke = load(t.kt[e]);
+    for (int k = 0; k < NR; ++k) sc[k] = fma(bcast(qrow[k][e]), ke, sc[k]);
   }
 }
 
-inline void tile_rows(int nr, const float* const* qrow, const int* limit, int t0, int n, int d,
-                      float scale, const float (*kt)[kLanes], const float (*vt)[kMaxHead],
-                      float* acc, float* m, float* l) {
+// acc rows k, k+1 (KR = 1 or 2) += P.V over n keys, CB vector chunks of the head dim from c0.
+template <int KR, int CB>
+inline void pv_block(const Tile& t, int k, int n, int c0, int d, float* acc) {
+  VF a[KR][CB];
+  for (int r = 0; r < KR; ++r)
+    for (int c = 0; c < CB; ++c)
+      a[r][c] = mul(load(acc + (k + r) * d + c0 + c * kLanes), bcast(t.corr[k + r]));
+  for (int j = 0; j < n; ++j) {
+    VF w[KR];
+    for (int r = 0; r < KR; ++r) w[r] = bcast(t.pr[k + r][j]);
+    for (int c = 0; c < CB; ++c) {
+      const VF vj = load(&t.vt[j][c0 + c * kLanes]);
+      for (int r = 0; r < KR; ++r) a[r][c] = fma(w[r], vj, a[r][c]);
+    }
+  }
+  for (int r = 0; r < KR; ++r)
+    for (int c = 0; c < CB; ++c) store(acc + (k + r) * d + c0 + c * kLanes, a[r][c]);
+}
+
+template <int KR>
+inline void pv_rows(const Tile& t, int k, int n, int d, float* acc) {
+  constexpr int kBlock = 8;  // vector chunks of the head dim per pass
+  for (int c0 = 0; c0 < d; c0 += kBlock * kLanes) {
+    switch (std::min(kBlock, (d - c0) / kLanes)) {
+#define PH_CASE(N) \
+  case N:          \
+    pv_block<KR, N>(t, k, n, c0, d, acc); \
+    break;
+      PH_CASE(1) PH_CASE(2) PH_CASE(3) PH_CASE(4) PH_CASE(5) PH_CASE(6) PH_CASE(7) PH_CASE(8)
+#undef PH_CASE
+      default:
+        break;
+    }
+  }
+}
+
+// bf16 path: acc += P.V with vdpbf16ps over key pairs: P rounded to bf16 (as bf16 attention
+// kernels do), V staged as (v_2j, v_2j+1) pairs per dim. The pair staging interleaves two keys'
+// 32-dim chunks with unpacklo/hi_epi16, which works within 128-bit lanes: lane 4L+i of the lo
+// half is dim 8L+i, of the hi half dim 8L+4+i (L = 0..3). acc keeps that order and the item
+// puts it back at the end (`unpermute_pairs`).
+template <int KR, int CB>
+inline void pv_pairs_block(const Tile& t, const uint32_t (*pp)[kLanes / 2], int k, int npairs,
+                           int c0, int d, float* acc) {
+#if defined(__AVX512BF16__)
+  VF a[KR][CB];
+  for (int r = 0; r < KR; ++r)
+    for (int c = 0; c < CB; ++c)
+      a[r][c] = mul(load(acc + (k + r) * d + c0 + c * kLanes), bcast(t.corr[k + r]));
+  for (int jp = 0; jp < npairs; ++jp) {
+    __m512bh w[KR];
+    for (int r = 0; r < KR; ++r)
+      w[r] = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[k + r][jp]));
+    for (int c = 0; c < CB; ++c) {
+      const __m512bh vj = reinterpret_cast<const __m512bh&>(t.vt[jp][c0 + c * kLanes]);
+      for (int r = 0; r < KR; ++r) a[r][c] = _mm512_dpbf16_ps(a[r][c], w[r], vj);
+    }
+  }
+  for (int r = 0; r < KR; ++r)
+    for (int c = 0; c < CB; ++c) store(acc + (k + r) * d + c0 + c * kLanes, a[r][c]);
+#else
+  (void)t, (void)pp, (void)k, (void)npairs, (void)c0, (void)d, (void)acc;
+#endif
+}
+
+template <int KR>
+inline void pv_pairs_rows(const Tile& t, int k, int n, int d, float* acc) {
+#if defined(__AVX512BF16__)
+  alignas(64) uint32_t pp[KR > 0 ? kRowBlock : 1][kLanes / 2];
+  for (int r = 0; r < KR; ++r)
+    _mm256_store_si256(reinterpret_cast<__m256i*>(pp[k + r]),
+                       (__m256i)_mm512_cvtneps_pbh(load(t.pr[k + r])));
+  const int npairs = (n + 1) / 2;  // an odd last key pairs with a zero probability
+  constexpr int kBlock = 8;
+  for (int c0 = 0; c0 < d; c0 += kBlock * kLanes) {
+    switch (std::min(kBlock, (d - c0) / kLanes)) {
+#define PH_CASE(N) \
+  case N:          \
+    pv_pairs_block<KR, N>(t, pp, k, npairs, c0, d, acc); \
+    break;
+      PH_CASE(1) PH_CASE(2) PH_CASE(3) PH_CASE(4) PH_CASE(5) PH_CASE(6) PH_CASE(7) PH_CASE(8)
+#undef PH_CASE
+      default:
+        break;
+    }
+  }
+#else
+  (void)t, (void)k, (void)n, (void)d, (void)acc;
+#endif
+}
+
+// Scores, online-softmax update and P.V for NR rows (row k sees keys <= limit[k]).
+template <int NR, bool Pairs>
+inline void tile_rows_n(const float* const* qrow, const uint32_t* const* qpair, const int* limit,
+                        int t0, int n, int d, float scale, Tile& t, float* acc, float* m,
+                        float* l) {
+  VF sc[NR];
+  scores<NR, Pairs>(qrow, qpair, d, t, sc);
+  alignas(64) float mold[kLanes] = {}, mnew[kLanes] = {};
+  int visible[NR];
+  for (int k = 0; k < NR; ++k) {
+    visible[k] = std::max(0, std::min(n, limit[k] - t0 + 1));
+    sc[k] = first_n(mul(sc[k], bcast(scale)), visible[k]);
+    mold[k] = m[k];
+    mnew[k] = visible[k] > 0 ? std::max(m[k], reduce_max(sc[k])) : m[k];
+  }
+  // corr = exp(m_old - m_new) for all rows at once (1 where nothing was seen yet)
+  alignas(64) float corr[kLanes];
+  const VF mo = load(mold), mn = load(mnew);
+  store(corr, exp(sub(mo, mn)));
+  for (int k = 0; k < NR; ++k) {
+    t.corr[k] = mnew[k] == kNegInf ? 1.f : corr[k];
+    const VF e = visible[k] > 0 ? exp(sub(sc[k], bcast(mnew[k]))) : zero();
+    store(t.pr[k], e);
+    l[k] = l[k] * t.corr[k] + reduce_add(e);
+    m[k] = mnew[k];
+  }
+  int k = 0;
+  if constexpr (Pairs) {
+    for (; k + 2 <= NR; k += 2) pv_pairs_rows<2>(t, k, n, d, acc);
+    if (k < NR) pv_pairs_rows<1>(t, k, n, d, acc);
+  } else {
+    for (; k + 2 <= NR; k += 2) pv_rows<2>(t, k, n, d, acc);
+    if (k < NR) pv_rows<1>(t, k, n, d, acc);
+  }
+}
+
+template <bool Pairs>
+inline void tile_rows(int nr, const float* const* qrow, const uint32_t* const* qpair,
+                      const int* limit, int t0, int n, int d, float scale, Tile& t, float* acc,
+                      float* m, float* l) {
   switch (nr) {
 #define PH_CASE(N) \
   case N:          \
-    return tile_rows_n<N>(qrow, limit, t0, n, d, scale, kt, vt, acc, m, l);
+    return tile_rows_n<N, Pairs>(qrow, qpair, limit, t0, n, d, scale, t, acc, m, l);
     PH_CASE(1) PH_CASE(2) PH_CASE(3) PH_CASE(4) PH_CASE(5) PH_CASE(6) PH_CASE(7) PH_CASE(8)
 #undef PH_CASE
     default:
@@ -104,12 +245,31 @@ inline void tile_rows(int nr, const float* const* qrow, const int* limit, int t0
   }
 }
 
-template <typename T>
+// acc rows of the bf16 path back to natural dim order: within each 32 dims, position
+// 16h + 4L + i holds dim 8L + 4h + i.
+inline void unpermute_pairs(float* acc, int rows, int d) {
+  float tmp[32];
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < d; c += 32) {
+      float* x = acc + static_cast<int64_t>(r) * d + c;
+      for (int h = 0; h < 2; ++h)
+        for (int lane = 0; lane < 4; ++lane)
+          for (int i = 0; i < 4; ++i) tmp[8 * lane + 4 * h + i] = x[16 * h + 4 * lane + i];
+      std::copy(tmp, tmp + 32, x);
+    }
+}
+
+inline uint32_t bf16_bits(float x) {  // round to nearest even, as torch rounds to bf16
+  return static_cast<uint32_t>(c10::BFloat16(x).x);
+}
+
+template <typename T, bool Pairs>
 void run_item(const Item& it, const float* q, const T* kc, const T* vc, const int32_t* table,
               const int32_t* cu, const int32_t* past, const Geometry& g, float* acc, float* m,
               float* l) {
+  static_assert(!Pairs || pairs_path<T>(), "the pairs path is the bf16 cache's");
   const int q0 = cu[it.b], qlen = cu[it.b + 1] - cu[it.b], p = past[it.b];
-  const int rows = qlen * g.group, d = g.d, dv = d / kLanes;
+  const int rows = qlen * g.group, d = g.d;
   const int64_t tok_stride = static_cast<int64_t>(g.hkv) * d;            // one token, all heads
   const int64_t page_stride = static_cast<int64_t>(g.bs) * tok_stride;  // one page
   for (int r = 0; r < rows; ++r) {
@@ -117,48 +277,88 @@ void run_item(const Item& it, const float* q, const T* kc, const T* vc, const in
     l[r] = 0.f;
   }
   std::fill(acc, acc + static_cast<int64_t>(rows) * d, 0.f);
-  alignas(64) float kt[kMaxHead][kLanes];  // K tile transposed: kt[dim][key]
-  alignas(64) float vt[kLanes][kMaxHead];  // V tile rows
+  Tile t;
+  std::vector<uint32_t> qpairs;  // bf16 pairs of the rows' q (pairs path)
+  std::vector<const float*> qrow_all(rows);
+  std::vector<const uint32_t*> qpair_all(rows, nullptr);
+  std::vector<int> limit_all(rows);
+  for (int r = 0; r < rows; ++r) {
+    const int i = r / g.group, hh = it.h * g.group + r % g.group;
+    qrow_all[r] = q + (static_cast<int64_t>(q0 + i) * g.hq + hh) * d;
+    limit_all[r] = p + i;  // last visible key of this query token
+  }
+  if constexpr (Pairs) {
+    qpairs.resize(static_cast<size_t>(rows) * d / 2);
+    for (int r = 0; r < rows; ++r) {
+      for (int e = 0; e < d / 2; ++e)
+        qpairs[r * d / 2 + e] = bf16_bits(qrow_all[r][2 * e]) |
+                                (bf16_bits(qrow_all[r][2 * e + 1]) << 16);
+      qpair_all[r] = qpairs.data() + r * d / 2;
+    }
+  }
   int64_t offs[kLanes];
-  const float* qrow[kRowBlock];
-  int limit[kRowBlock];
   const int32_t* row_table = table + static_cast<int64_t>(it.b) * g.max_pages;
   for (int t0 = it.k0; t0 < it.k1; t0 += kLanes) {
     const int n = std::min(kLanes, it.k1 - t0);
-    // gather + convert the tile (keys t0 .. t0+n-1 may span two pages; bs is a power of two)
-    for (int j = 0; j < n; ++j) {
-      const int t = t0 + j;
-      offs[j] = row_table[t >> g.bs_log2] * page_stride + (t & (g.bs - 1)) * tok_stride +
+    // gather the tile (keys t0 .. t0+n-1 may span two pages; bs is a power of two)
+    for (int j = 0; j < kLanes; ++j) {
+      const int tt = t0 + std::min(j, n - 1);  // pad lanes repeat the last key (masked later)
+      offs[j] = row_table[tt >> g.bs_log2] * page_stride + (tt & (g.bs - 1)) * tok_stride +
                 static_cast<int64_t>(it.h) * d;
     }
-    for (int c = 0; c < dv; ++c) {
-      VF rk[kLanes];
-      for (int j = 0; j < kLanes; ++j) {
-        if (j < n) {
-          rk[j] = load(kc + offs[j] + c * kLanes);
-          store(&vt[j][c * kLanes], load(vc + offs[j] + c * kLanes));
-        } else {
-          rk[j] = zero();
-          store(&vt[j][c * kLanes], zero());
+    // the next tile's K/V rows are scattered over pages: prefetch them while this one computes
+    for (int j = 0, tn = t0 + kPrefetchTiles * kLanes; j < kLanes && tn + j < it.k1; ++j) {
+      const int tt = tn + j;
+      const int64_t off = row_table[tt >> g.bs_log2] * page_stride +
+                          (tt & (g.bs - 1)) * tok_stride + static_cast<int64_t>(it.h) * d;
+      for (int64_t b = 0; b < static_cast<int64_t>(d * sizeof(T)); b += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(kc + off) + b, _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(vc + off) + b, _MM_HINT_T1);
+      }
+    }
+    if constexpr (Pairs) {  // 32 bf16 = 16 dim pairs per key and register
+      for (int c = 0; c < d / (2 * kLanes); ++c) {
+        VF rk[kLanes];
+        for (int j = 0; j < kLanes; ++j) rk[j] = _mm512_castsi512_ps(_mm512_loadu_si512(
+            reinterpret_cast<const void*>(kc + offs[j] + c * 2 * kLanes)));
+        transpose(rk);
+        for (int e = 0; e < kLanes; ++e) store(t.kt[c * kLanes + e], rk[e]);
+      }
+    } else {
+      for (int c = 0; c < d / kLanes; ++c) {
+        VF rk[kLanes];
+        for (int j = 0; j < kLanes; ++j) rk[j] = load(kc + offs[j] + c * kLanes);
+        transpose(rk);
+        for (int e = 0; e < kLanes; ++e) store(t.kt[c * kLanes + e], rk[e]);
+      }
+    }
+    if constexpr (Pairs) {  // key pairs interleaved per dim (see pv_pairs_block)
+      for (int jp = 0; jp < kLanes / 2; ++jp) {
+        const T* a = vc + offs[2 * jp];
+        const T* b = vc + offs[2 * jp + 1];
+        for (int c = 0; c < d / (2 * kLanes); ++c) {
+          const __m512i va = _mm512_loadu_si512(reinterpret_cast<const void*>(a + c * 2 * kLanes));
+          const __m512i vb = _mm512_loadu_si512(reinterpret_cast<const void*>(b + c * 2 * kLanes));
+          _mm512_store_si512(reinterpret_cast<void*>(&t.vt[jp][c * 2 * kLanes]),
+                             _mm512_unpacklo_epi16(va, vb));
+          _mm512_store_si512(reinterpret_cast<void*>(&t.vt[jp][c * 2 * kLanes + kLanes]),
+                             _mm512_unpackhi_epi16(va, vb));
         }
       }
-      transpose(rk);
-      for (int e = 0; e < kLanes; ++e) store(kt[c * kLanes + e], rk[e]);
+    } else {
+      for (int j = 0; j < n; ++j)
+        for (int c = 0; c < d; c += kLanes) store(&t.vt[j][c], load(vc + offs[j] + c));
     }
     for (int r0 = 0; r0 < rows; r0 += kRowBlock) {
       const int nr = std::min(kRowBlock, rows - r0);
-      int live = 0;  // rows of the block that see at least one key of the tile
-      for (int k = 0; k < nr; ++k) {
-        const int r = r0 + k, i = r / g.group, hh = it.h * g.group + r % g.group;
-        qrow[k] = q + (static_cast<int64_t>(q0 + i) * g.hq + hh) * d;
-        limit[k] = p + i;  // last visible key of this query token
-        live += t0 <= limit[k];
-      }
-      if (live == 0) continue;
-      tile_rows(nr, qrow, limit, t0, n, d, g.scale, kt, vt, acc + static_cast<int64_t>(r0) * d,
-                m + r0, l + r0);
+      bool live = false;  // a row of the block sees at least one key of the tile
+      for (int k = 0; k < nr; ++k) live |= t0 <= limit_all[r0 + k];
+      if (!live) continue;
+      tile_rows<Pairs>(nr, qrow_all.data() + r0, qpair_all.data() + r0, limit_all.data() + r0,
+                       t0, n, d, g.scale, t, acc + static_cast<int64_t>(r0) * d, m + r0, l + r0);
     }
   }
+  if constexpr (Pairs) unpermute_pairs(acc, rows, d);
 }
 
 template <typename T>
@@ -197,10 +397,20 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& kcache, const a
   const T* kp = kcache.data_ptr<T>();
   const T* vp = vcache.data_ptr<T>();
   const int32_t* tp = table.data_ptr<int32_t>();
+  const bool pairs = pairs_path<T>() && g.d % (2 * kLanes) == 0;  // head dim in 32-dim pairs
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t k = lo; k < hi; ++k)
-      run_item<T>(items[k], qp, kp, vp, tp, cu, past, g, acc.data() + k * row_floats,
-                  ms.data() + k * max_rows, ls.data() + k * max_rows);
+    for (int64_t k = lo; k < hi; ++k) {
+      float* a = acc.data() + k * row_floats;
+      float* mk = ms.data() + k * max_rows;
+      float* lk = ls.data() + k * max_rows;
+      if constexpr (pairs_path<T>()) {
+        if (pairs) {
+          run_item<T, true>(items[k], qp, kp, vp, tp, cu, past, g, a, mk, lk);
+          continue;
+        }
+      }
+      run_item<T, false>(items[k], qp, kp, vp, tp, cu, past, g, a, mk, lk);
+    }
   });
   // merge the splits of each (b, h) in ascending split order; items are laid out b-major,
   // then head, then split
