@@ -16,8 +16,39 @@ Prefill chunks and decodes share one packed step. A request whose KV need (``max
 tokens) exceeds the whole pool is refused at ``add`` with ``CapacityError``; any admissible
 request eventually runs because the oldest running request is never a victim.
 
-Invariant after every step, per pool: free + owned == capacity, and exactly the RUNNING requests
-own pages and a slot.
+Invariant after every step, per pool: free + owned (+ cached, with prefix caching) ==
+capacity, exactly the RUNNING requests own pages and a slot, and no running request's next
+write lands in a shared or cached page.
+
+Hybrid prefix caching (``HybridAllocator``; on unless ``enable_prefix_caching=False``):
+
+* **Hash chain.** A full KV page's hash is ``hash(parent page's hash, its tokens, extra key)``
+  from the first page on (``pages.page_hash``; the extra key is ``EngineConfig.prefix_cache_key``,
+  e.g. a model or adapter id). A request's page hashes are kept with it and extended as its
+  tokens grow. After each step the request's full computed pages are indexed by hash
+  (``BlockPool.register_full``); only full pages are ever shared, so a request's last partial
+  page is private and shared pages are never written (no copy on write).
+* **State checkpoints.** A Gated DeltaNet layer's state after a prefix cannot be rebuilt from KV
+  pages, so the linear layers' conv + recurrent states are saved every ``interval`` tokens (a
+  multiple of the page size) into a separate checkpoint pool, keyed by the hash of the page
+  ending there (``states.CheckpointPool``). The scheduler plans, per scheduled chunk, the
+  checkpoint positions inside it (``plan_checkpoints``); the step metadata carries them and the
+  kernels emit them without a second pass and without extra chunks: the chunked WY kernel phase
+  shifts a sequence's chunks so that one ends at each checkpoint and copies the state there,
+  the conv takes the window of its last K-1 inputs, and a position at the end of a chunk
+  (prefill chunk ends, decode steps crossing a boundary) is a copy of the slot after the update.
+  So a conversation's own answers become reusable prefixes.
+* **Hit rule.** At admission (first or after preemption), the longest run of cached pages is
+  found by walking the chain (each page verified by its tokens and parent page, so a hash
+  collision cannot hand out another prefix); then, from the end of that run down, the first
+  interval position that has a checkpoint is the hit -- the longest prefix with both, never
+  zero while a shorter joint hit exists. At most ``num_tokens - 1`` tokens hit (the last token
+  is recomputed for its logits). The hit's pages are shared (reference counted), the checkpoint
+  is copied into the request's slot before its first step, and it starts at the hit position.
+* **Eviction.** A released hashed page whose count reaches 0 becomes *cached* (LRU); pages are
+  taken from the free list first and evict the least recently used cached page only when none
+  is free. Checkpoint rows are evicted LRU when a new checkpoint needs a row (never a row a hit
+  reads this step); a checkpoint of a failed request is discarded, never cached.
 """
 
 from __future__ import annotations
