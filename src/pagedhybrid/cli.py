@@ -1,5 +1,5 @@
-"""Command line: ``pagedhybrid run | generate | perplexity | export | verify | conformance |
-kernels | dispatch``."""
+"""Command line: ``pagedhybrid run | generate | serve | perplexity | export | verify |
+conformance | kernels | dispatch``."""
 
 from __future__ import annotations
 
@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedhybrid.perplexity import register_subcommands as perplexity_commands
 
     perplexity_commands(sub)
+    from pagedhybrid.serve.cli import register_subcommands as serve_commands
+
+    serve_commands(sub)
     return p
 
 

@@ -384,7 +384,14 @@ class Engine:
                       if not f]
             if ok:
                 reqs = [seqs[j].request for j in ok]
-                toks = sample(logits[ok], [r.params for r in reqs], [r.generator for r in reqs])
+                rows = logits[ok]
+                for j, r in enumerate(reqs):  # min_tokens: no EOS / stop id before then
+                    if r.num_output_tokens < r.params.min_tokens:
+                        banned = set(r.params.stop_token_ids) | (
+                            set() if r.params.ignore_eos else set(self.scheduler.eos_token_ids))
+                        if banned:
+                            rows[j, list(banned)] = float("-inf")
+                toks = sample(rows, [r.params for r in reqs], [r.generator for r in reqs])
                 sampled = {r.request_id: t for r, t in zip(reqs, toks, strict=True)}
         t4 = time.perf_counter()
         for req, why in failed:

@@ -108,10 +108,11 @@ class Request:
         if tok.logprobs is not None:
             self.logprobs.append(tok.logprobs)
         p = self.params
-        if tok.token_id in p.stop_token_ids:
-            return "stop"
-        if not p.ignore_eos and tok.token_id in eos_token_ids:
-            return "stop"
+        if self.num_output_tokens > p.min_tokens or p.min_tokens == 0:
+            if tok.token_id in p.stop_token_ids:
+                return "stop"
+            if not p.ignore_eos and tok.token_id in eos_token_ids:
+                return "stop"
         if self.num_output_tokens >= p.max_tokens or self.num_tokens >= max_model_len:
             return "length"
         return None

@@ -2,7 +2,8 @@
 
 ``SamplingParams`` follows vLLM's names: ``temperature`` (0 = greedy), ``top_k`` (0 or -1 =
 off), ``top_p`` (1 = off), ``seed`` (per-request generator), ``max_tokens``, ``stop_token_ids``,
-``ignore_eos``, ``logprobs`` (k: the top-k log-probabilities of the model distribution at each
+``ignore_eos``, ``min_tokens`` (EOS and stop ids cannot be sampled before that many tokens),
+``logprobs`` (k: the top-k log-probabilities of the model distribution at each
 generated token, plus the sampled token's own, like vLLM's default raw logprobs) and
 ``prompt_logprobs`` (k: the same for every prompt token after the first, given the tokens before
 it -- what perplexity is computed from).
@@ -44,6 +45,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    min_tokens: int = 0  # EOS and stop token ids are masked until this many tokens exist
 
     def __post_init__(self) -> None:
         def bad(field: str, rule: str, got: object) -> ContractViolation:
@@ -57,6 +59,8 @@ class SamplingParams:
             raise bad("top_k", "must be an int >= -1 (0 or -1 = off)", self.top_k)
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise bad("max_tokens", "must be an int >= 1", self.max_tokens)
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise bad("min_tokens", "must be an int in [0, max_tokens]", self.min_tokens)
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "must be an int or None", self.seed)
         for name in ("logprobs", "prompt_logprobs"):

@@ -1,0 +1,99 @@
+"""``pagedhybrid serve [MODEL_DIR] [--host 127.0.0.1] [--port 8000] [--served-model-name NAME]
+[engine options as in generate] [--max-waiting N] [--api-key KEY] [--shutdown-timeout S]``.
+
+Loads the model (the built-in one by default) into an ``Engine``, runs it on its own thread
+(``EngineLoop``) and serves the OpenAI API with uvicorn on loopback by default. SIGTERM /
+SIGINT stop accepting connections, let in-flight requests finish for up to
+``--shutdown-timeout`` seconds (then abort them), stop the engine thread and exit 0. The API key
+can also come from ``PAGEDHYBRID_API_KEY``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from pagedhybrid.errors import PagedHybridError
+
+
+def register_subcommands(subparsers: Any) -> None:
+    from pagedhybrid.engine.cli import add_engine_arguments
+
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server over the engine")
+    p.add_argument("model_dir", nargs="?", default=None,
+                   help="HF Qwen3.5 checkpoint folder (default: the built-in model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id clients send (default: the folder's name)")
+    p.add_argument("--max-waiting", type=int, default=256,
+                   help="queued requests beyond which new ones get HTTP 503")
+    p.add_argument("--api-key", default=os.environ.get("PAGEDHYBRID_API_KEY"),
+                   help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds in-flight requests may finish in after SIGTERM")
+    p.add_argument("--log-level", default="warning")
+    add_engine_arguments(p)
+    p.set_defaults(func=serve_main)
+
+
+def build_state(args: argparse.Namespace) -> Any:
+    from pagedhybrid.engine.cli import _engine_kwargs
+    from pagedhybrid.engine.llm import load_engine
+    from pagedhybrid.models.qwen35 import default_model_dir
+    from pagedhybrid.serve.app import ServerState
+    from pagedhybrid.serve.loop import EngineLoop
+    from pagedhybrid.serve.metrics import ServerMetrics
+
+    model_dir = Path(args.model_dir or args.model or default_model_dir())
+    kw = _engine_kwargs(args)
+    if args.max_model_len is not None:
+        kw["max_model_len"] = args.max_model_len
+    engine = load_engine(model_dir, dtype=args.dtype, **kw)
+    if engine.tokenizer is None:
+        raise PagedHybridError(f"{model_dir} has no tokenizer; the server needs one")
+    name = args.served_model_name or model_dir.name
+    metrics = ServerMetrics(name)
+    loop = EngineLoop(engine, metrics.on_step)
+    return ServerState(loop, engine.tokenizer, name, engine.scheduler.config.max_model_len,
+                       engine.model.config.vocab_size, metrics, args.api_key, args.max_waiting)
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from pagedhybrid.serve.app import create_app
+
+    try:
+        state = build_state(args)
+    except PagedHybridError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"pagedhybrid serve: {state.model_name} on http://{args.host}:{args.port} "
+          f"(max_model_len {state.max_model_len}; kernels: {state.loop.engine.kernels.reason})",
+          file=sys.stderr, flush=True)
+    config = uvicorn.Config(create_app(state), host=args.host, port=args.port,
+                            log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout)
+    _GracefulServer(config).run()
+    print("pagedhybrid serve: stopped", file=sys.stderr)
+    return 0
+
+
+class _GracefulServer:
+    """uvicorn's server, but a SIGTERM/SIGINT shutdown is a normal exit (status 0): uvicorn
+    re-raises the captured signal after its graceful shutdown, which would kill the process."""
+
+    def __new__(cls, config: Any) -> Any:
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig: int, frame: Any) -> None:
+                super().handle_exit(sig, frame)
+                self._captured_signals.clear()  # handled: nothing to re-raise at exit
+
+        return Server(config)

@@ -1,0 +1,94 @@
+"""Real ``pagedhybrid serve`` processes on 127.0.0.1 (a free port each), and the in-process
+``LLM`` on the same model for the expected answers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pagedhybrid.engine import LLM
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen[str]
+    base: str
+    model: str
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"{self.base}/v1"
+
+    def rss_kib(self) -> int:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+        raise AssertionError("no VmRSS")
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(f"{self.base}/metrics", timeout=30).text
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("pagedhybrid:") and "{" in line:
+                name, value = line.split("{", 1)[0], float(line.rsplit(" ", 1)[1])
+                out[name] = out.get(name, 0.0) + value
+        return out
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(timeout)
+        return int(self.proc.returncode)
+
+
+def start_server(tmp: Path, *args: str, name: str = "default-model") -> Server:
+    port = free_port()
+    log = tmp / f"server-{port}.log"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pagedhybrid", "serve", "--port", str(port),
+         "--served-model-name", name, *args],
+        stdout=log.open("w"), stderr=subprocess.STDOUT, text=True, env=env)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited: {log.read_text()}")
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return Server(proc, base, name, log)
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    raise AssertionError(f"server did not come up: {log.read_text()}")
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    s = start_server(tmp_path_factory.mktemp("serve"), "--max-num-seqs", "16",
+                     "--max-waiting", "512")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def llm() -> LLM:
+    return LLM(None, max_num_seqs=16)

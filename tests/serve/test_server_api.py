@@ -1,0 +1,219 @@
+"""``pagedhybrid serve`` through the real ``openai`` client and httpx: answers equal
+``LLM.generate``, usage is exact, stop strings never leak, and every client mistake gets its
+documented status and OpenAI error body while the server keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import httpx
+import openai
+import pytest
+from conftest import Server, start_server
+
+from pagedhybrid.engine import LLM, SamplingParams
+from pagedhybrid.models.qwen35.synthetic import random_weights, tiny_byte_config, write_checkpoint
+
+PROMPT = "And it came to pass, when the king heard"
+
+
+def greedy(llm: LLM, ids: list[int], n: int) -> list[int]:
+    out = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=n),
+                       use_progress=False)[0]
+    return list(out.token_ids)
+
+
+def client(server: Server, key: str = "none") -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url, api_key=key, max_retries=0)
+
+
+def test_completions_equal_llm_generate_streaming_or_not(server: Server, llm: LLM) -> None:
+    tok = llm.engine.tokenizer
+    ids = tok.encode(PROMPT)
+    want = greedy(llm, ids, 24)
+    c = client(server)
+    r = c.completions.create(model=server.model, prompt=PROMPT, max_tokens=24, temperature=0)
+    assert r.choices[0].text == tok.decode(want)
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (
+        len(ids), len(want), len(ids) + len(want))
+    assert r.choices[0].finish_reason in ("length", "stop")
+    by_ids = c.completions.create(model=server.model, prompt=ids, max_tokens=24, temperature=0)
+    assert by_ids.choices[0].text == r.choices[0].text
+    pieces, usage, finish = [], None, None
+    for ch in c.completions.create(model=server.model, prompt=PROMPT, max_tokens=24,
+                                   temperature=0, stream=True,
+                                   stream_options={"include_usage": True}):
+        if ch.choices:
+            pieces.append(ch.choices[0].text)
+            finish = ch.choices[0].finish_reason or finish
+        if ch.usage is not None:
+            usage = ch.usage
+    assert "".join(pieces) == r.choices[0].text and finish == r.choices[0].finish_reason
+    assert usage is not None and usage.completion_tokens == len(want)
+    echo = c.completions.create(model=server.model, prompt=PROMPT, max_tokens=4,
+                                temperature=0, echo=True, logprobs=2)
+    assert echo.choices[0].text.startswith(PROMPT)
+    lp = echo.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == 4 and all(v <= 0 for v in
+                                                                 lp.token_logprobs)
+    assert all(len(t) >= 2 for t in lp.top_logprobs)
+
+
+def test_chat_equals_llm_generate_of_the_templated_prompt(server: Server, llm: LLM) -> None:
+    tok = llm.engine.tokenizer
+    messages = [{"role": "system", "content": "Answer in the words of the KJV."},
+                {"role": "user", "content": "Recite Genesis 1:1."}]
+    ids = tok.encode(tok.apply_chat_template(messages))
+    c = client(server)
+    r = c.chat.completions.create(model=server.model, messages=messages, temperature=0,
+                                  max_completion_tokens=48, logprobs=True, top_logprobs=2)
+    out = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=48),
+                       use_progress=False)[0]
+    assert r.choices[0].message.content == tok.decode(out.token_ids)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == ("stop" if out.finish_reason == "stop" else "length")
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(out.token_ids)
+    assert len(r.choices[0].logprobs.content) == len(out.token_ids)
+    assert all(len(t.top_logprobs) == 2 for t in r.choices[0].logprobs.content)
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+        model=server.model, messages=messages, temperature=0, max_tokens=48, stream=True)
+        if ch.choices)
+    assert streamed == r.choices[0].message.content
+
+
+def test_n_with_a_seed_is_reproducible_and_stop_strings_never_leak(server: Server,
+                                                                   llm: LLM) -> None:
+    c = client(server)
+    kw = {"model": server.model, "prompt": PROMPT, "max_tokens": 20, "temperature": 1.0,
+          "n": 3, "seed": 5}
+    a, b = c.completions.create(**kw), c.completions.create(**kw)
+    assert [x.text for x in a.choices] == [x.text for x in b.choices]
+    assert len({x.text for x in a.choices}) > 1  # the choices are different samples
+    assert a.usage.completion_tokens == 60
+    tok = llm.engine.tokenizer
+    full = tok.decode(greedy(llm, tok.encode(PROMPT), 30))
+    stop = full[8:12]  # a string that the greedy answer contains
+    cut = full[:full.find(stop)]
+    for stream in (False, True):
+        if stream:
+            text = "".join(ch.choices[0].text for ch in c.completions.create(
+                model=server.model, prompt=PROMPT, max_tokens=30, temperature=0, stop=[stop],
+                stream=True) if ch.choices)
+        else:
+            r = c.completions.create(model=server.model, prompt=PROMPT, max_tokens=30,
+                                     temperature=0, stop=[stop, "zzzz"])
+            text = r.choices[0].text
+            assert r.choices[0].finish_reason == "stop"
+        assert text == cut and stop not in text
+    first = greedy(llm, tok.encode(PROMPT), 3)
+    r = c.completions.create(model=server.model, prompt=PROMPT, max_tokens=30, temperature=0,
+                             extra_body={"stop_token_ids": [first[2]]})
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 3
+    r = c.completions.create(model=server.model, prompt=PROMPT, max_tokens=8, temperature=0,
+                             extra_body={"top_k": 1, "ignore_eos": True, "min_tokens": 8})
+    assert r.usage.completion_tokens == 8
+
+
+BAD = [  # (description, request kwargs for httpx, status, param)
+    ("malformed JSON", {"content": b"{not json", "headers": {"content-type":
+                                                              "application/json"}}, 400, None),
+    ("unknown model", {"json": {"model": "gpt-x", "prompt": "hi"}}, 404, "model"),
+    ("empty prompt", {"json": {"prompt": ""}}, 400, "prompt"),
+    ("empty token list", {"json": {"prompt": []}}, 400, "prompt"),
+    ("token ids out of vocab", {"json": {"prompt": [1, 2, 10 ** 6]}}, 400, "prompt"),
+    ("over max_model_len", {"json": {"prompt": "In the", "max_tokens": 10 ** 5}}, 400,
+     "max_tokens"),
+    ("negative temperature", {"json": {"prompt": "hi", "temperature": -1}}, 400, "temperature"),
+    ("top_p 0", {"json": {"prompt": "hi", "top_p": 0}}, 400, "top_p"),
+    ("n 0", {"json": {"prompt": "hi", "n": 0}}, 400, "n"),
+    ("max_tokens 0", {"json": {"prompt": "hi", "max_tokens": 0}}, 400, "max_tokens"),
+    ("wrong type", {"json": {"prompt": "hi", "max_tokens": "lots"}}, 400, "max_tokens"),
+    ("too many logprobs", {"json": {"prompt": "hi", "logprobs": 99}}, 400, "logprobs"),
+]
+
+
+@pytest.mark.parametrize(("what", "kwargs", "status", "param"), BAD, ids=[b[0] for b in BAD])
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(
+        server: Server, llm: LLM, what: str, kwargs: dict, status: int, param: str | None
+        ) -> None:
+    if "json" in kwargs:
+        kwargs = {"json": {"model": server.model, **kwargs["json"]}}
+    r = httpx.post(f"{server.url}/completions", timeout=60, **kwargs)
+    assert r.status_code == status, (what, r.text)
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param, (what, err)
+    good = client(server).completions.create(model=server.model, prompt=PROMPT, max_tokens=5,
+                                             temperature=0)
+    tok = llm.engine.tokenizer
+    assert good.choices[0].text == tok.decode(greedy(llm, tok.encode(PROMPT), 5))
+
+
+def test_bad_chat_requests_and_the_openai_client_errors(server: Server) -> None:
+    c = client(server)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=server.model, messages=[])
+    assert e.value.status_code == 400 and e.value.body["param"] == "messages"
+    with pytest.raises(openai.NotFoundError):
+        c.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError):
+        c.chat.completions.create(model=server.model, max_tokens=10 ** 5,
+                                  messages=[{"role": "user", "content": "hi"}])
+    models = c.models.list()
+    assert [m.id for m in models.data] == [server.model]
+
+
+def test_api_key_and_a_failing_request_fails_alone(tmp_path) -> None:
+    """A byte-level checkpoint whose token 200 has a NaN embedding: a request holding it fails
+    alone (500, its error); the next request is served."""
+    cfg = dataclasses.replace(tiny_byte_config(), num_hidden_layers=2,
+                              layer_types=("linear_attention", "full_attention"),
+                              tie_word_embeddings=False)  # the NaN row is an input row only
+    w = random_weights(cfg, 3)
+    w["model.embed_tokens.weight"][200] = float("nan")
+    write_checkpoint(tmp_path / "nan", cfg, w)
+    s = start_server(tmp_path, str(tmp_path / "nan"), "--api-key", "sekret", name="nan-model")
+    try:
+        for key in ("wrong", None):
+            headers = {"authorization": f"Bearer {key}"} if key else {}
+            r = httpx.post(f"{s.url}/completions", headers=headers, timeout=60,
+                           json={"model": s.model, "prompt": [65, 66]})
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        c = client(s, "sekret")
+        with pytest.raises(openai.InternalServerError) as e:
+            c.completions.create(model=s.model, prompt=[65, 200, 66], max_tokens=4)
+        assert "non-finite" in e.value.body["message"]
+        ok = c.completions.create(model=s.model, prompt=[65, 66, 67], max_tokens=1,
+                                  temperature=0)
+        assert ok.usage.completion_tokens == 1
+    finally:
+        assert s.stop() == 0
+    assert "Traceback" not in s.log.read_text()
+
+
+def test_backpressure_refuses_with_503_and_drops_nothing_accepted(tmp_path) -> None:
+    s = start_server(tmp_path, "--max-waiting", "2", "--max-num-seqs", "1")
+    try:
+        async def flood() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=120) as h:
+                return await asyncio.gather(*[h.post(
+                    f"{s.url}/completions", json={"model": s.model, "prompt": f"And the {i}",
+                                                  "max_tokens": 40, "ignore_eos": True})
+                    for i in range(12)])
+
+        rs = asyncio.run(flood())
+        codes = [r.status_code for r in rs]
+        assert 503 in codes and 200 in codes, codes
+        for r in rs:
+            if r.status_code == 503:
+                assert r.json()["error"]["code"] == "server_overloaded"
+            else:  # nothing accepted was dropped
+                assert r.json()["usage"]["completion_tokens"] == 40, r.text
+        m = s.metrics()
+        assert m["pagedhybrid:num_requests_running"] == 0
+        assert m["pagedhybrid:num_requests_waiting"] == 0
+        assert m["pagedhybrid:request_success_total"] == codes.count(200)
+        assert m["pagedhybrid:generation_tokens_total"] == 40 * codes.count(200)
+    finally:
+        assert s.stop() == 0
