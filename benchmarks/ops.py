@@ -20,7 +20,11 @@ so runs on a shared machine can be read through the noise):
   ``torch_recurrent_gated_delta_rule`` (decode, one batched call), vs the reference; decode also
   runs the native in-place step kernel on a state pool (``native_kernel``);
 * VarlenCausalConvWithState (C 8192 = Qwen3.5 conv_dim, K 4, silu, fp32) vs onnxruntime's CPU
-  kernel and the reference.
+  kernel and the reference;
+* quantized pages (``--only quant``): the native step kernel (as the model calls it: write +
+  attend, metadata prebuilt) on bf16 vs int8 vs fp8-e4m3 pages with per-channel scales, decode B
+  16 at ctx 4k / 16k, same queries; time, speed-up over bf16 pages, page bytes read per second
+  and the fraction of copy bandwidth, max error vs fp32 SDPA on the dequantized pages.
 
 Prints one table per section and writes everything to ``--json``.
 """
@@ -28,6 +32,7 @@ Prints one table per section and writes everything to ``--json``.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 import os
@@ -212,6 +217,58 @@ def paged_row(args: argparse.Namespace, bw: dict[str, float], b: int, ctx: int
     row["native_kv_gbps"] = kv_bytes / row["native_kernel"]["ms"] / 1e6
     row["native_frac_copy_bw"] = row["native_kv_gbps"] / bw["copy_gbps"]
     return row
+
+
+# -- quantized pages ------------------------------------------------------------------------------
+def bench_quant(args: argparse.Namespace, bw: dict[str, float]) -> list[dict[str, Any]]:
+    from pagedhybrid.kvquant import KVScales, dequantize, quantize
+
+    hq, hkv, d, bs, b = 32, 4, 128, args.block_size, 16
+    rows = []
+    for ctx in ([4096] if args.quick else [4096, 16384]):
+        inputs, _ = paged_inputs(b, ctx, hq, hkv, d, bs, torch.bfloat16)
+        q3, k3, v3 = (t.view(b, -1, d) for t in inputs[:3])  # type: ignore[union-attr]
+        kc, vc = inputs[3], inputs[4]
+        assert kc is not None and vc is not None
+        meta = StepMetadata.build([1] * b, [ctx - 1] * b, inputs[7], range(b), block_size=bs,
+                                  num_pages=kc.shape[0], num_slots=b)
+        gen = torch.Generator().manual_seed(1)
+        step = backend("native")
+        row: dict[str, Any] = {"ctx": ctx, "batch": b, "block_size": bs}
+        for name, dt in (("bf16", torch.bfloat16), ("int8", torch.int8),
+                         ("fp8", torch.float8_e4m3fn)):
+            if dt == torch.bfloat16:
+                pages, scales = (kc, vc), None
+            else:
+                qmax = 127.0 if dt == torch.int8 else 448.0
+                s = [(kc.float().abs().amax((0, 1)) / qmax * (1 + 0.1 * torch.rand(
+                    hkv, d, generator=gen))).unsqueeze(1) for _ in range(2)]  # [Hkv, 1, D]
+                scales = KVScales(s[0], s[1] * 0.5)
+                pages = (quantize(kc, scales.k, dt), quantize(vc, scales.v, dt))
+            call = functools.partial(step.attention, q3, k3, v3, pages[0], pages[1], meta,
+                                     d ** -0.5, scales)
+            t = timeit(call, args.reps)
+            out = call()
+            deq = [p.float() if scales is None else dequantize(p, sc) for p, sc in
+                   zip(pages, (None, None) if scales is None else scales, strict=True)]
+            kk, vv = contiguous_kv([None, None, None, deq[0], deq[1], None, None, inputs[7]],
+                                   b, ctx)
+            want = torch.nn.functional.scaled_dot_product_attention(
+                q3.float().view(b, hq, 1, d), kk, vv, enable_gqa=True).view(b, hq, d)
+            page_bytes = 2 * b * ctx * hkv * d * dt.itemsize
+            row[name] = {**t, "gbps": page_bytes / t["ms"] / 1e6,
+                         "frac_copy_bw": page_bytes / t["ms"] / 1e6 / bw["copy_gbps"],
+                         "max_err": (out.float() - want).abs().max().item()}
+        row["int8_speedup"] = row["bf16"]["ms"] / row["int8"]["ms"]
+        row["fp8_speedup"] = row["bf16"]["ms"] / row["fp8"]["ms"]
+        print(f"quant ctx {ctx:6d} B {b}: bf16 {row['bf16']['ms']:.2f} ms "
+              f"({100 * row['bf16']['frac_copy_bw']:.0f}% copy bw), int8 {row['int8']['ms']:.2f}"
+              f" ms ({row['int8_speedup']:.2f}x, {100 * row['int8']['frac_copy_bw']:.0f}%), fp8 "
+              f"{row['fp8']['ms']:.2f} ms ({row['fp8_speedup']:.2f}x, "
+              f"{100 * row['fp8']['frac_copy_bw']:.0f}%); max err int8 {row['int8']['max_err']:.1e}"
+              f" fp8 {row['fp8']['max_err']:.1e}", flush=True)
+        rows.append(row)
+    return rows
 
 
 # -- GatedDeltaNet ---------------------------------------------------------------------------------
@@ -435,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-gib", type=float, default=5.0, help="memory cap per paged config")
     ap.add_argument("--ref-tokens", type=int, default=16384,
                     help="run the reference paged attention when B*ctx <= this")
-    ap.add_argument("--only", choices=["paged", "gdn", "conv"], action="append")
+    ap.add_argument("--only", choices=["paged", "gdn", "conv", "quant"], action="append")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--json", type=Path, default=Path("ops-benchmark.json"))
     args = ap.parse_args(argv)
@@ -464,6 +521,8 @@ def main(argv: list[str] | None = None) -> int:
         result["gated_delta_net"] = bench_gdn(args)
     if "conv" in sections:
         result["varlen_causal_conv"] = bench_conv(args)
+    if "quant" in sections:
+        result["quantized_pages"] = bench_quant(args, bw)
     if args.profile:
         result["profile"] = profile(args)
     args.json.write_text(json.dumps(result, indent=1, default=str))

@@ -73,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedhybrid.serve.cli import register_subcommands as serve_commands
 
     serve_commands(sub)
+    from pagedhybrid import calibrate_kv
+
+    calibrate_kv.add_arguments(sub.add_parser(
+        "calibrate-kv", help="static K/V scales for int8 / fp8 KV pages from a text"))
     return p
 
 

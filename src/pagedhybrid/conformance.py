@@ -90,8 +90,16 @@ def _clone(xs: Iterable[torch.Tensor | None]) -> list[torch.Tensor | None]:
     return [None if x is None else x.clone() for x in xs]
 
 
-def _upcast(xs: Iterable[torch.Tensor | None]) -> list[torch.Tensor | None]:
-    return [x if x is None or not x.is_floating_point() else x.double() for x in xs]
+_WIDE = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _upcast(op: str, xs: Iterable[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """float16/bfloat16/float32 inputs to float64 where the port's type takes double (quantized
+    caches and float-only ports such as ``k_scale`` stay as they are)."""
+    spec = op_module(op).SPEC
+    ports = [spec.constraint(p.type_param).accepted for p in spec.inputs]
+    return [x.double() if x is not None and x.dtype in _WIDE and "double" in acc else x
+            for x, acc in zip(xs, ports, strict=True)]
 
 
 def implementation(op: str, backend: str) -> Callable[..., tuple[torch.Tensor, ...]]:
@@ -105,7 +113,8 @@ def run_case(case: Case, backend: str) -> Result:
         inputs, attrs = op_module(case.op).make_inputs(
             case.recipe, dtypes.to_torch(case.dtype), case.seed)
         shapes = " ".join("x".join(map(str, t.shape)) for t in inputs[:3] if t is not None)
-        truth = implementation(case.op, "reference")(*_upcast(_clone(inputs)), **attrs)
+        truth = implementation(case.op, "reference")(*_upcast(case.op, _clone(inputs)),
+                                                        **attrs)
         got = implementation(case.op, backend)(*_clone(inputs), **attrs)
         err = 0.0
         for g, t in zip(got, truth, strict=True):

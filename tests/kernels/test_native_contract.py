@@ -97,6 +97,11 @@ def test_model_form_runs_natively_and_the_rest_is_declared() -> None:
     _run("paged_attention", pa_ref.paged_attention, contract.paged_attention, inputs, pattrs,
          torch.bfloat16)
     assert contract.last_path("paged_attention") == "native"
+    for name in ("int8_per_channel", "int8_per_tensor", "fp8_per_channel", "fp8_per_tensor"):
+        inputs, pattrs = pa_ref.make_inputs(_recipe(name), torch.bfloat16, seed=1)
+        _run("paged_attention", pa_ref.paged_attention, contract.paged_attention, inputs,
+             pattrs, torch.bfloat16)
+        assert contract.last_path("paged_attention") == "native", name  # pages read in place
     softcap = next(r for r in pa_ref.conformance_recipes() if r["attrs"].get("softcap"))
     inputs, pattrs = pa_ref.make_inputs(softcap, torch.float32, seed=1)
     contract.paged_attention(*inputs, **pattrs)

@@ -15,13 +15,14 @@ import importlib
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pagedhybrid.errors import UnsupportedConfiguration
+from pagedhybrid.errors import ContractViolation, UnsupportedConfiguration
 
 pa = importlib.import_module("pagedhybrid.ops.paged_attention")
 
@@ -35,10 +36,21 @@ def _run(inputs, attrs):
     return pa.paged_attention(*inputs, **attrs)
 
 
+def _ort_quant(x, scale, dtype):
+    """ORT's CUDA write (numpy): float32 x * (1 / scale), rint + clamp [-128, 127] (int8) or
+    clamp +-448 then round-to-nearest-even (float8e4m3fn); x [Hkv, D], scale [Hkv, D]."""
+    inv = np.where(scale == 0, np.float32(0), np.float32(1) / scale).astype(np.float32)
+    y = x.astype(np.float32) * inv
+    if dtype == torch.int8:
+        return torch.from_numpy(np.clip(np.rint(y), -128, 127).astype(np.int8))
+    return torch.from_numpy(np.clip(y, -448, 448)).to(torch.float8_e4m3fn)
+
+
 def independent_attention(inputs, attrs):
     """Expected (output, key_cache, value_cache) without rotary / qk-norm / slot_mapping."""
     (query, key, value, kc, vc, cu, past, table, *_rest) = inputs
     head_sink = inputs[11]
+    quant = kc.dtype in (torch.int8, torch.float8_e4m3fn)
     hq, hkv = attrs["num_heads"], attrs["kv_num_heads"]
     n = query.shape[0]
     if key is None:
@@ -49,6 +61,17 @@ def independent_attention(inputs, attrs):
         q, k, v = query.double(), key.double(), value.double()
     q, k, v = q.view(n, hq, d), k.view(n, hkv, d), v.view(n, hkv, d)
     bs = kc.shape[1]
+    scales = [np.broadcast_to(t.numpy().reshape(-1, d) if t.numel() > 1 else t.numpy()
+                              .reshape(1, 1), (hkv, d)).astype(np.float32)
+              for t in (inputs[14], inputs[15])] if quant else None
+
+    def store(x, which):  # x [Hkv, D] float64 -> the cache's element type
+        cache = kc if which == 0 else vc
+        return _ort_quant(x.float().numpy(), scales[which], cache.dtype) if quant \
+            else x.to(cache.dtype)
+
+    def load(x, which):  # stored [L, Hkv, D] -> float64
+        return x.double() * torch.from_numpy(scales[which]).double() if quant else x.double()
     scale = attrs.get("scale", 0.0) or 1.0 / math.sqrt(d)
     softcap = attrs.get("softcap", 0.0)
     window = attrs.get("local_window_size", -1)
@@ -61,8 +84,8 @@ def independent_attention(inputs, attrs):
         for i in range(e - s):  # expected write
             pos = p0 + i
             pg = int(table[b, pos // bs])
-            exp_kc[pg, pos % bs] = k[s + i].to(kc.dtype)
-            exp_vc[pg, pos % bs] = v[s + i].to(vc.dtype)
+            exp_kc[pg, pos % bs] = store(k[s + i], 0)
+            exp_vc[pg, pos % bs] = store(v[s + i], 1)
         if e == s:
             continue
         hist = [int(table[b, j // bs]) for j in range(p0)]
@@ -70,8 +93,8 @@ def independent_attention(inputs, attrs):
             kc.new_zeros(0, hkv, d)
         hv = torch.stack([vc[pg, j % bs] for j, pg in enumerate(hist)]) if p0 else \
             vc.new_zeros(0, hkv, d)
-        kk = torch.cat([hk.double(), k[s:e].to(kc.dtype).double()])  # [L, Hkv, D]
-        vv = torch.cat([hv.double(), v[s:e].to(vc.dtype).double()])
+        kk = load(torch.cat([hk, torch.stack([store(x, 0) for x in k[s:e]])]), 0)  # [L,Hkv,D]
+        vv = load(torch.cat([hv, torch.stack([store(x, 1) for x in v[s:e]])]), 1)
         kk = kk.repeat_interleave(hq // hkv, dim=1).transpose(0, 1)  # [Hq, L, D]
         vv = vv.repeat_interleave(hq // hkv, dim=1).transpose(0, 1)
         qq = q[s:e].transpose(0, 1)  # [Hq, Q, D]
@@ -324,26 +347,114 @@ def test_half_precision_computes_in_float32():
     ("change", "attrs"),
     [
         ({}, {"kv_cache_layout": "LATENT"}),
-        ({}, {"k_quant_type": "PER_TENSOR"}),
-        ({}, {"v_quant_type": "PER_CHANNEL"}),
         ({}, {"k_cache_dtype": "int4"}),
-        ({}, {"v_cache_dtype": "float8e4m3fn"}),
-        ({14: torch.ones(1)}, {}),
-        ({15: torch.ones(1)}, {}),
-        ({3: "int8"}, {}),
+        ({}, {"v_cache_dtype": "float4e2m1"}),
+        ({3: "uint8"}, {}),
     ],
-    ids=["latent", "k_quant", "v_quant", "k_int4", "v_fp8", "k_scale", "v_scale", "int8_cache"],
+    ids=["latent", "k_int4", "v_fp4", "uint8_cache"],
 )
-def test_quantized_and_latent_are_unsupported(change, attrs):
+def test_sub_byte_and_latent_are_unsupported(change, attrs):
     inputs = _tiny()
-    for i, t in change.items():
-        if t == "int8":
-            inputs[3] = inputs[3].to(torch.int8)
-            inputs[4] = inputs[4].to(torch.int8)
-        else:
-            inputs[i] = t
+    if change:
+        inputs[3], inputs[4] = inputs[3].to(torch.uint8), inputs[4].to(torch.uint8)
     with pytest.raises(UnsupportedConfiguration):
         _run(inputs, {"num_heads": 1, "kv_num_heads": 1, **attrs})
+
+
+def _tiny_quant(cache=torch.int8, quant="PER_TENSOR"):
+    inputs = _tiny()
+    inputs[3], inputs[4] = inputs[3].to(cache), inputs[4].to(cache)
+    shape = (1,) if quant == "PER_TENSOR" else (1, 1, 8)
+    inputs[14], inputs[15] = torch.full(shape, 2.0**-4), torch.full(shape, 2.0**-5)
+    return inputs, {"num_heads": 1, "kv_num_heads": 1, "k_quant_type": quant,
+                    "v_quant_type": quant}
+
+
+def _drop(i):
+    def f(inputs, attrs):
+        inputs[i] = None
+    return f
+
+
+def _set(i, value):
+    def f(inputs, attrs):
+        inputs[i] = value
+    return f
+
+
+def _attr(**kw):
+    def f(inputs, attrs):
+        attrs.update(kw)
+    return f
+
+
+def _fp_cache(inputs, attrs):
+    inputs[3], inputs[4] = inputs[3].float(), inputs[4].float()
+
+
+@pytest.mark.parametrize(("corrupt", "where"), [
+    (_attr(k_quant_type="NONE"), "k_quant_type"),  # int8 cache without a quant type
+    (_attr(v_quant_type="NONE"), "v_quant_type"),
+    (_drop(14), "k_scale"),  # quantized without its scale
+    (_drop(15), "v_scale"),
+    (_set(14, torch.full((1, 1, 8), 0.05)), "k_scale"),  # PER_CHANNEL layout for PER_TENSOR
+    (_set(15, torch.full((2,), 0.02)), "v_scale"),
+    (_set(14, torch.full((1,), 0.05, dtype=torch.float16)), "k_scale"),  # T_KV_SCALE = float
+    (_set(14, torch.full((1,), -0.05)), "k_scale"),
+    (_set(15, torch.full((1,), float("nan"))), "v_scale"),
+    (_attr(k_cache_dtype="float8e4m3fn"), "k_cache_dtype"),  # names another type
+    (_attr(k_quant_type="PER_BLOCK"), "k_quant_type"),
+    (_fp_cache, "k_quant_type"),  # float cache with quant types and scales
+], ids=["k_quant_none", "v_quant_none", "no_k_scale", "no_v_scale", "k_scale_layout",
+        "v_scale_shape", "k_scale_fp16", "k_scale_negative", "v_scale_nan", "k_dtype_attr",
+        "quant_type_value", "float_cache_quant"])
+def test_quantized_cache_violations_name_the_port(corrupt, where):
+    inputs, attrs = _tiny_quant()
+    _run(list(inputs), dict(attrs))  # the uncorrupted call is valid
+    corrupt(inputs, attrs)
+    with pytest.raises(ContractViolation) as info:
+        _run(inputs, attrs)
+    assert info.value.where == where
+
+
+def test_scale_without_a_quantized_cache_is_a_violation():
+    inputs = _tiny()
+    inputs[14] = torch.ones(1)
+    with pytest.raises(ContractViolation) as info:
+        _run(inputs, {"num_heads": 1, "kv_num_heads": 1})
+    assert info.value.where == "k_scale"
+
+
+@pytest.mark.parametrize("cache", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("quant", ["PER_TENSOR", "PER_CHANNEL"])
+def test_hand_worked_quantized(cache, quant):
+    """K/V are exact multiples of the scales, so the quantized op equals the float one, and the
+    pages hold x / scale."""
+    inputs, attrs = _tiny_quant(cache, quant)
+    fp = _tiny()
+    # the cached token (position 0, page 2): k0 = 2e0 -> 2 * 16 = 32, v0 = e0 -> 32
+    inputs[3][2, 0, 0] = 0
+    inputs[4][2, 0, 0] = 0
+    inputs[3][2, 0, 0, 0], inputs[4][2, 0, 0, 0] = 32, 32
+    out, kc, vc = _run(inputs, attrs)
+    want, _, _ = _run(fp, {"num_heads": 1, "kv_num_heads": 1})
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+    assert kc[2, 1, 0].float().tolist() == [0, 48, 0, 0, 0, 0, 0, 0]  # k1 = 3e1 * 16
+    assert vc[2, 2, 0].float().tolist() == [0, 0, 32, 0, 0, 0, 0, 0]  # v2 = e2 * 32
+
+
+def test_quantize_rounds_half_to_even_and_saturates():
+    from pagedhybrid.kvquant import quantize
+
+    s = torch.ones(1)
+    x = torch.tensor([[0.5, 1.5, 2.5, -0.5, -2.5, 126.5, 200.0, -300.0, float("nan")]])
+    assert quantize(x[None], s, torch.int8)[0, 0].tolist() == [0, 2, 2, 0, -2, 126, 127, -128, 0]
+    y = torch.tensor([[17.0, 19.0, 1e6, -1e6, float("nan"), 2.0**-9, 2.0**-10]])
+    got = quantize(y[None], s, torch.float8_e4m3fn)[0, 0].float().tolist()
+    # 17 is halfway between 16 and 18 -> 16 (even mantissa); 19 between 18 and 20 -> 20
+    assert got == [16.0, 20.0, 448.0, -448.0, 448.0, 2.0**-9, 0.0]
+    # a zero scale stores zeros (ORT: inv_scale = 0)
+    assert quantize(x[None], torch.zeros(1), torch.int8).abs().sum() == 0
 
 
 def test_validate_dims_and_output_shapes():
@@ -373,7 +484,7 @@ def test_metadata_overestimate_does_not_change_result():
 # -- recipes -----------------------------------------------------------------------------------
 def test_recipes_are_json_and_cover_features():
     recipes = pa.conformance_recipes()
-    assert 10 <= len(recipes) <= 20
+    assert 10 <= len(recipes) <= 30
     assert json.loads(json.dumps(recipes)) == recipes
     assert len({r["name"] for r in recipes}) == len(recipes)
     assert all("reference" in r["backends"] for r in recipes)
@@ -383,6 +494,10 @@ def test_recipes_are_json_and_cover_features():
     ratios = {r["attrs"]["num_heads"] // r["attrs"]["kv_num_heads"] for r in recipes}
     assert {1, 2, 4, 8} <= ratios
     assert {64, 128} <= {r["dims"]["head_size"] for r in recipes}
+    quant = {(r["dims"]["cache_dtype"], r["attrs"][f"{kv}_quant_type"]) for r in recipes
+             if r["dims"]["cache_dtype"] for kv in "kv"}
+    assert quant == {(c, q) for c in ("int8", "float8e4m3fn")
+                     for q in ("PER_TENSOR", "PER_CHANNEL")}
 
 
 def test_make_inputs_deterministic_garbage_and_shuffled():

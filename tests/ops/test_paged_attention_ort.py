@@ -72,6 +72,28 @@ def test_adapter_rejects_what_webgpu_does_not_serve(recipe):
         ort_pa.paged_attention(*inputs, **attrs)
 
 
+@pytest.mark.parametrize("cache", ["int8", "float8e4m3fn"])
+def test_webgpu_refuses_quantized_caches_by_running(cache):
+    """ORT itself: a session with an int8 / float8e4m3fn cache fails on the WebGPU EP (the
+    adapter's and the exporter's refusal quote this answer)."""
+    import onnxruntime as ort
+
+    from pagedhybrid.kernels.onnxruntime.session import single_node_model, webgpu_ep_device
+
+    recipe = next(r for r in pa.conformance_recipes() if r["name"] == "int8_per_channel")
+    recipe = {**recipe, "dims": {**recipe["dims"], "cache_dtype": cache}}
+    inputs, attrs = pa.make_inputs(recipe, torch.float16, 0)
+    pa.validate(inputs, attrs)  # a valid call of the contract
+    so = ort.SessionOptions()
+    so.log_severity_level = 4
+    so.add_provider_for_devices([webgpu_ep_device()], {})
+    model = single_node_model(pa.SPEC, inputs, attrs, 3).SerializeToString()
+    with pytest.raises(Exception, match=ort_pa.QUANTIZED_CACHE_ERROR):
+        ort.InferenceSession(model, sess_options=so)
+    with pytest.raises(UnsupportedConfiguration, match="quantized"):
+        ort_pa.paged_attention(*inputs, **attrs)
+
+
 def test_adapter_rejects_float32():
     recipe = ORT_RECIPES[0]
     inputs, attrs = pa.make_inputs(recipe, torch.float32, 0)

@@ -45,6 +45,14 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-state-checkpoints", type=int, default=None,
                    help="rows of the state-checkpoint pool (default: as many as state slots)")
     g.add_argument("--backend", default="auto", help="kernels: auto | native | torch")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3", "fp8"],
+                   help="KV page element type (default: the model dtype); int8 / fp8 need "
+                   "calibrated scales (pagedhybrid calibrate-kv)")
+    g.add_argument("--kv-quant", default="per-channel", choices=["per-channel", "per-tensor"],
+                   help="scale granularity of quantized pages")
+    g.add_argument("--kv-scales", default=None, metavar="FILE",
+                   help="KV scale file (default: kv_scales-{dtype}-{quant}.safetensors beside "
+                   "the checkpoint)")
 
 
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
@@ -74,7 +82,9 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "enable_prefix_caching": args.enable_prefix_caching,
             "state_checkpoint_interval": args.state_checkpoint_interval,
-            "num_state_checkpoints": args.num_state_checkpoints, "backend": args.backend}
+            "num_state_checkpoints": args.num_state_checkpoints, "backend": args.backend,
+            "kv_cache_dtype": args.kv_cache_dtype, "kv_quant": args.kv_quant,
+            "kv_scales": args.kv_scales}
 
 
 def _record(out: RequestOutput, prompt: str | None = None) -> dict[str, object]:

@@ -43,6 +43,15 @@ from pagedhybrid.engine.states import CheckpointPool, StatePool
 from pagedhybrid.errors import CapacityError, ContractViolation, UnsupportedConfiguration
 from pagedhybrid.kernels.backend import Selection, select
 from pagedhybrid.kernels.step import StepMetadata
+from pagedhybrid.kvquant import (
+    QUANTS,
+    KVScales,
+    default_scales_path,
+    dtype_name,
+    is_quantized,
+    kv_dtype,
+    load_scales,
+)
 from pagedhybrid.models.qwen35 import PackedBatch, PagedHybridCache, Qwen35ForCausalLM
 from pagedhybrid.models.qwen35.config import Qwen35Config
 
@@ -67,6 +76,13 @@ class EngineConfig:
     ``state_checkpoint_interval`` tokens (a multiple of ``block_size``) into their own pool of
     ``num_state_checkpoints`` rows; a new request starts after its longest prefix that has both
     (``engine/scheduler.py``, ``HybridAllocator``).
+
+    Quantized KV pages (``kv_cache_dtype`` ``int8`` | ``fp8_e4m3``; ``auto`` = the model's
+    dtype): K/V are stored by ONNX Runtime's PagedAttention rule (``pagedhybrid.kvquant``) with
+    calibrated, fixed scales -- ``kv_scales`` names a scale file (``pagedhybrid calibrate-kv``);
+    without one the engine loads ``kv_scales-{dtype}-{kv_quant}.safetensors`` beside the
+    checkpoint and refuses to start if there is none (no silent dynamic scales). Pool sizing
+    counts the smaller pages: a memory budget holds 2x (bf16) / 4x (fp32) the pages.
     """
 
     block_size: int = 16
@@ -84,6 +100,9 @@ class EngineConfig:
     state_checkpoint_interval: int | None = None  # tokens; default max(64, block_size)
     num_state_checkpoints: int | None = None  # default: as many as state slots
     prefix_cache_key: str | None = None  # e.g. a model/adapter id, part of every page hash
+    kv_cache_dtype: str = "auto"  # auto | int8 | fp8_e4m3 (alias fp8)
+    kv_quant: str = "per-channel"  # per-channel | per-tensor (quantized pages)
+    kv_scales: str | None = None  # scale file; default: beside the checkpoint
 
     def __post_init__(self) -> None:
         if self.num_blocks is not None and self.cache_memory_bytes is not None:
@@ -95,6 +114,11 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ContractViolation("EngineConfig", name, "must be None or an int >= 1", v)
+        if self.kv_cache_dtype != "auto":
+            kv_dtype(self.kv_cache_dtype)  # ContractViolation naming the field
+        if self.kv_quant not in QUANTS:
+            raise ContractViolation("EngineConfig", "kv_quant", f"must be one of {list(QUANTS)}",
+                                    self.kv_quant)
         if self.state_checkpoint_interval is not None and \
                 self.state_checkpoint_interval % self.block_size:
             raise ContractViolation("EngineConfig", "state_checkpoint_interval",
@@ -104,6 +128,10 @@ class EngineConfig:
     @property
     def checkpoint_interval(self) -> int:
         return self.state_checkpoint_interval or max(64, self.block_size)
+
+    def page_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The KV pages' element type."""
+        return model_dtype if self.kv_cache_dtype == "auto" else kv_dtype(self.kv_cache_dtype)
 
 
 def page_bytes(config: Qwen35Config, block_size: int, dtype: torch.dtype) -> int:
@@ -139,7 +167,7 @@ def size_pools(model_config: Qwen35Config, cfg: EngineConfig, dtype: torch.dtype
         blocks = cfg.num_blocks
     else:
         budget = cfg.cache_memory_bytes or DEFAULT_CACHE_MEMORY
-        per_page = max(page_bytes(model_config, cfg.block_size, dtype), 1)
+        per_page = max(page_bytes(model_config, cfg.block_size, cfg.page_dtype(dtype)), 1)
         blocks = (budget - (slots + checkpoints) * slot_bytes(model_config, dtype)) // per_page
         if cfg.cache_memory_bytes is None:
             blocks = min(blocks, cfg.max_num_seqs * -(-limit // cfg.block_size))
@@ -266,10 +294,12 @@ class Engine:
                 f"EngineConfig.enable_prefix_caching: the {self.kernels.backend.name!r} kernels "
                 "cannot emit the linear layers' intermediate states (state checkpoints); use "
                 "backend native or torch, or enable_prefix_caching=False")
+        kvd = self.config.page_dtype(model.dtype)
         self.cache = PagedHybridCache.allocate(
             mc, num_pages=sizes.num_blocks, block_size=self.config.block_size,
             num_slots=sizes.num_slots, dtype=model.dtype, device=self.config.device,
-            fill=self.config.cache_fill, generator=gen, num_checkpoints=sizes.num_checkpoints)
+            fill=self.config.cache_fill, generator=gen, num_checkpoints=sizes.num_checkpoints,
+            kv_dtype=kvd, kv_scales=self._kv_scales(kvd) if is_quantized(kvd) else None)
         self.blocks = BlockPool(sizes.num_blocks, self.config.block_size, caching=caching)
         self.states = StatePool(sizes.num_slots)
         self.checkpoints = CheckpointPool(sizes.num_checkpoints) if caching else None
@@ -283,6 +313,23 @@ class Engine:
         self._arrivals = 0
         self._pending: list[RequestOutput] = []
         self.stats = EngineStats()
+
+    def _kv_scales(self, kvd: torch.dtype) -> dict[int, KVScales]:
+        cfg, mc = self.config, self.model.config
+        path = cfg.kv_scales
+        if path is None:
+            src = self.model.source_dir
+            default = None if src is None else default_scales_path(src, kvd, cfg.kv_quant)
+            if default is None or not default.is_file():
+                raise ContractViolation(
+                    "EngineConfig", "kv_scales",
+                    f"is required for kv_cache_dtype={cfg.kv_cache_dtype!r}: no scale file "
+                    f"given and none beside the checkpoint ({default}); run `pagedhybrid "
+                    f"calibrate-kv --dtype {dtype_name(kvd)} --quant {cfg.kv_quant}`", None)
+            path = str(default)
+        scales, _ = load_scales(path, mc.full_attention_layers, mc.num_key_value_heads,
+                                mc.head_dim, kvd, cfg.kv_quant)
+        return {i: KVScales(s.k.to(cfg.device), s.v.to(cfg.device)) for i, s in scales.items()}
 
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Sequence[int],

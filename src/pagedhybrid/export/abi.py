@@ -13,15 +13,16 @@ block_table                            int32      [B, max_blocks_per_sequence]
 cumulative_sequence_lengths            int32      [B+1]
 past_sequence_lengths                  int32      [B]
 attention_metadata                     int32      [3]      (host memory)
-past_key_values.{i}.key / .value       T          [P, block_size, Hkv, hd]  (full layers)
+past_key_values.{i}.key / .value       T_CACHE    [P, block_size, Hkv, hd]  (full layers)
 past_key_values.{i}.conv_state         T          [B, conv_dim, K-1]        (linear layers)
 past_key_values.{i}.recurrent_state    float      [B, Hv, Dv, Dk]           (linear, V-major)
 logits (output)                        float      [N, vocab] or [B, vocab] when pruned
 present.{i}.* (outputs)                as past    same shapes; aliased in place by the runtime
 =====================================  =========  ==========================================
 
-``T`` is float16 or bfloat16. Every name follows ``constants``; the layer partition is the
-config's ``layer_types``, never hard-coded.
+``T`` is float16 or bfloat16; ``T_CACHE`` is ``T`` or, with quantized pages, int8 /
+float8e4m3fn (scales are initializers of the PagedAttention nodes). Every name follows
+``constants``; the layer partition is the config's ``layer_types``, never hard-coded.
 """
 
 from __future__ import annotations
@@ -107,9 +108,13 @@ class PackedAbi:
                                        c.PRESENT_RECURRENT % i))
         return pairs
 
+    @property
+    def kv_dtype(self) -> str:
+        return self.options.kv_onnx_dtype
+
     def cache_spec(self, kind: str, name: str) -> TensorSpec:
         if kind in ("key", "value"):
-            return TensorSpec(name, self.io_dtype, self.kv_shape())
+            return TensorSpec(name, self.kv_dtype, self.kv_shape())
         if kind == "conv_state":
             return TensorSpec(name, self.io_dtype, self.conv_shape())
         return TensorSpec(name, "float", self.recurrent_shape())
@@ -149,6 +154,8 @@ class PackedAbi:
             c.META_LINEAR_LAYERS: ",".join(str(i) for i in self.linear_layers),
             c.META_EP: o.ep,
             c.META_DTYPE: o.onnx_dtype,
+            c.META_KV_DTYPE: self.kv_dtype,
+            c.META_KV_QUANT: o.quant_type,
             c.META_PRUNE_LOGITS: "1" if o.prune_logits else "0",
             c.META_WEIGHTS: "included" if o.weights else "absent",
             c.META_ORT: c.ONNXRUNTIME_PIN,

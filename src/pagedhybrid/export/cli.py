@@ -37,6 +37,12 @@ def register_subcommands(subparsers: Any) -> None:
                    help="most prompt tokens of one request per step (genai search.chunk_size)")
     e.add_argument("--prune-logits", action="store_true",
                    help="emit logits only for each sequence's last token [B, vocab]")
+    e.add_argument("--kv-cache-dtype", choices=["int8", "fp8"], default=None,
+                   help="quantized KV pages (CUDA): int8 or float8e4m3fn with calibrated scales")
+    e.add_argument("--kv-quant", choices=["per-channel", "per-tensor"], default="per-channel")
+    e.add_argument("--kv-scales", default=None, metavar="FILE",
+                   help="KV scale file (default: kv_scales-{dtype}-{quant}.safetensors beside "
+                   "the checkpoint; pagedhybrid calibrate-kv writes it)")
     e.add_argument("--no-weights", action="store_true",
                    help="structure only: weights declared as external data, not written")
     e.set_defaults(func=run_export)
@@ -52,7 +58,8 @@ def options_from_args(args: argparse.Namespace) -> ExportOptions:
         gpu_utilization=args.gpu_utilization, max_batch_size=args.max_batch_size,
         max_scheduled_tokens=args.max_scheduled_tokens,
         prefill_chunk_size=args.prefill_chunk_size, prune_logits=args.prune_logits,
-        weights=not args.no_weights)
+        weights=not args.no_weights, kv_cache_dtype=args.kv_cache_dtype,
+        kv_quant=args.kv_quant, kv_scales=args.kv_scales)
 
 
 def run_export(args: argparse.Namespace) -> int:

@@ -55,7 +55,10 @@ VARLEN_CONV = "VarlenCausalConvWithState"
 GATED_DELTA_NET = "GatedDeltaNet"
 PAGED_ATTENTION_INPUTS = 17
 PAGED_ATTENTION_METADATA_INDEX = 16
-PAGED_ATTENTION_EMPTY = tuple(range(8, 16))
+PAGED_ATTENTION_EMPTY = tuple(range(8, 14))
+PAGED_ATTENTION_SCALES = (14, 15)  # k_scale, v_scale: initializers with quantized pages
+K_SCALE = "model.layers.%d.self_attn.k_scale"
+V_SCALE = "model.layers.%d.self_attn.v_scale"
 
 # -- package files --------------------------------------------------------------------------------
 MODEL_FILE = "model.onnx"
@@ -85,6 +88,8 @@ META_FULL_LAYERS = META_PREFIX + "full_attention_layers"
 META_LINEAR_LAYERS = META_PREFIX + "linear_attention_layers"
 META_EP = META_PREFIX + "execution_provider"
 META_DTYPE = META_PREFIX + "dtype"
+META_KV_DTYPE = META_PREFIX + "kv_cache_dtype"  # the page buffers' ONNX element type
+META_KV_QUANT = META_PREFIX + "kv_quant_type"  # NONE | PER_TENSOR | PER_CHANNEL
 META_PRUNE_LOGITS = META_PREFIX + "prune_logits"
 META_WEIGHTS = META_PREFIX + "weights"
 META_ORT = META_PREFIX + "onnxruntime_version"

@@ -11,7 +11,10 @@ Per layer ``i`` (``N`` packed tokens, ``H`` query / ``Hkv`` KV heads of ``hd``):
    have cos 1, sin 0) and the constant rotate-half matrix ``R``. Norm before RoPE; the op's fused
    q/k-norm inputs stay empty so nothing is normalised twice.
 3. ``PagedAttention`` (17 inputs: 0-7 ``q, k, v, past_key_values.i.key, .value,
-   cumulative_sequence_lengths, past_sequence_lengths, block_table``, 8-15 empty, 16
+   cumulative_sequence_lengths, past_sequence_lengths, block_table``, 8-13 empty, 14-15 empty or,
+   with int8 / float8e4m3fn pages, the layer's calibrated ``k_scale`` / ``v_scale`` initializers
+   (float ``[1]`` or ``[Hkv, 1, hd]``) with ``k_quant_type`` / ``v_quant_type`` PER_TENSOR |
+   PER_CHANNEL (the cache type comes from the page buffers, as genai's builder does it), 16
    ``attention_metadata``; ``kv_cache_layout=SEPARATE``, ``do_rotary=0``, ``scale`` default
    ``1/sqrt(hd)``); outputs ``[N, H·hd]``, ``present.i.key``, ``present.i.value`` (aliases).
 4. ``o_proj(attn · Sigmoid(gate))``.
@@ -26,6 +29,7 @@ import onnx_ir as ir
 
 from pagedhybrid.export import constants as c
 from pagedhybrid.export.builder import GraphBuilder
+from pagedhybrid.kvquant import KVScales, per_tensor
 from pagedhybrid.models.qwen35.config import Qwen35Config
 from pagedhybrid.models.qwen35.rope import inv_freq, mrope_plane_index
 
@@ -85,7 +89,7 @@ def apply_rope(b: GraphBuilder, x: ir.Value, rope: RopeTables, name: str) -> ir.
 
 def emit_full_attention(b: GraphBuilder, config: Qwen35Config, i: int, x: ir.Value,
                         rope: RopeTables, paged: PagedInputs, past_key: ir.Value,
-                        past_value: ir.Value) -> ir.Value:
+                        past_value: ir.Value, scales: KVScales | None = None) -> ir.Value:
     """``x[N, hidden]`` (normalised) -> ``[N, hidden]``; emits ``present.i.key/.value``."""
     h, hkv, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     p, w = f"/model/layers.{i}/attn", f"model.layers.{i}.self_attn"
@@ -106,10 +110,19 @@ def emit_full_attention(b: GraphBuilder, config: Qwen35Config, i: int, x: ir.Val
     operands: list[ir.Value | None] = [
         q, k, v, past_key, past_value, paged.cu_seqlens, paged.past_seqlens, paged.block_table,
     ]
-    operands += [None] * len(c.PAGED_ATTENTION_EMPTY) + [paged.attention_metadata]
+    operands += [None] * len(c.PAGED_ATTENTION_EMPTY)
+    attrs: dict[str, object] = {"num_heads": h, "kv_num_heads": hkv,
+                                "kv_cache_layout": "SEPARATE", "do_rotary": 0}
+    if scales is None:
+        operands += [None, None]
+    else:
+        operands += [b.const_f32(c.K_SCALE % i, scales.k.numpy()),
+                     b.const_f32(c.V_SCALE % i, scales.v.numpy())]
+        quant = "PER_TENSOR" if per_tensor(scales) else "PER_CHANNEL"
+        attrs |= {"k_quant_type": quant, "v_quant_type": quant}
+    operands.append(paged.attention_metadata)
     attn, _, _ = b.op(
-        c.PAGED_ATTENTION, operands, f"{p}/{c.PAGED_ATTENTION}",
-        {"num_heads": h, "kv_num_heads": hkv, "kv_cache_layout": "SEPARATE", "do_rotary": 0},
+        c.PAGED_ATTENTION, operands, f"{p}/{c.PAGED_ATTENTION}", attrs,
         domain=c.MS_DOMAIN, outputs=[None, c.PRESENT_KEY % i, c.PRESENT_VALUE % i],
     )  # [N, H*hd], present key/value
     gated = b.op1("Mul", [attn, b.op1("Sigmoid", [gate], f"{p}/gate/Sigmoid")], f"{p}/gate/Mul")

@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import onnx_ir as ir
 
+from pagedhybrid.errors import UnsupportedConfiguration
 from pagedhybrid.export import constants as c
 from pagedhybrid.export.abi import PackedAbi
 from pagedhybrid.export.builder import GraphBuilder
@@ -32,6 +33,7 @@ from pagedhybrid.export.full import PagedInputs, emit_full_attention, rope_table
 from pagedhybrid.export.linear import emit_gated_delta_net
 from pagedhybrid.export.options import ExportOptions, check_export
 from pagedhybrid.export.weights import WeightSource
+from pagedhybrid.kvquant import KVScales
 from pagedhybrid.models.qwen35.config import Qwen35Config
 
 LayerCallback = Callable[[int, int], None]  # (layers done, layers total)
@@ -48,8 +50,14 @@ def _mlp(b: GraphBuilder, i: int, x: ir.Value) -> ir.Value:
 
 
 def build_packed_model(config: Qwen35Config, options: ExportOptions, weights: WeightSource,
-                       on_layer: LayerCallback | None = None) -> ir.Model:
+                       on_layer: LayerCallback | None = None,
+                       kv_scales: dict[int, KVScales] | None = None) -> ir.Model:
+    """The graph; ``kv_scales`` (every full layer's) are required with quantized pages."""
     check_export(config, options)
+    if options.kv_cache_dtype and set(kv_scales or {}) != set(config.full_attention_layers):
+        raise UnsupportedConfiguration(
+            f"--kv-cache-dtype {options.kv_cache_dtype}: the KV scales of every full-attention "
+            f"layer {list(config.full_attention_layers)} are needed (pagedhybrid calibrate-kv)")
     abi = PackedAbi(config, options)
     b = GraphBuilder(weights, options.onnx_dtype)
     for spec in abi.inputs():
@@ -73,7 +81,9 @@ def build_packed_model(config: Qwen35Config, options: ExportOptions, weights: We
                                    f"{p}/input_layernorm")
         if i in full:
             out = emit_full_attention(b, config, i, x, rope, paged, inp[c.PAST_KEY % i],
-                                      inp[c.PAST_VALUE % i])
+                                      inp[c.PAST_VALUE % i],
+                                      (kv_scales or {}).get(i) if options.kv_cache_dtype
+                                      else None)
         else:
             out = emit_gated_delta_net(b, config, i, x, inp[c.CU_SEQLENS], inp[c.PAST_CONV % i],
                                        inp[c.PAST_RECURRENT % i])

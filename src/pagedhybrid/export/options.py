@@ -12,7 +12,11 @@ serve, before any graph is built:
 * block size: a power of two >= 16 (PagedAttention's rule); ``head_dim % 8 == 0``;
 * page budget: exactly one of ``num_blocks`` / ``gpu_utilization``; a non-CUDA runtime cannot size
   pages from free device memory, so ``webgpu`` needs ``num_blocks``;
-* at least one full-attention layer (the Engine needs one paged_kv state group).
+* at least one full-attention layer (the Engine needs one paged_kv state group);
+* quantized KV pages (``kv_cache_dtype`` int8 | fp8): CUDA only -- ORT's WebGPU PagedAttention
+  registers float16 caches only, and a session with an int8 / float8e4m3fn cache fails at
+  initialization (measured with onnxruntime 1.32.0 + onnxruntime-ep-webgpu 0.4.0; the answer is
+  ``kernels.onnxruntime.paged_attention.QUANTIZED_CACHE``).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 
 from pagedhybrid import dtypes
 from pagedhybrid.errors import UnsupportedConfiguration
+from pagedhybrid.kernels.onnxruntime.paged_attention import QUANTIZED_CACHE
 from pagedhybrid.models.qwen35.config import Qwen35Config
 
 EPS = ("cuda", "webgpu")
@@ -31,6 +36,7 @@ DEFAULT_BLOCK_SIZE = 256
 DEFAULT_MAX_BATCH_SIZE = 16
 MAX_BATCH_SIZE_LIMIT = 256
 DEFAULT_GPU_UTILIZATION = 0.6
+KV_CACHE_DTYPES = {"int8": "int8", "fp8": "float8e4m3fn", "fp8_e4m3": "float8e4m3fn"}
 
 
 @dataclass(frozen=True)
@@ -47,10 +53,25 @@ class ExportOptions:
     prefill_chunk_size: int | None = None
     prune_logits: bool = False
     weights: bool = True
+    kv_cache_dtype: str | None = None  # None: the activation dtype; int8 | fp8 (e4m3)
+    kv_quant: str = "per-channel"  # per-channel | per-tensor
+    kv_scales: str | None = None  # scale file; default: beside the checkpoint
 
     @property
     def onnx_dtype(self) -> str:
         return dtypes.onnx_name(self.dtype)
+
+    @property
+    def kv_onnx_dtype(self) -> str:
+        """The page buffers' ONNX element type."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] if self.kv_cache_dtype else self.onnx_dtype
+
+    @property
+    def quant_type(self) -> str:
+        """PagedAttention's ``k_quant_type`` / ``v_quant_type``."""
+        if not self.kv_cache_dtype:
+            return "NONE"
+        return "PER_CHANNEL" if self.kv_quant == "per-channel" else "PER_TENSOR"
 
     def page_budget(self) -> dict[str, int | float]:
         """``engine.dynamic_batching`` page budget: ``num_blocks`` or the utilization factor."""
@@ -105,6 +126,18 @@ def check_options(options: ExportOptions) -> None:
     if not 1 <= o.max_batch_size <= MAX_BATCH_SIZE_LIMIT:
         raise UnsupportedConfiguration(
             f"--max-batch-size {o.max_batch_size}: must be in [1, {MAX_BATCH_SIZE_LIMIT}]")
+    if o.kv_cache_dtype is not None and o.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise UnsupportedConfiguration(
+            f"--kv-cache-dtype {o.kv_cache_dtype!r}: use int8 or fp8 (e4m3), or leave it out "
+            "for pages in the activation dtype")
+    if o.kv_quant not in ("per-channel", "per-tensor"):
+        raise UnsupportedConfiguration(
+            f"--kv-quant {o.kv_quant!r}: use per-channel or per-tensor")
+    if o.kv_cache_dtype and o.ep == "webgpu":
+        raise UnsupportedConfiguration(
+            f"--kv-cache-dtype {o.kv_cache_dtype} with --ep webgpu: ORT's WebGPU PagedAttention "
+            f"cannot run quantized pages ({QUANTIZED_CACHE}); export with --ep cuda, or without "
+            "--kv-cache-dtype for float16 pages")
     if o.max_scheduled_tokens is not None and o.max_scheduled_tokens < 1:
         raise UnsupportedConfiguration(
             f"--max-scheduled-tokens {o.max_scheduled_tokens}: must be >= 1")

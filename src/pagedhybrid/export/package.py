@@ -25,6 +25,7 @@ from pathlib import Path
 
 import onnx_ir as ir
 
+from pagedhybrid.errors import UnsupportedConfiguration
 from pagedhybrid.export import constants as c
 from pagedhybrid.export.abi import PackedAbi
 from pagedhybrid.export.genai_config import make_genai_config
@@ -32,6 +33,7 @@ from pagedhybrid.export.graph import build_packed_model
 from pagedhybrid.export.options import ExportOptions, check_export
 from pagedhybrid.export.weights import AbsentWeights, CheckpointWeights, WeightSource
 from pagedhybrid.export.workflow import make_workflow
+from pagedhybrid.kvquant import KVScales, default_scales_path, kv_dtype, load_scales
 from pagedhybrid.models.qwen35.config import Qwen35Config
 
 Progress = Callable[[str, int, int], None]
@@ -54,7 +56,8 @@ def export_package(model_dir: str | Path, out_dir: str | Path, options: ExportOp
     weights: WeightSource = (CheckpointWeights(model_dir, config, options.onnx_dtype)
                              if options.weights else AbsentWeights(config, options.onnx_dtype))
     layer_cb = (lambda done, total: progress("graph", done, total)) if progress else None
-    model = build_packed_model(config, options, weights, on_layer=layer_cb)
+    model = build_packed_model(config, options, weights, on_layer=layer_cb,
+                               kv_scales=export_scales(model_dir, config, options))
     counts: dict[str, int] = {}
     for node in model.graph:
         counts[node.op_type] = counts.get(node.op_type, 0) + 1
@@ -80,6 +83,25 @@ def export_package(model_dir: str | Path, out_dir: str | Path, options: ExportOp
             shutil.copyfile(model_dir / name, out_dir / name)
             files.append(name)
     return ExportResult(out_dir, tuple(files), counts, time.perf_counter() - start)
+
+
+def export_scales(model_dir: Path, config: Qwen35Config, options: ExportOptions
+                  ) -> dict[int, KVScales] | None:
+    """The calibrated KV scales of a quantized-page export (``--kv-scales`` or the file beside
+    the checkpoint), checked against the cache type, quant and shapes."""
+    if not options.kv_cache_dtype:
+        return None
+    dtype = kv_dtype(options.kv_cache_dtype)
+    path = Path(options.kv_scales) if options.kv_scales else default_scales_path(
+        model_dir, dtype, options.kv_quant)
+    if not path.is_file():
+        raise UnsupportedConfiguration(
+            f"--kv-cache-dtype {options.kv_cache_dtype}: no KV scale file ({path}); pass "
+            f"--kv-scales FILE or run `pagedhybrid calibrate-kv --model {model_dir} --dtype "
+            f"{options.kv_cache_dtype} --quant {options.kv_quant} --text FILE`")
+    scales, _ = load_scales(path, config.full_attention_layers, config.num_key_value_heads,
+                            config.head_dim, dtype, options.kv_quant)
+    return scales
 
 
 def _write_json(path: Path, data: object) -> None:

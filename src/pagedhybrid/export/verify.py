@@ -11,9 +11,12 @@
    linear layer; nothing else (no ``attention_mask``, no ``slot_mapping``);
 3. graph outputs: float ``logits [N|B, vocab]`` and one ``present.*`` per state input with the same
    dtype and shape;
-4. operators: one ``com.microsoft.PagedAttention`` per full layer with 17 inputs (8-15 empty,
-   16 = ``attention_metadata``), operands 3/4 = the layer's page buffers and outputs 1/2 = its
-   ``present`` names (the aliasing pairs), SEPARATE layout, RoPE outside, head counts; one
+4. operators: one ``com.microsoft.PagedAttention`` per full layer with 17 inputs (8-13 empty,
+   14/15 empty or -- quantized pages -- the layer's float ``k_scale``/``v_scale`` initializers
+   of shape ``[1]`` (PER_TENSOR) / ``[Hkv, 1, hd]`` (PER_CHANNEL) with matching
+   ``k_quant_type``/``v_quant_type``, 16 = ``attention_metadata``), operands 3/4 = the layer's
+   page buffers and outputs 1/2 = its ``present`` names (the aliasing pairs), SEPARATE layout,
+   RoPE outside, head counts; one
    ``VarlenCausalConvWithState`` and one ``GatedDeltaNet`` per linear layer on that layer's states,
    ``cumulative_sequence_lengths`` as boundaries, the Qwen gate attributes, q and k normalised
    before the op as HF does (``x * 1/sqrt(sum(x^2) + 1e-6)`` in float32, ``qk_l2_norm=0``: the
@@ -50,6 +53,8 @@ SHARED: dict[str, tuple[str, tuple[int | None, ...]]] = {  # name -> dtype, dims
     c.PAST_SEQLENS: ("int32", (None,)),
     c.ATTENTION_METADATA: ("int32", (3,)),
 }
+QUANT_CACHE_DTYPES = ("int8", "float8e4m3fn")
+QUANT_TYPES = ("NONE", "PER_TENSOR", "PER_CHANNEL")
 GDN_ATTRS = {"update_rule": "gated_delta", "beta_activation": "sigmoid", "qk_l2_norm": 0}
 # HF l2norm, outermost node first
 L2_NORM_CHAIN = ("Mul", "Reciprocal", "Sqrt", "Add", "ReduceSumSquare")
@@ -220,6 +225,11 @@ def _verify(model: ir.Model, genai: dict[str, Any], workflow: dict[str, Any] | N
         f"{block_size} (power of two >= 16)")
     io_dtype = meta.get(c.META_DTYPE, "?")
     chk(io_dtype in ("float16", "bfloat16"), "metadata dtype", io_dtype)
+    kv_dtype, quant = meta.get(c.META_KV_DTYPE, io_dtype), meta.get(c.META_KV_QUANT, "NONE")
+    quantized = kv_dtype in QUANT_CACHE_DTYPES
+    chk(kv_dtype in (io_dtype, *QUANT_CACHE_DTYPES) and quant in QUANT_TYPES
+        and (quant != "NONE") == quantized, "metadata kv cache",
+        f"kv_cache_dtype={kv_dtype}, kv_quant_type={quant} (activation {io_dtype})")
     # -- 2./3. graph inputs and outputs -----------------------------------------------------------
     inputs = {v.name: v for v in graph.inputs}
     outputs = {v.name: v for v in graph.outputs}
@@ -247,9 +257,9 @@ def _verify(model: ir.Model, genai: dict[str, Any], workflow: dict[str, Any] | N
             continue
         d = _dims(v)
         if kind in ("key", "value"):
-            ok = (_dtype(v) == io_dtype and len(d) == 4 and not isinstance(d[0], int)
+            ok = (_dtype(v) == kv_dtype and len(d) == 4 and not isinstance(d[0], int)
                   and d[1] == block_size and d[2] == hkv and d[3] == hd)
-            exp = f"{io_dtype} [P, {block_size}, {hkv}, {hd}]"
+            exp = f"{kv_dtype} [P, {block_size}, {hkv}, {hd}]"
         elif kind == "conv_state":
             ok = (_dtype(v) == io_dtype and len(d) == 3 and not isinstance(d[0], int)
                   and all(isinstance(x, int) for x in d[1:]))
@@ -281,7 +291,7 @@ def _verify(model: ir.Model, genai: dict[str, Any], workflow: dict[str, Any] | N
     for bad in ("attention_mask", "slot_mapping"):
         chk(bad not in inputs, "no dense inputs", f"{bad} absent")
     # -- 4. operators -----------------------------------------------------------------------------
-    _verify_nodes(graph, dec, full, linear, inputs, chk)
+    _verify_nodes(graph, dec, full, linear, inputs, quant, chk)
     # -- 5. genai_config --------------------------------------------------------------------------
     _verify_genai(genai, meta, full, linear, block_size, inputs, outputs, logits, chk)
     # -- 6. workflow ------------------------------------------------------------------------------
@@ -291,6 +301,12 @@ def _verify(model: ir.Model, genai: dict[str, Any], workflow: dict[str, Any] | N
         if linear:
             want |= {c.GROUP_FIXED_CONV: linear, c.GROUP_FIXED_RECURRENT: linear}
         chk(found == want, "workflow states", f"{found}")
+        paged = next((s for s in workflow.get("states", [])
+                      if s.get("discipline") == c.GROUP_PAGED_KV), {})
+        chk(paged.get("element_type", io_dtype) == kv_dtype and
+            paged.get("quantization", {}).get("type", "NONE") == quant, "workflow kv cache",
+            f"element_type {paged.get('element_type')!r}, quantization "
+            f"{paged.get('quantization')!r} vs {kv_dtype} {quant}")
 
 
 def _producers(graph: ir.Graph) -> dict[str, ir.Node]:
@@ -313,8 +329,29 @@ def _one(nodes: Sequence[ir.Node], pred: Callable[[ir.Node], bool]) -> list[ir.N
     return [n for n in nodes if pred(n)]
 
 
+def _verify_scales(graph: ir.Graph, n: ir.Node, i: int, quant: str, hkv: Any, hd: Any,
+                   chk: _Checker) -> None:
+    """Operands 14/15 and the quant attributes of layer ``i``'s PagedAttention."""
+    names = [_name(_inp(n, k)) for k in c.PAGED_ATTENTION_SCALES]
+    attrs = [_attr(n, "k_quant_type", "NONE"), _attr(n, "v_quant_type", "NONE")]
+    if quant == "NONE":
+        chk(names == ["", ""] and attrs == ["NONE", "NONE"], "PagedAttention kv scales",
+            f"layer {i}: unquantized pages: k_scale/v_scale {names}, quant types {attrs}")
+        return
+    shape = [1] if quant == "PER_TENSOR" else [hkv, 1, hd]
+    for name, want in zip(names, (c.K_SCALE % i, c.V_SCALE % i), strict=True):
+        init = graph.initializers.get(name)
+        ok = name == want and init is not None and _dtype(init) == "float" and \
+            list(_dims(init)) == shape
+        chk(ok, "PagedAttention kv scales", f"layer {i}: {name or '(empty)'} "
+            f"{_dtype(init) if init is not None else 'not an initializer'} "
+            f"{list(_dims(init)) if init is not None else ''} (expected {want} float {shape})")
+    chk(attrs == [quant, quant], "PagedAttention kv scales",
+        f"layer {i}: k_quant_type/v_quant_type {attrs} (expected {quant})")
+
+
 def _verify_nodes(graph: ir.Graph, dec: dict[str, Any], full: list[int], linear: list[int],
-                  inputs: dict[str, ir.Value], chk: _Checker) -> None:
+                  inputs: dict[str, ir.Value], quant: str, chk: _Checker) -> None:
     producers = _producers(graph)
     shared = [c.CU_SEQLENS, c.PAST_SEQLENS, c.BLOCK_TABLE]
     pa_nodes = _by_op(graph, c.PAGED_ATTENTION)
@@ -336,6 +373,8 @@ def _verify_nodes(graph: ir.Graph, dec: dict[str, Any], full: list[int], linear:
               and names[c.PAGED_ATTENTION_METADATA_INDEX] == c.ATTENTION_METADATA
               and all(names[k] for k in range(3)))
         chk(ok, "PagedAttention operands", f"layer {i}: {names}")
+        _verify_scales(graph, n, i, quant, dec.get("num_key_value_heads"),
+                       dec.get("head_size"), chk)
         outs = [_name(v) for v in n.outputs]
         chk(outs[1:3] == [c.PRESENT_KEY % i, c.PRESENT_VALUE % i], "cache aliasing",
             f"layer {i}: key_cache_out/value_cache_out = {outs[1:3]}")

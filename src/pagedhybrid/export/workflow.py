@@ -43,6 +43,11 @@ def make_workflow(abi: PackedAbi) -> dict[str, Any]:
         "addressing": {"block_table": c.BLOCK_TABLE, "block_size": o.block_size,
                        "past_lengths": c.PAST_SEQLENS, "unmapped": -1},
         "update": {"kind": "paged_scatter", "aliasing": "required"},
+        "element_type": abi.kv_dtype,
+        "quantization": {"type": o.quant_type, "symmetric": True,
+                         "scales": [c.K_SCALE, c.V_SCALE] if o.kv_cache_dtype else [],
+                         "rule": "q = sat(rint(x * (1 / scale))); x' = q * scale"}
+        if o.kv_cache_dtype else {"type": "NONE"},
     }
     states = [paged]
     fixed = {

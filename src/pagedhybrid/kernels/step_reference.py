@@ -12,6 +12,7 @@ import torch
 
 from pagedhybrid.errors import UnsupportedConfiguration
 from pagedhybrid.kernels.step import StepMetadata
+from pagedhybrid.kvquant import KVScales, per_tensor
 from pagedhybrid.ops import gated_delta_net, paged_attention, varlen_causal_conv
 
 
@@ -28,12 +29,16 @@ def _rows(pool: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
-              value_cache: torch.Tensor, meta: StepMetadata, scale: float) -> torch.Tensor:
+              value_cache: torch.Tensor, meta: StepMetadata, scale: float,
+              scales: KVScales | None = None) -> torch.Tensor:
     n, hq, d = q.shape
+    quant = "NONE" if scales is None else "PER_TENSOR" if per_tensor(scales) else "PER_CHANNEL"
     out, _, _ = paged_attention(
         q.reshape(n, hq * d), k.reshape(n, -1), v.reshape(n, -1), key_cache, value_cache,
-        meta.cu_seqlens_t, meta.past_t, meta.block_table, num_heads=hq,
-        kv_num_heads=key_cache.shape[2], scale=scale)
+        meta.cu_seqlens_t, meta.past_t, meta.block_table,
+        k_scale=None if scales is None else scales.k,
+        v_scale=None if scales is None else scales.v, num_heads=hq,
+        kv_num_heads=key_cache.shape[2], scale=scale, k_quant_type=quant, v_quant_type=quant)
     return out.view(n, hq, d)
 
 

@@ -11,10 +11,16 @@ head_size]``; token ``i`` of sequence ``b`` lives at position ``p = past_seqlens
 ``block_table[b, p // block_size]``, offset ``p % block_size`` (flat slot
 ``page * block_size + offset``).
 
+Quantized caches (ORT's schema): ``key_cache``/``value_cache`` of element type int8 or
+float8e4m3fn need ``k_quant_type``/``v_quant_type`` PER_TENSOR or PER_CHANNEL (non-NONE exactly
+when the cache is quantized) and float ``k_scale``/``v_scale`` of shape ``(1)`` / ``(kv_num_heads,
+1, head_size)``, finite and >= 0; ``k_cache_dtype``/``v_cache_dtype`` may name the cache's own
+type. The rule is ``pagedhybrid.kvquant``'s.
+
 pagedhybrid extension: ``T``/``T_CACHE`` also accept float32 (and float64, for tests); ORT takes
-float16/bfloat16 only. Quantized caches (int8/fp8/uint8 element types, ``k_quant_type`` /
-``v_quant_type`` != NONE, ``k_scale``/``v_scale``, sub-byte ``k_cache_dtype``) and
-``kv_cache_layout='LATENT'`` raise ``UnsupportedConfiguration``.
+float16/bfloat16 only. Sub-byte caches (uint8 element type, ``k_cache_dtype`` int4/float4e2m1:
+their packing is not verifiable here without a CUDA run) and ``kv_cache_layout='LATENT'`` raise
+``UnsupportedConfiguration``.
 """
 
 from __future__ import annotations
@@ -35,9 +41,10 @@ from pagedhybrid.ops.spec import (
     check_shape,
 )
 
-_QUANT = ("PER_TENSOR", "PER_CHANNEL")
-_SUB_BYTE_AND_QUANT = ("int8", "float8e4m3fn", "int4", "float4e2m1")
-_CACHE_DTYPES = ("", "float16", "bfloat16", "float", "double")
+_QUANT_TYPES = ("NONE", "PER_TENSOR", "PER_CHANNEL")
+_SUB_BYTE = ("int4", "float4e2m1")
+_CACHE_DTYPES = ("", "float16", "bfloat16", "int8", "float8e4m3fn", "float", "double")
+_QUANTIZED = (torch.int8, torch.float8_e4m3fn)
 
 SPEC = OpSpec(
     domain="com.microsoft",
@@ -66,10 +73,12 @@ SPEC = OpSpec(
         Port("head_sink", "T", optional=True, ranks=(1,), shape="[num_heads]"),
         Port("q_norm_weight", "T", optional=True, ranks=(1,), shape="[head_size]"),
         Port("k_norm_weight", "T", optional=True, ranks=(1,), shape="[head_size]"),
-        Port("k_scale", "T_KV_SCALE", optional=True, supported=False,
-             doc="quantized caches only"),
-        Port("v_scale", "T_KV_SCALE", optional=True, supported=False,
-             doc="quantized caches only"),
+        Port("k_scale", "T_KV_SCALE", optional=True, ranks=(1, 3),
+             shape="[1] (PER_TENSOR) or [kv_num_heads, 1, head_size] (PER_CHANNEL)",
+             doc="dequantization scale of key_cache; quantized caches only"),
+        Port("v_scale", "T_KV_SCALE", optional=True, ranks=(1, 3),
+             shape="[1] (PER_TENSOR) or [kv_num_heads, 1, head_size] (PER_CHANNEL)",
+             doc="dequantization scale of value_cache; quantized caches only"),
         Port("attention_metadata", "S", optional=True, ranks=(1,), shape="[2] or [3]",
              doc="[max_query_len_bound, max_kv_len_bound, (max_kv_len_lower_bound)], 0 = unknown"),
     ),
@@ -92,19 +101,16 @@ SPEC = OpSpec(
         Attribute("qk_norm_epsilon", "float", 1e-6),
         Attribute("kv_cache_layout", "string", "SEPARATE", choices=("SEPARATE",),
                   unsupported=("LATENT",)),
-        Attribute("k_quant_type", "string", "NONE", choices=("NONE",), unsupported=_QUANT),
-        Attribute("v_quant_type", "string", "NONE", choices=("NONE",), unsupported=_QUANT),
-        Attribute("k_cache_dtype", "string", "", choices=_CACHE_DTYPES,
-                  unsupported=_SUB_BYTE_AND_QUANT),
-        Attribute("v_cache_dtype", "string", "", choices=_CACHE_DTYPES,
-                  unsupported=_SUB_BYTE_AND_QUANT),
+        Attribute("k_quant_type", "string", "NONE", choices=_QUANT_TYPES),
+        Attribute("v_quant_type", "string", "NONE", choices=_QUANT_TYPES),
+        Attribute("k_cache_dtype", "string", "", choices=_CACHE_DTYPES, unsupported=_SUB_BYTE),
+        Attribute("v_cache_dtype", "string", "", choices=_CACHE_DTYPES, unsupported=_SUB_BYTE),
         Attribute("v_head_size", "int", 0, doc="0 = head_size; other values are LATENT-only"),
     ),
     type_constraints=(
         TypeConstraint("T", ("float16", "bfloat16"), extension=("float", "double")),
         TypeConstraint("T_CACHE", ("float16", "bfloat16", "int8", "float8e4m3fn", "uint8"),
-                       extension=("float", "double"),
-                       unsupported=("int8", "float8e4m3fn", "uint8")),
+                       extension=("float", "double"), unsupported=("uint8",)),
         TypeConstraint("T_KV_SCALE", ("float",)),
         TypeConstraint("S", ("int32",)),
     ),
@@ -167,16 +173,35 @@ def _check_cache_dtype_attr(attr: str, value: str, cache: torch.Tensor) -> None:
                f"{describe(cache.dtype)}")
 
 
+def _check_quant(kv: str, quant: str, scale: torch.Tensor | None, quantized: bool, hkv: int,
+                 d: int) -> None:
+    cache, port, attr = f"{'key' if kv == 'k' else 'value'}_cache", f"{kv}_scale", \
+        f"{kv}_quant_type"
+    chk = SPEC.check
+    chk((quant != "NONE") == quantized, attr, f"must be non-NONE exactly when '{cache}' has a "
+        "quantized element type (int8, float8e4m3fn)", quant)
+    if not quantized:
+        chk(scale is None, port, "is given only with a quantized cache", "present")
+        return
+    chk(scale is not None, port, f"is required when {attr}={quant}", "None")
+    assert scale is not None
+    shape = [1] if quant == "PER_TENSOR" else [hkv, 1, d]
+    layout = "(1)" if quant == "PER_TENSOR" else "(kv_num_heads, 1, head_size)"
+    check_shape(SPEC, port, scale, shape, f"{layout} for {quant}")
+    chk(bool(torch.isfinite(scale).all()) and bool((scale >= 0).all()), port,
+        "must be finite and >= 0 (0 stores zeros)", float(scale.min()))
+
+
 def validate(inputs: Sequence[torch.Tensor | None], attrs: Mapping[str, Any]) -> PagedAttentionDims:
     """Check a call (17 positional inputs in ORT order, attributes by name); return its dims.
 
     Raises ContractViolation naming the port/attribute and the rule, UnsupportedConfiguration for
-    valid ORT configurations pagedhybrid does not implement (quantized caches, LATENT).
+    valid ORT configurations pagedhybrid does not implement (sub-byte caches, LATENT).
     """
     a = _resolve_attributes(attrs)
     SPEC.check_inputs(inputs)
     (query, key, value, key_cache, value_cache, cu, past, block_table, cos, sin, slot_mapping,
-     head_sink, q_norm, k_norm, _k_scale, _v_scale, meta) = inputs
+     head_sink, q_norm, k_norm, k_scale, v_scale, meta) = inputs
     chk, fail = SPEC.check, SPEC.fail
     hq, hkv = a["num_heads"], a["kv_num_heads"]
     assert query is not None and key_cache is not None  # required ports (checked above)
@@ -215,11 +240,14 @@ def validate(inputs: Sequence[torch.Tensor | None], attrs: Mapping[str, Any]) ->
     chk(int(key_cache.shape[3]) == d, "key_cache", f"dim 3 must be head_size ({d})",
         int(key_cache.shape[3]))
     check_shape(SPEC, "value_cache", value_cache, list(key_cache.shape), "(same as key_cache)")
-    chk(key_cache.dtype == query.dtype, "key_cache",
-        "must have the element type of 'query' (unquantized cache)",
+    quantized = key_cache.dtype in _QUANTIZED
+    chk(quantized or key_cache.dtype == query.dtype, "key_cache",
+        "must have the element type of 'query' or a quantized one (int8, float8e4m3fn)",
         f"{describe(key_cache.dtype)} vs {describe(query.dtype)}")
     _check_cache_dtype_attr("k_cache_dtype", a["k_cache_dtype"], key_cache)
     _check_cache_dtype_attr("v_cache_dtype", a["v_cache_dtype"], value_cache)
+    for kv, scale_t in (("k", k_scale), ("v", v_scale)):
+        _check_quant(kv, a[f"{kv}_quant_type"], scale_t, quantized, hkv, d)
 
     # -- sequence metadata --------------------------------------------------------------------
     cu_vals = check_cu_seqlens(SPEC, "cumulative_sequence_length", cu, n_tok)

@@ -7,7 +7,11 @@ A recipe is JSON: ``{"name", "dims", "attrs", "backends"}``. ``dims``:
 * ``packed_qkv`` (bool), ``rotary_dim`` (0 = no cos/sin caches), ``head_sink``, ``qk_norm``
   (bools), ``slot_mapping`` (``None`` | ``"derived"`` | ``"skip_every_3rd"``: the derived slots
   with every third token's write suppressed by ``-1``), ``attention_metadata``
-  (``None`` | ``"exact"`` | ``"loose"`` | explicit list).
+  (``None`` | ``"exact"`` | ``"loose"`` | explicit list);
+* ``cache_dtype``: ``None`` (the query's type) or a quantized cache type (``"int8"``,
+  ``"float8e4m3fn"``); ``k_quant_type``/``v_quant_type`` in ``attrs`` then pick the scale layouts
+  and ``make_inputs`` draws positive scales (per channel: each within 0.5-1.5x of the base) and
+  fills the pages with quantized garbage.
 
 ``attrs`` are the node attributes (``num_heads``/``kv_num_heads`` included); ``backends`` names
 the implementations a recipe is valid for: ``"reference"`` always, ``"onnxruntime"`` where ORT's
@@ -24,6 +28,9 @@ from typing import Any
 
 import torch
 
+from pagedhybrid import dtypes
+from pagedhybrid.kvquant import QMAX, quantize
+
 _BOTH = ["reference", "onnxruntime"]
 # Values (and value pages) are N(0, V_STD^2): outputs then stay mostly inside fp16's [1, 2) band,
 # where ORT's fp16-accumulating WebGPU kernel lands within ~2 ulps (2e-3) of the reference.
@@ -38,7 +45,8 @@ def _r(name: str, seqs: list[list[int]], hq: int, hkv: int, d: int, *, bs: int =
         "name": name,
         "dims": {"seqs": seqs, "head_size": d, "block_size": bs, "spare_blocks": 3,
                  "packed_qkv": False, "rotary_dim": 0, "head_sink": False, "qk_norm": False,
-                 "slot_mapping": None, "attention_metadata": None, **dims},
+                 "slot_mapping": None, "attention_metadata": None, "cache_dtype": None,
+                 **dims},
         "attrs": {"num_heads": hq, "kv_num_heads": hkv, **(attrs or {})},
         "backends": list(backends or _BOTH),
     }
@@ -78,12 +86,33 @@ def conformance_recipes() -> list[dict[str, Any]]:
         _r("qwen35_like_qknorm_rotary_sink", [[19, 3], [0, 8], [47, 1]], 8, 2, 64, bs=32,
            qk_norm=True, rotary_dim=16, head_sink=True, attention_metadata="exact",
            attrs={"do_rotary": 1}, backends=_REF),
+        # quantized caches: ORT's WebGPU kernel refuses them (NOT_IMPLEMENTED, fp16 caches only)
+        *(_r(f"{name}_{quant.lower()}", seqs, hq, hkv, d, bs=bs, cache_dtype=cache,
+             attrs={"k_quant_type": quant, "v_quant_type": quant}, backends=_REF)
+          for name, cache, seqs, hq, hkv, d, bs in (
+              ("int8", "int8", [[300, 1], [45, 1], [20, 7], [0, 5]], 8, 2, 64, 16),
+              ("fp8", "float8e4m3fn", [[129, 1], [16, 1], [3, 4], [0, 12]], 4, 1, 128, 32))
+          for quant in ("PER_CHANNEL", "PER_TENSOR")),
+        _r("int8_k_channel_v_tensor_slot_skips", [[16, 6], [3, 5], [40, 1]], 4, 2, 32,
+           cache_dtype="int8", slot_mapping="skip_every_3rd",
+           attrs={"k_quant_type": "PER_CHANNEL", "v_quant_type": "PER_TENSOR",
+                  "k_cache_dtype": "int8"}, backends=_REF),
+        _r("fp8_k_tensor_v_channel_qknorm_rotary", [[19, 3], [0, 8], [47, 1]], 8, 2, 64,
+           bs=32, cache_dtype="float8e4m3fn", qk_norm=True, rotary_dim=16,
+           attrs={"do_rotary": 1, "k_quant_type": "PER_TENSOR", "v_quant_type": "PER_CHANNEL",
+                  "v_cache_dtype": "float8e4m3fn"}, backends=_REF),
     ]
 
 
 def _rand(gen: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype,
           std: float = 1.0, mean: float = 0.0) -> torch.Tensor:
     return (torch.randn(shape, generator=gen, dtype=torch.float64) * std + mean).to(dtype)
+
+
+def _scale(gen: torch.Generator, quant: str, hkv: int, d: int, base: float) -> torch.Tensor:
+    if quant == "PER_TENSOR":
+        return torch.tensor([base], dtype=torch.float32)
+    return (base * (0.5 + torch.rand((hkv, 1, d), generator=gen, dtype=torch.float64))).float()
 
 
 def _metadata(spec: Any, q_lens: list[int], totals: list[int]) -> torch.Tensor | None:
@@ -124,6 +153,14 @@ def make_inputs(recipe: dict[str, Any], dtype: torch.dtype,
         k += nb
     key_cache = _rand(gen, (num_blocks, bs, hkv, d), dtype)
     value_cache = _rand(gen, (num_blocks, bs, hkv, d), dtype, std=V_STD)
+    k_scale = v_scale = None
+    if dims.get("cache_dtype"):
+        cache_dtype = dtypes.to_torch(dims["cache_dtype"])
+        qmax = QMAX[cache_dtype]
+        k_scale = _scale(gen, attrs["k_quant_type"], hkv, d, 4.0 / qmax)
+        v_scale = _scale(gen, attrs["v_quant_type"], hkv, d, 4.0 * V_STD / qmax)
+        key_cache = quantize(key_cache, k_scale, cache_dtype)
+        value_cache = quantize(value_cache, v_scale, cache_dtype)
 
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     past = torch.tensor([p for p, _ in seqs], dtype=torch.int32)
@@ -160,5 +197,5 @@ def make_inputs(recipe: dict[str, Any], dtype: torch.dtype,
     meta = _metadata(dims["attention_metadata"], q_lens, totals)
     inputs: list[torch.Tensor | None] = [
         query, key, value, key_cache, value_cache, cu, past, table, cos, sin, slot_mapping,
-        head_sink, q_norm, k_norm, None, None, meta]
+        head_sink, q_norm, k_norm, k_scale, v_scale, meta]
     return inputs, attrs

@@ -19,7 +19,9 @@ Algorithm (the reference computes in float32, float64 for float64 inputs):
    ``rotary_interleaved=0`` rotates halves (x1 = first half, x2 = second half), ``=1`` rotates
    adjacent pairs (2i, 2i+1).
 4. Write K/V into the pages in the cache element type at the slot derived above, or at
-   ``slot_mapping[t]`` when given (``-1`` = no write).
+   ``slot_mapping[t]`` when given (``-1`` = no write); a quantized cache (int8 / float8e4m3fn)
+   stores ``quantize(x, k_scale | v_scale)`` (``pagedhybrid.kvquant``: ORT's reciprocal
+   multiply, round half to even, saturation).
 5. Attention, reading EVERY key/value (this step's too) back from the pages through
    ``block_table`` after the write, as ORT's kernels do: query head ``h`` reads kv head
    ``h // (num_heads / kv_num_heads)``; logits ``scale * q.k`` (``scale=0`` means
@@ -31,7 +33,8 @@ Algorithm (the reference computes in float32, float64 for float64 inputs):
    ORT's CPU GroupQueryAttention and the CUDA PagedAttention tests; ORT's WebGPU kernel keeps
    only w keys, see ``kernels/onnxruntime/paged_attention.py``). With ``is_causal=0`` the
    window bounds the left side only. ``head_sink[h]`` is an extra raw (unscaled, uncapped)
-   logit that enters only the softmax denominator.
+   logit that enters only the softmax denominator. Quantized pages are read as
+   ``float32(q) * scale``.
 6. Output ``[num_tokens, num_heads*head_size]`` in the query's element type.
 
 Caches are updated IN PLACE and also returned. ``token_count == 0`` returns an empty output and
@@ -39,8 +42,8 @@ leaves the caches untouched. ``attention_metadata`` bounds are validated (an und
 ContractViolation) but never change the result.
 
 pagedhybrid extension: ``float`` (float32) and ``double`` inputs/caches are accepted besides
-ORT's float16/bfloat16. Quantized caches and ``kv_cache_layout='LATENT'`` raise
-UnsupportedConfiguration.
+ORT's float16/bfloat16. Sub-byte (int4 / float4e2m1) caches and ``kv_cache_layout='LATENT'``
+raise UnsupportedConfiguration.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from collections.abc import Sequence
 
 import torch
 
+from pagedhybrid.kvquant import dequantize, is_quantized, quantize
 from pagedhybrid.ops._paged_attention_contract import (
     INPUT_NAMES,
     SPEC,
@@ -156,7 +160,7 @@ def reference(inputs: Sequence[torch.Tensor | None],
               dims: PagedAttentionDims) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The reference on already-validated inputs (``dims = validate(inputs, attrs)``)."""
     (query, key, value, key_cache, value_cache, _cu, _past, block_table, cos, sin, _slots,
-     head_sink, q_norm, k_norm, _ks, _vs, _meta) = inputs
+     head_sink, q_norm, k_norm, k_scale, v_scale, _meta) = inputs
     assert query is not None and key_cache is not None and value_cache is not None
     a = dims.attrs
     n, hq, hkv, d, bs = (dims.num_tokens, dims.num_heads, dims.kv_num_heads, dims.head_size,
@@ -190,10 +194,22 @@ def reference(inputs: Sequence[torch.Tensor | None],
         q, k = _rope(q, *args), _rope(k, *args)
 
     # 4. write this step's K/V into the pages (in the cache's element type)
+    quant = is_quantized(key_cache.dtype)
+    if quant:
+        assert k_scale is not None and v_scale is not None
+        k_store, v_store = quantize(k, k_scale, key_cache.dtype), quantize(v, v_scale,
+                                                                           key_cache.dtype)
+    else:
+        k_store, v_store = k.to(key_cache.dtype), v.to(value_cache.dtype)
     for t, slot in enumerate(dims.write_slots):
         if slot >= 0:
-            key_cache[slot // bs, slot % bs] = k[t].to(key_cache.dtype)
-            value_cache[slot // bs, slot % bs] = v[t].to(value_cache.dtype)
+            key_cache[slot // bs, slot % bs] = k_store[t]
+            value_cache[slot // bs, slot % bs] = v_store[t]
+
+    def read(cache: torch.Tensor, scale: torch.Tensor | None, pages: torch.Tensor,
+             offs: torch.Tensor) -> torch.Tensor:  # [L, Hkv, D] in cdt
+        rows = cache[pages, offs]
+        return dequantize(rows, scale, cdt) if quant and scale is not None else rows.to(cdt)
 
     # 5. attention per sequence, K/V read back from the pages
     out = torch.zeros(n, hq, d, dtype=cdt)  # [N, Hq, D]
@@ -208,8 +224,8 @@ def reference(inputs: Sequence[torch.Tensor | None],
         total = past + q_len
         kv_pos = torch.arange(total)  # [L]
         pages, offs = table[b, kv_pos // bs], kv_pos % bs  # [L], [L]
-        kb = key_cache[pages, offs].to(cdt).repeat_interleave(group, dim=1)  # [L, Hq, D]
-        vb = value_cache[pages, offs].to(cdt).repeat_interleave(group, dim=1)  # [L, Hq, D]
+        kb = read(key_cache, k_scale, pages, offs).repeat_interleave(group, dim=1)  # [L, Hq, D]
+        vb = read(value_cache, v_scale, pages, offs).repeat_interleave(group, dim=1)
         qb = q[start: start + q_len]  # [Q, Hq, D]
         logits = dims.scale * torch.einsum("qhd,lhd->hql", qb, kb)  # [Hq, Q, L]
         if a["softcap"] > 0:

@@ -31,6 +31,11 @@ Steps:
    in blocks) instead.
 5. ``head_sink`` enters the merged lse as one more logit: ``out *= exp(lse - logaddexp(lse, s))``.
 
+Quantized pages (int8 / float8e4m3fn, ``pagedhybrid.kvquant``): the write quantizes by ORT's
+rule; tiles are converted from the stored type while they are gathered (never the whole
+context), K's scale is folded into the query and V's into the output, and the tiles run in the
+query's type.
+
 ``softcap > 0`` cannot be expressed through SDPA: those tiles use float32 matmul/tanh/softmax
 (same tiling and merging, GQA by grouping query heads per kv head, no K/V repeat). Every
 contract feature runs here; nothing is delegated to the reference.
@@ -50,6 +55,7 @@ import torch
 
 from pagedhybrid.kernels.cpu.capability import KernelCapability
 from pagedhybrid.kernels.lse import NEG_INF, fold_left, merge_states
+from pagedhybrid.kvquant import is_quantized, quantize, query_scales, scatter_rows
 from pagedhybrid.ops.paged_attention import PagedAttentionDims, _rms_norm, _rope, validate
 
 __all__ = ["CAPABILITY", "TileContext", "attend_decode", "attend_prefill", "compute",
@@ -64,7 +70,8 @@ CAPABILITY = KernelCapability(
     features=("decode", "prefill", "chunked_prefill", "gqa", "packed_qkv", "slot_mapping",
               "is_causal:0/1", "local_window_size", "softcap", "head_sink", "qk_norm",
               "do_rotary", "rotary_interleaved", "rotary_offset", "attention_metadata",
-              "zero_length_queries"),
+              "zero_length_queries", "int8_cache", "fp8_e4m3_cache", "per_tensor_scales",
+              "per_channel_scales"),
     delegated={},
     paths={"decode": "tiles of (sequence group x page range), index_select into a reused "
                      "buffer + SDPA with GQA folded into the query axis, lse merge",
@@ -128,10 +135,11 @@ def compute(inputs: Sequence[torch.Tensor | None], dims: PagedAttentionDims
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fast path on already-validated inputs (``dims = validate(inputs, attrs)``)."""
     (query, key, value, key_cache, value_cache, _cu, _past, block_table, cos, sin, _slots,
-     head_sink, q_norm, k_norm, _ks, _vs, _meta) = inputs
+     head_sink, q_norm, k_norm, k_scale, v_scale, _meta) = inputs
     assert query is not None and key_cache is not None and value_cache is not None
     a = dims.attrs
     n, hq, hkv, d = dims.num_tokens, dims.num_heads, dims.kv_num_heads, dims.head_size
+    quant = is_quantized(key_cache.dtype)
     cdt = torch.float64 if dims.dtype == torch.float64 else torch.float32
     if n == 0:
         return query.new_zeros((0, hq * d)), key_cache, value_cache
@@ -165,16 +173,25 @@ def compute(inputs: Sequence[torch.Tensor | None], dims: PagedAttentionDims
     keep = slots >= 0
     if bool(keep.any()):
         idx = slots[keep]
-        kflat = key_cache.view(-1, hkv, d)  # [P*bs, Hkv, D]
-        vflat = value_cache.view(-1, hkv, d)
-        kflat.index_copy_(0, idx, k[keep].to(key_cache.dtype))
-        vflat.index_copy_(0, idx, v[keep].to(value_cache.dtype))
+        if quant:
+            assert k_scale is not None and v_scale is not None
+            kw, vw = quantize(k[keep], k_scale, key_cache.dtype), quantize(
+                v[keep], v_scale, key_cache.dtype)
+        else:
+            kw, vw = k[keep].to(key_cache.dtype), v[keep].to(value_cache.dtype)
+        scatter_rows(key_cache, idx, kw)
+        scatter_rows(value_cache, idx, vw)
+    if quant:  # fold the scales: q . (s k) = (q s) . k and sum p (s v) = s sum p v
+        assert k_scale is not None and v_scale is not None
+        qs, vs = query_scales(k_scale, v_scale, hq, hkv, d)  # [Hq, D] each
+        q = q * qs.to(cdt)
 
     # 3./4. attention
     out = torch.empty(n, hq, d, dtype=cdt)  # [N, Hq, D]
     lse = torch.empty(n, hq, dtype=cdt)  # [N, Hq]
     table = block_table.to(torch.long)  # [B, M]
-    ctx = TileContext(key_cache, value_cache, table, dims, cdt)
+    ctx = TileContext(key_cache, value_cache, table, dims, cdt,
+                      dims.dtype if quant else key_cache.dtype)
     decode = [b for b in range(dims.batch) if dims.q_lens[b] == 1]
     if decode:
         attend_decode(ctx, q, decode, out, lse)
@@ -186,6 +203,8 @@ def compute(inputs: Sequence[torch.Tensor | None], dims: PagedAttentionDims
     if head_sink is not None:
         sink = head_sink.to(cdt)[None, :]  # [1, Hq]
         out *= torch.exp(lse - torch.logaddexp(lse, sink))[..., None]
+    if quant:
+        out *= vs.to(cdt)
     return out.reshape(n, hq * d).to(query.dtype), key_cache, value_cache
 
 
@@ -193,9 +212,11 @@ class TileContext:
     """Per-call constants shared by the tile functions."""
 
     def __init__(self, key_cache: torch.Tensor, value_cache: torch.Tensor, table: torch.Tensor,
-                 dims: PagedAttentionDims, cdt: torch.dtype) -> None:
+                 dims: PagedAttentionDims, cdt: torch.dtype, adt: torch.dtype) -> None:
         self.table, self.dims, self.cdt = table, dims, cdt
-        self.adt = key_cache.dtype  # attention tiles run in the cache type (fp32 accumulation)
+        # attention tiles run in ``adt`` (fp32 accumulation): the cache type, or the query's
+        # for a quantized cache (tiles are converted as they are gathered)
+        self.adt = adt
         a = dims.attrs
         self.scale, self.softcap = dims.scale, float(a["softcap"])
         self.window, self.causal = int(a["local_window_size"]), bool(a["is_causal"])
@@ -211,8 +232,8 @@ class TileContext:
         transposing copy of the (cache-resident) tile; ``buf`` = (raw K, raw V, K, V) scratch.
         """
         if buf is None:
-            return (self.kc.index_select(0, pages).permute(2, 0, 1, 3).contiguous(),
-                    self.vc.index_select(0, pages).permute(2, 0, 1, 3).contiguous())
+            return (self.kc.index_select(0, pages).permute(2, 0, 1, 3).to(self.adt).contiguous(),
+                    self.vc.index_select(0, pages).permute(2, 0, 1, 3).to(self.adt).contiguous())
         rk = torch.index_select(self.kc, 0, pages, out=buf[0])  # [P', bs, Hkv, D]
         rv = torch.index_select(self.vc, 0, pages, out=buf[1])
         return buf[2].copy_(rk.permute(2, 0, 1, 3)), buf[3].copy_(rv.permute(2, 0, 1, 3))
@@ -240,7 +261,8 @@ def attend_decode(ctx: TileContext, q: torch.Tensor, seqs: list[int], out: torch
         qg = q[rows].reshape(n_seq, hkv, g, d).to(ctx.adt)  # [n, Hkv, G, D]: GQA as queries
         pages_all = ctx.table[grp][:, :pages_longest].clamp(min=0)  # [n, pages]; -1 -> page 0
         raw, head = (n_seq * w_pages, bs, hkv, d), (hkv, n_seq * w_pages, bs, d)
-        buf = [torch.empty(s, dtype=ctx.adt) for s in (raw, raw, head, head)]
+        buf = [torch.empty(raw, dtype=ctx.kc.dtype), torch.empty(raw, dtype=ctx.kc.dtype),
+               torch.empty(head, dtype=ctx.adt), torch.empty(head, dtype=ctx.adt)]
         parts: list[tuple[torch.Tensor, torch.Tensor]] = []  # tile (out, lse), cdt
         for p0 in range(0, pages_longest, w_pages):
             p1 = min(pages_longest, p0 + w_pages)

@@ -3,9 +3,11 @@
 Each function is one layer's operator on a validated ``StepMetadata`` (no re-validation, no
 per-layer host sync) with the state resident in its pool:
 
-* ``attention(q [N, Hq, D], k, v [N, Hkv, D], key_cache, value_cache, meta, scale)`` -- writes
-  the step's K/V at ``meta.write_slots`` (one ``index_copy_`` per cache) and attends with the
-  tiled decode / per-sequence prefill paths of ``paged_attention.py``; returns ``[N, Hq, D]``.
+* ``attention(q [N, Hq, D], k, v [N, Hkv, D], key_cache, value_cache, meta, scale, scales)``
+  -- writes the step's K/V at ``meta.write_slots`` (one ``index_copy_`` per cache; quantized by
+  ORT's rule when the pages are int8 / float8e4m3fn and ``scales`` is the layer's
+  ``KVScales``) and attends with the tiled decode / per-sequence prefill paths of
+  ``paged_attention.py`` (scales folded into q and the output); returns ``[N, Hq, D]``.
 * ``causal_conv(x [N, C], weight [C, 1, K], pool [S, C, K-1], meta, activation)`` -- decode
   sequences update their pool rows in place (a fresh one reads zeros); longer ones run the
   stream conv from their pool rows (zeros when fresh) and write the final states back.
@@ -33,6 +35,7 @@ from pagedhybrid.kernels.cpu.paged_attention import TileContext, attend_decode, 
 from pagedhybrid.kernels.cpu.varlen_causal_conv import compute as conv_compute
 from pagedhybrid.kernels.cpu.varlen_causal_conv import window
 from pagedhybrid.kernels.step import StepMetadata
+from pagedhybrid.kvquant import KVScales, quantize, query_scales, scatter_rows
 from pagedhybrid.ops.varlen_causal_conv import ConvDims
 
 
@@ -53,19 +56,29 @@ class StepDims(NamedTuple):
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
-             value_cache: torch.Tensor, meta: StepMetadata) -> None:
-    """The step's keys/values into their page slots (cache element type)."""
+             value_cache: torch.Tensor, meta: StepMetadata, scales: KVScales | None = None
+             ) -> None:
+    """The step's keys/values into their page slots (cache element type; quantized with the
+    layer's ``scales`` for int8 / float8 pages)."""
     assert meta.write_slots is not None
-    hkv, d = key_cache.shape[2], key_cache.shape[3]
-    key_cache.view(-1, hkv, d).index_copy_(0, meta.write_slots, k.to(key_cache.dtype))
-    value_cache.view(-1, hkv, d).index_copy_(0, meta.write_slots, v.to(value_cache.dtype))
+    if scales is not None:
+        k, v = quantize(k, scales.k, key_cache.dtype), quantize(v, scales.v, value_cache.dtype)
+    scatter_rows(key_cache, meta.write_slots, k.to(key_cache.dtype))
+    scatter_rows(value_cache, meta.write_slots, v.to(value_cache.dtype))
+
+
+def folded_scales(q: torch.Tensor, key_cache: torch.Tensor, scales: KVScales
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(K's scale, V's) per query head ``[Hq, D]`` float32, memo-free (tiny)."""
+    return query_scales(scales.k, scales.v, q.shape[1], key_cache.shape[2], q.shape[2])
 
 
 def attend(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-           meta: StepMetadata, scale: float, seqs: tuple[int, ...] | None = None
-           ) -> torch.Tensor:
+           meta: StepMetadata, scale: float, seqs: tuple[int, ...] | None = None,
+           adt: torch.dtype | None = None) -> torch.Tensor:
     """Causal attention of ``q [N, Hq, D]`` over the pages (already written); float32 out.
-    ``seqs`` restricts the work to those sequences (other rows are left unwritten)."""
+    ``seqs`` restricts the work to those sequences (other rows are left unwritten); tiles run
+    in ``adt`` (default: the cache type)."""
     n, hq, d = q.shape
     hkv = key_cache.shape[2]
     dims = StepDims(meta.cu_seqlens, meta.q_lens, meta.past_lens, meta.total_lens,
@@ -74,7 +87,8 @@ def attend(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
     cdt = torch.float32
     out = torch.empty(n, hq, d, dtype=cdt)
     lse = torch.empty(n, hq, dtype=cdt)
-    ctx = TileContext(key_cache, value_cache, meta.block_table.long(), dims, cdt)  # type: ignore[arg-type]
+    ctx = TileContext(key_cache, value_cache, meta.block_table.long(), dims,  # type: ignore[arg-type]
+                      cdt, adt or key_cache.dtype)
     todo = range(meta.batch) if seqs is None else seqs
     decode = [b for b in todo if meta.q_lens[b] == 1]
     if decode:
@@ -86,9 +100,15 @@ def attend(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
-              value_cache: torch.Tensor, meta: StepMetadata, scale: float) -> torch.Tensor:
-    write_kv(k, v, key_cache, value_cache, meta)
-    return attend(q.to(key_cache.dtype), key_cache, value_cache, meta, scale).to(q.dtype)
+              value_cache: torch.Tensor, meta: StepMetadata, scale: float,
+              scales: KVScales | None = None) -> torch.Tensor:
+    write_kv(k, v, key_cache, value_cache, meta, scales)
+    if scales is None:
+        return attend(q.to(key_cache.dtype), key_cache, value_cache, meta, scale).to(q.dtype)
+    qs, vs = folded_scales(q, key_cache, scales)
+    out = attend((q.float() * qs).to(q.dtype), key_cache, value_cache, meta, scale,
+                 adt=q.dtype)
+    return (out * vs).to(q.dtype)
 
 
 # -- state checkpoints ---------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import torch
 from pagedhybrid.kernels.cpu.capability import KernelCapability
 from pagedhybrid.kernels.native import KV_SPLIT, library
 from pagedhybrid.kernels.native.step import MAX_NATIVE_QUERY
+from pagedhybrid.kvquant import is_quantized, quantize, query_scales, scatter_rows
 
 cpu_gdn = importlib.import_module("pagedhybrid.kernels.cpu.gated_delta_net")
 cpu_pa = importlib.import_module("pagedhybrid.kernels.cpu.paged_attention")
@@ -27,13 +28,15 @@ ref_pa = importlib.import_module("pagedhybrid.ops.paged_attention")
 ref_conv = importlib.import_module("pagedhybrid.ops.varlen_causal_conv")
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+QUANT_CACHES = (torch.int8, torch.float8_e4m3fn)  # pages the native attention reads in place
 _LAST: dict[str, str] = {}
 
 CAPABILITIES: dict[str, KernelCapability] = {
     "com.microsoft.PagedAttention": KernelCapability(
         op="com.microsoft.PagedAttention", dtypes=NATIVE_DTYPES,
         features=("decode", "short_query", "gqa", "packed_qkv", "attention_metadata",
-                  "split_kv"),
+                  "split_kv", "int8_cache", "fp8_e4m3_cache", "per_tensor_scales",
+                  "per_channel_scales"),
         delegated={"prefill": f"more than {MAX_NATIVE_QUERY} new tokens: the torch SDPA path "
                               "(GEMM-shaped, compute-bound)",
                    "softcap/local_window_size/head_sink/is_causal=0": "not in the native tile",
@@ -41,7 +44,8 @@ CAPABILITIES: dict[str, KernelCapability] = {
                    "head_size % 16 != 0 or > 256": "the tile is 16 lanes wide",
                    "float64": "verification dtype only"},
         paths={"native": "pages read in place, online softmax, GQA group per kv head, fixed "
-                         f"KV splits of {KV_SPLIT} tokens merged in split order"}),
+                         f"KV splits of {KV_SPLIT} tokens merged in split order; int8 / fp8 "
+                         "pages converted in registers, scales folded into q and the output"}),
     "com.microsoft.GatedDeltaNet": KernelCapability(
         op="com.microsoft.GatedDeltaNet", dtypes=NATIVE_DTYPES,
         features=("decode", "update_rule:gated_delta", "gate:qwen", "beta:sigmoid", "gqa",
@@ -85,7 +89,8 @@ def paged_attention(
             q_norm_weight, k_norm_weight, k_scale, v_scale, attention_metadata]
     dims = ref_pa.validate(args, attrs)
     a = dims.attrs
-    native = (dims.dtype == dims.cache_dtype and dims.dtype in NATIVE_DTYPES
+    quant = is_quantized(dims.cache_dtype)
+    native = ((dims.dtype == dims.cache_dtype or quant) and dims.dtype in NATIVE_DTYPES
               and dims.head_size % 16 == 0 and dims.head_size <= 256
               and dims.max_query_len <= MAX_NATIVE_QUERY and a["softcap"] == 0
               and a["local_window_size"] == -1 and a["is_causal"] == 1 and not a["do_rotary"]
@@ -100,15 +105,23 @@ def paged_attention(
     else:
         q, k, v = query, key, value
     slots = torch.tensor(dims.write_slots, dtype=torch.int64)
-    key_cache.view(-1, hkv, d).index_copy_(0, slots, k.reshape(n, hkv, d).to(key_cache.dtype))
-    value_cache.view(-1, hkv, d).index_copy_(0, slots, v.reshape(n, hkv, d).to(
-        value_cache.dtype))
+    k, v, qf = k.reshape(n, hkv, d), v.reshape(n, hkv, d), q.reshape(n, hq, d).float()
+    k_scale, v_scale = args[14], args[15]
+    if quant:
+        assert k_scale is not None and v_scale is not None
+        k, v = quantize(k, k_scale, key_cache.dtype), quantize(v, v_scale, key_cache.dtype)
+        qs, vs = query_scales(k_scale, v_scale, hq, hkv, d)
+        qf = qf * qs
+    scatter_rows(key_cache, slots, k.to(key_cache.dtype))
+    scatter_rows(value_cache, slots, v.to(value_cache.dtype))
     out = torch.empty(n, hq, d, dtype=torch.float32)
     seqs = torch.tensor([b for b in range(dims.batch) if dims.q_lens[b] > 0], dtype=torch.int32)
     library().paged_attention(  # type: ignore[attr-defined]
-        q.reshape(n, hq, d).float().contiguous(), key_cache, value_cache,
+        qf.contiguous(), key_cache, value_cache,
         table.to(torch.int32).contiguous(), cu.to(torch.int32).contiguous(),
         past.to(torch.int32).contiguous(), seqs, out, dims.scale, KV_SPLIT)
+    if quant:
+        out *= vs
     _note("paged_attention", "native")
     return out.reshape(n, hq * d).to(query.dtype), key_cache, value_cache
 

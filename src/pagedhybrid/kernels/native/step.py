@@ -17,23 +17,31 @@ import torch
 from pagedhybrid.kernels.cpu import step as torch_step
 from pagedhybrid.kernels.native import KV_SPLIT, library
 from pagedhybrid.kernels.step import StepMetadata
+from pagedhybrid.kvquant import KVScales
 
 MAX_NATIVE_QUERY = 16
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
-              value_cache: torch.Tensor, meta: StepMetadata, scale: float) -> torch.Tensor:
-    torch_step.write_kv(k, v, key_cache, value_cache, meta)
+              value_cache: torch.Tensor, meta: StepMetadata, scale: float,
+              scales: KVScales | None = None) -> torch.Tensor:
+    torch_step.write_kv(k, v, key_cache, value_cache, meta, scales)
     short = meta.memo("native_short", lambda: tuple(
         b for b in range(meta.batch) if 0 < meta.q_lens[b] <= MAX_NATIVE_QUERY))
     long_ = tuple(b for b in range(meta.batch) if meta.q_lens[b] > MAX_NATIVE_QUERY)
     n, hq, d = q.shape
+    qf, vs, adt = q.float(), None, key_cache.dtype
+    if scales is not None:  # int8 / fp8 pages: scales folded into q and the output
+        qs, vs = torch_step.folded_scales(q, key_cache, scales)
+        qf, adt = qf * qs, q.dtype
     out = (torch.empty(n, hq, d, dtype=torch.float32) if not long_ else
-           torch_step.attend(q.to(key_cache.dtype), key_cache, value_cache, meta, scale, long_))
+           torch_step.attend(qf.to(adt), key_cache, value_cache, meta, scale, long_, adt))
     if short:
-        library().paged_attention(q.float().contiguous(), key_cache, value_cache,  # type: ignore[attr-defined]
+        library().paged_attention(qf.contiguous(), key_cache, value_cache,  # type: ignore[attr-defined]
                               meta.block_table, meta.cu_seqlens_t, meta.past_t,
                               meta.seq_index(short), out, scale, KV_SPLIT)
+    if vs is not None:
+        out *= vs
     return out.to(q.dtype)
 
 

@@ -35,6 +35,13 @@ from pagedhybrid.ops.paged_attention import SPEC, PagedAttentionDims, validate
 
 EP = "webgpu"
 DTYPES = (torch.float16,)
+# What ORT answered when a PagedAttention node with an int8 / float8e4m3fn cache was given to the
+# WebGPU EP (tests/ops/test_paged_attention_ort.py runs it again): its kernel registers float16
+# caches only, so no EP claims the node and the session fails to initialize.
+QUANTIZED_CACHE = ("no WebGPU kernel claims the node (its T_CACHE is float16 only) and session "
+                   "initialization fails: \"Provider type for PagedAttention node with name '' "
+                   "is not set\"")
+QUANTIZED_CACHE_ERROR = "Provider type for PagedAttention node"
 
 # Features ORT's WebGPU PagedAttention (onnxruntime-ep-webgpu 0.4.0) does not serve, measured by
 # running it: the first five fail with NOT_IMPLEMENTED / a constructor ORT_ENFORCE; the local
@@ -98,6 +105,10 @@ def paged_attention(
               past_seqlens, block_table, cos_cache, sin_cache, slot_mapping, head_sink,
               q_norm_weight, k_norm_weight, k_scale, v_scale, attention_metadata]
     dims = validate(inputs, attrs)
+    if dims.cache_dtype in (torch.int8, torch.float8_e4m3fn):
+        raise UnsupportedConfiguration(
+            f"{SPEC.qualname} on onnxruntime/{EP}: quantized ({dims.cache_dtype}) caches: "
+            f"{QUANTIZED_CACHE}")
     if dims.dtype not in DTYPES or dims.cache_dtype not in DTYPES:
         raise UnsupportedConfiguration(
             f"{SPEC.qualname} on onnxruntime/{EP}: only float16 inputs and caches are "

@@ -11,7 +11,8 @@ Per token ``x[hidden]``:
    Dense path: plain torch over a contiguous cache ``[B, L, Hkv, hd]`` (fp32 math).
    Packed path: the backend's paged attention on the step's ``StepMetadata`` (the
    ``PagedAttention`` contract with norms and RoPE done outside the op, ``do_rotary=0``, exactly
-   as the export does); the step's K/V are written into the pages in place.
+   as the export does); the step's K/V are written into the pages in place (quantized by the
+   contract's rule for int8 / float8 pages, with the layer's calibrated scales).
 5. ``o_proj(attn · sigmoid(gate))``.
 """
 
@@ -22,6 +23,7 @@ from torch import nn
 
 from pagedhybrid.kernels.backend import Backend
 from pagedhybrid.kernels.step import StepMetadata
+from pagedhybrid.kvquant import KVScales
 from pagedhybrid.models.qwen35.config import Qwen35Config
 from pagedhybrid.models.qwen35.layers import OffsetRMSNorm, linear
 from pagedhybrid.models.qwen35.rope import apply_rope
@@ -94,10 +96,12 @@ class FullAttention(nn.Module):
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         backend: Backend,
+        scales: KVScales | None = None,
     ) -> torch.Tensor:
-        """``x[N, hidden]`` -> ``[N, hidden]``; this layer's pages are written in place."""
+        """``x[N, hidden]`` -> ``[N, hidden]``; this layer's pages are written in place
+        (quantized with ``scales`` when they are int8 / float8)."""
         n = x.shape[0]
         q, k, v, gate = self.project(x, cos, sin)
         attn = backend.attention(q, k, v, key_cache, value_cache, meta,
-                                 self.head_dim ** -0.5)  # [N, H, hd]
+                                 self.head_dim ** -0.5, scales)  # [N, H, hd]
         return self.output(attn.reshape(n, -1), gate)  # [N, hidden]

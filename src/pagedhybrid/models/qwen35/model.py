@@ -35,6 +35,7 @@ from torch import nn
 from pagedhybrid.errors import ContractViolation, UnsupportedConfiguration
 from pagedhybrid.kernels.backend import Backend, select
 from pagedhybrid.kernels.step import StepMetadata
+from pagedhybrid.kvquant import is_quantized
 from pagedhybrid.models.qwen35.attention import FullAttention
 from pagedhybrid.models.qwen35.config import FULL_ATTENTION, Qwen35Config
 from pagedhybrid.models.qwen35.layers import MLP, OffsetRMSNorm, linear
@@ -99,6 +100,7 @@ class Qwen35ForCausalLM(nn.Module):
         self.config = config
         self.dtype = dtype
         self._backend = backend
+        self.source_dir: Path | None = None  # the checkpoint folder (set by ``load``)
         self.model = Qwen35TextModel(config, dtype)
         self.lm_head = linear(config.hidden_size, config.vocab_size, dtype)
         if config.tie_word_embeddings:
@@ -222,7 +224,8 @@ class Qwen35ForCausalLM(nn.Module):
             x = layer.input_layernorm(h)
             if layer.is_full:
                 out = layer.self_attn.forward_packed(x, cos, sin, meta, cache.key_cache[i],
-                                                     cache.value_cache[i], backend)
+                                                     cache.value_cache[i], backend,
+                                                     cache.kv_scales.get(i))
             else:
                 out = layer.linear_attn(x, meta, cache.conv_state[i], cache.recurrent_state[i],
                                         backend, cache.checkpoint_pools(i))
@@ -255,8 +258,17 @@ class Qwen35ForCausalLM(nn.Module):
                                             (t.dtype, list(t.shape)))
 
         page = PagedHybridCache.page_shape(cfg, cache.num_pages, cache.block_size)
-        need(cache.key_cache, cfg.full_attention_layers, "key_cache", page, self.dtype)
-        need(cache.value_cache, cfg.full_attention_layers, "value_cache", page, self.dtype)
+        kvd = cache.kv_dtype if cfg.full_attention_layers else self.dtype
+        if is_quantized(kvd):
+            missing = [i for i in cfg.full_attention_layers if i not in cache.kv_scales]
+            if missing:
+                raise ContractViolation(OP, f"cache.kv_scales[{missing[0]}]",
+                                        f"is required for {kvd} pages", "missing")
+        elif kvd != self.dtype:
+            raise ContractViolation(OP, "cache.key_cache", f"must be {self.dtype} or a "
+                                    "quantized type (int8, float8_e4m3fn)", kvd)
+        need(cache.key_cache, cfg.full_attention_layers, "key_cache", page, kvd)
+        need(cache.value_cache, cfg.full_attention_layers, "value_cache", page, kvd)
         need(cache.conv_state, cfg.linear_attention_layers, "conv_state",
              PagedHybridCache.conv_state_shape(cfg, cache.num_slots), self.dtype)
         need(cache.recurrent_state, cfg.linear_attention_layers, "recurrent_state",
@@ -279,4 +291,5 @@ def load(model_dir: str | Path, dtype: torch.dtype = torch.float32,
     state = load_state_dict(model_dir, model.expected_shapes(), model.parameter_dtype,
                             optional=frozenset({"lm_head.weight"}))
     model.load_weights(state)
+    model.source_dir = Path(model_dir)  # where calibrated KV scales are looked for
     return model.eval()

@@ -35,6 +35,7 @@ import torch
 
 from pagedhybrid.errors import ContractViolation
 from pagedhybrid.kernels.step import StepMetadata
+from pagedhybrid.kvquant import KVScales, dequantize
 from pagedhybrid.models.qwen35.config import Qwen35Config
 
 OP = "pagedhybrid.Qwen35.forward_packed"
@@ -196,6 +197,12 @@ class PagedHybridCache:
     num_slots: int
     checkpoint_conv: dict[int, torch.Tensor] = field(default_factory=dict)
     checkpoint_recurrent: dict[int, torch.Tensor] = field(default_factory=dict)
+    # quantized pages (int8 / float8e4m3fn): each full layer's K/V scales (pagedhybrid.kvquant)
+    kv_scales: dict[int, KVScales] = field(default_factory=dict)
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return next(iter(self.key_cache.values())).dtype
 
     @property
     def num_checkpoints(self) -> int:
@@ -239,20 +246,25 @@ class PagedHybridCache:
         fill: float | None = 0.0,
         generator: torch.Generator | None = None,
         num_checkpoints: int = 0,
+        kv_dtype: torch.dtype | None = None,
+        kv_scales: dict[int, KVScales] | None = None,
     ) -> PagedHybridCache:
-        """Allocate pools; ``fill=None`` fills them with random garbage (for tests)."""
+        """Allocate pools; ``fill=None`` fills them with random garbage (for tests). KV pages
+        are ``kv_dtype`` (default ``dtype``); int8 / float8 pages need every full layer's
+        ``kv_scales``."""
 
         def pool(shape: tuple[int, ...], dt: torch.dtype) -> torch.Tensor:
             if fill is None:
                 return torch.randn(shape, generator=generator, dtype=torch.float32).to(dt).to(
                     device)
-            return torch.full(shape, fill, dtype=dt, device=device)
+            return torch.full(shape, fill, dtype=torch.float32, device=device).to(dt)
 
         full, lin = config.full_attention_layers, config.linear_attention_layers
         kv = cls.page_shape(config, num_pages, block_size)
+        kvd = kv_dtype or dtype
         return cls(
-            key_cache={i: pool(kv, dtype) for i in full},
-            value_cache={i: pool(kv, dtype) for i in full},
+            key_cache={i: pool(kv, kvd) for i in full},
+            value_cache={i: pool(kv, kvd) for i in full},
             conv_state={i: pool(cls.conv_state_shape(config, num_slots), dtype) for i in lin},
             recurrent_state={
                 i: pool(cls.recurrent_state_shape(config, num_slots), torch.float32) for i in lin
@@ -265,6 +277,7 @@ class PagedHybridCache:
             checkpoint_recurrent={
                 i: pool(cls.recurrent_state_shape(config, num_checkpoints), torch.float32)
                 for i in lin} if num_checkpoints else {},
+            kv_scales=dict(kv_scales or {}),
         )
 
     def clone(self) -> PagedHybridCache:
@@ -276,7 +289,8 @@ class PagedHybridCache:
         return PagedHybridCache(copy(self.key_cache), copy(self.value_cache),
                                 copy(self.conv_state), copy(self.recurrent_state),
                                 self.block_size, self.num_pages, self.num_slots,
-                                copy(self.checkpoint_conv), copy(self.checkpoint_recurrent))
+                                copy(self.checkpoint_conv), copy(self.checkpoint_recurrent),
+                                dict(self.kv_scales))
 
     def gather_kv(self, layer: int, pages: Sequence[int], length: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -286,4 +300,6 @@ class PagedHybridCache:
         v = self.value_cache[layer].index_select(0, index.to(self.value_cache[layer].device))
         k = k.reshape(-1, *k.shape[2:])[:length]  # [length, Hkv, hd]
         v = v.reshape(-1, *v.shape[2:])[:length]
+        if layer in self.kv_scales:  # quantized pages: dequantized (float32)
+            k, v = dequantize(k, self.kv_scales[layer].k), dequantize(v, self.kv_scales[layer].v)
         return k, v

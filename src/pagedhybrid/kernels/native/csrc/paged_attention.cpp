@@ -2,7 +2,10 @@
 //
 // Inputs (validated by the caller; internal entry point):
 //   q            float32 [N, Hq, D]            query rows, packed sequence after sequence
-//   key_cache    T [P, bs, Hkv, D]             T = float32 | bfloat16 | float16
+//   key_cache    T [P, bs, Hkv, D]             T = float32 | bfloat16 | float16 | int8 |
+//                                              float8_e4m3fn (quantized pages are converted
+//                                              in registers; the caller folds the scales into
+//                                              q and the output)
 //   value_cache  T [P, bs, Hkv, D]
 //   block_table  int32 [B, M]                  physical page of logical block j
 //   cu_seqlens   int32 [B+1]                   query rows of sequence b: [cu[b], cu[b+1])
@@ -474,8 +477,12 @@ void paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
     run(c10::BFloat16{});
   } else if (key_cache.dtype() == at::kHalf) {
     run(c10::Half{});
+  } else if (key_cache.dtype() == at::kChar) {
+    run(int8_t{});
+  } else if (key_cache.dtype() == at::kFloat8_e4m3fn) {
+    run(c10::Float8_e4m3fn{});
   } else {
-    TORCH_CHECK(false, "cache dtype must be float32, bfloat16 or float16");
+    TORCH_CHECK(false, "cache dtype must be float32, bfloat16, float16, int8 or float8_e4m3fn");
   }
 }
 

@@ -2,8 +2,9 @@
 //
 // Built with -mavx512f/bw/vl/dq, `VF` is one zmm register (16 lanes); built with -mavx2 -mfma
 // -mf16c it is one ymm register (8 lanes). Kernels are written once against `kLanes`:
-//   load(p)         fp32 / bf16 / fp16 memory -> fp32 lanes (bf16 is the high half of an fp32:
-//                   widen and shift left 16; fp16 through the hardware converter)
+//   load(p)         fp32 / bf16 / fp16 / int8 / fp8-e4m3fn memory -> fp32 lanes (bf16 is the
+//                   high half of an fp32: widen and shift left 16; fp16 through the hardware
+//                   converter; int8 sign-extended; e4m3fn through fp16: see fp8_to_half)
 //   fma(a, b, c)    a * b + c               bcast(x)  all lanes = x
 //   reduce_add/max  horizontal sum / max    exp(x)    Cody-Waite + degree-6 polynomial
 //                                                     (rel. error ~2e-7; -inf -> 0)
@@ -13,6 +14,7 @@
 #include <immintrin.h>
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 
 #include <cstdint>
@@ -22,6 +24,13 @@ namespace pagedhybrid {
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
+inline float to_float(int8_t x) { return static_cast<float>(x); }
+inline float to_float(c10::Float8_e4m3fn x) { return static_cast<float>(x); }
+
+// float8 e4m3fn (bias 7, 3 mantissa bits, no inf, S.1111.111 = NaN) as fp16 bits: the 7 value
+// bits shifted into fp16's exponent/mantissa field give the value times 2^-8 exactly, normal and
+// subnormal alike (fp16's bias is 15 = 7 + 8; fp16 subnormals are exact under the hardware
+// converter), so value = half(bits) * 256. NaN codes are patched to a quiet fp16 NaN.
 template <typename T> inline T from_float(float x) { return static_cast<T>(x); }
 
 #if defined(__AVX512F__)
@@ -36,6 +45,19 @@ inline VF load(const c10::BFloat16* p) {
 }
 inline VF load(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline VF load(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline VF load(const c10::Float8_e4m3fn* p) {
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i mag = _mm256_and_si256(b, _mm256_set1_epi16(0x7F));
+  __m256i h = _mm256_or_si256(_mm256_slli_epi16(mag, 7),
+                              _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+  const __m256i nan = _mm256_cmpeq_epi16(mag, _mm256_set1_epi16(0x7F));
+  h = _mm256_blendv_epi8(h, _mm256_set1_epi16(0x7E00), nan);
+  return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
 }
 inline void store(float* p, VF v) { _mm512_storeu_ps(p, v); }
 inline VF bcast(float x) { return _mm512_set1_ps(x); }
@@ -104,6 +126,19 @@ inline VF load(const c10::BFloat16* p) {
 }
 inline VF load(const c10::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline VF load(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline VF load(const c10::Float8_e4m3fn* p) {
+  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i mag = _mm_and_si128(b, _mm_set1_epi16(0x7F));
+  __m128i h = _mm_or_si128(_mm_slli_epi16(mag, 7),
+                           _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8));
+  const __m128i nan = _mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7F));
+  h = _mm_blendv_epi8(h, _mm_set1_epi16(0x7E00), nan);
+  return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
 }
 inline void store(float* p, VF v) { _mm256_storeu_ps(p, v); }
 inline VF bcast(float x) { return _mm256_set1_ps(x); }
