@@ -22,6 +22,16 @@ time over all steps and over steps with >= 32 running sequences, and how many re
 greedy tokens equal HF one-at-a-time. ``--quick`` is a smaller workload for a 2-core machine.
 Writes JSON (``--out``). Not a test: no assertions on timings.
 
+``--batch-invariant`` instead runs, in the same process on the same workload (no HF): the
+default engine and ``EngineConfig(batch_invariant=True)`` (both returning the sampled tokens'
+logprobs), their throughput ratio, the largest ``dlogp = recompute - rollout`` of each (the
+recompute is ``Engine.score`` of the same engine), and the recompute's tokens/s in the
+invariant mode against the default kernels' dense forward (``forward_dense``, one sequence at a
+time) over the same sequences. The random model's greedy tokens have logprobs of ~0 (its
+distributions are near one-hot), so the dlogp of each mode is also measured on the trained
+built-in model (32 held-out KJV passages of 16-200 tokens, 32 greedy tokens each, in the
+benchmark's dtype), where logprobs are real.
+
     python benchmarks/engine.py --quick
     python benchmarks/engine.py                     # 64 requests, prompts 16-512, out 16-128
 """
@@ -94,14 +104,15 @@ class Result:
         return (self.prompt_tokens + self.generated_tokens) / self.seconds
 
 
-def run_engine(model: torch.nn.Module, w: Workload, args: argparse.Namespace
+def run_engine(model: torch.nn.Module, w: Workload, args: argparse.Namespace,
+               batch_invariant: bool = False, logprobs: int | None = None
                ) -> tuple[Result, list[list[int]], Engine]:
     longest = max(len(p) + o for p, o in zip(w.prompts, w.outputs, strict=True))
     pages = args.max_num_seqs * -(-longest // args.block_size) + 8
     engine = Engine(model, EngineConfig(block_size=args.block_size, num_blocks=pages,  # type: ignore[arg-type]
                                         max_num_seqs=args.max_num_seqs,
                                         max_num_batched_tokens=args.max_num_batched_tokens,
-                                        backend=args.backend))
+                                        backend=args.backend, batch_invariant=batch_invariant))
     # warm-up (excluded): one short request
     engine.add_request("warm", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=2,
                                                          ignore_eos=True))
@@ -110,14 +121,90 @@ def run_engine(model: torch.nn.Module, w: Workload, args: argparse.Namespace
     start = time.perf_counter()
     for i, (p, o) in enumerate(zip(w.prompts, w.outputs, strict=True)):
         engine.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=o,
-                                                      ignore_eos=True))
+                                                      ignore_eos=True, logprobs=logprobs))
     tokens: dict[str, list[int]] = {}
+    lps: dict[str, list[float]] = {}
     for out in engine.stream():
         if out.finished:
             tokens[out.request_id] = list(out.token_ids)
+            if out.logprobs is not None:
+                lps[out.request_id] = [d[t].logprob for d, t in
+                                       zip(out.logprobs, out.token_ids, strict=True)]
     seconds = time.perf_counter() - start
-    res = Result("engine", seconds, w.prompt_tokens, sum(len(t) for t in tokens.values()))
+    res = Result("engine_batch_invariant" if batch_invariant else "engine", seconds,
+                 w.prompt_tokens, sum(len(t) for t in tokens.values()))
+    engine.rollout_logprobs = [lps.get(f"r{i}", []) for i in range(len(w.prompts))]  # type: ignore[attr-defined]
     return res, [tokens[f"r{i}"] for i in range(len(w.prompts))], engine
+
+
+def builtin_dlogp(dtype: str, invariant: bool) -> float:
+    """max |score - rollout logprob| of the trained built-in model on held-out passages."""
+    from pagedhybrid.engine import load_engine
+    from pagedhybrid.models.qwen35 import default_model_dir, load_tokenizer
+    from pagedhybrid.models.qwen35.default_model import heldout_text_path
+
+    ids = load_tokenizer(default_model_dir()).encode(heldout_text_path().read_text())
+    rng = random.Random(0)
+    prompts = []
+    for _ in range(32):
+        n = rng.randint(16, 200)
+        s = rng.randrange(0, len(ids) - n)
+        prompts.append(ids[s:s + n])
+    engine = load_engine(None, dtype="bfloat16" if dtype == "bf16" else "float32",
+                         batch_invariant=invariant, max_num_batched_tokens=256)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=0)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    done = {o.request_id: o for o in engine.stream() if o.finished}
+    outs = [done[str(i)] for i in range(len(prompts))]
+    scored = engine.score(prompts, [list(o.token_ids) for o in outs])
+    return max(abs(d[t].logprob - v) for o, sc in zip(outs, scored, strict=True)
+               for d, t, v in zip(o.logprobs or (), o.token_ids, sc, strict=True))
+
+
+def bench_batch_invariant(model: torch.nn.Module, w: Workload, args: argparse.Namespace
+                          ) -> dict[str, object]:
+    rows: dict[str, dict[str, float]] = {}
+    for invariant in (False, True):
+        res, toks, engine = run_engine(model, w, args, invariant, logprobs=0)
+        start = time.perf_counter()
+        scored = engine.score(w.prompts, toks)
+        score_s = time.perf_counter() - start
+        dlogp = max(abs(a - b) for s, r in zip(scored, engine.rollout_logprobs, strict=True)  # type: ignore[attr-defined]
+                    for a, b in zip(s, r, strict=True))
+        rows["batch_invariant" if invariant else "default"] = {
+            "seconds": res.seconds, "generated_tok_s": res.generated_tps,
+            "total_tok_s": res.total_tps, "max_abs_dlogp": dlogp, "score_s": score_s,
+            "score_tok_s": sum(len(p) + len(t) for p, t in zip(w.prompts, toks, strict=True))
+            / score_s, "kernels": engine.kernels.reason}
+        print(f"{'batch-invariant' if invariant else 'default':15s}: {res.seconds:7.2f} s, "
+              f"{res.generated_tps:7.1f} gen tok/s, max |dlogp| {dlogp:.3e}, recompute "
+              f"{rows['batch_invariant' if invariant else 'default']['score_tok_s']:.0f} tok/s",
+              flush=True)
+    default = model.backend  # the last engine left the invariant bundle: take the default one
+    from pagedhybrid.kernels.backend import select
+
+    model.backend = select(args.backend, model.config, model.dtype).backend  # type: ignore[union-attr]
+    seqs = [p + t for p, t in zip(w.prompts, toks, strict=True)]
+    start = time.perf_counter()
+    for s in seqs:
+        model.forward_dense(torch.tensor([s]))  # type: ignore[operator]
+    dense_s = time.perf_counter() - start
+    model.backend = default  # type: ignore[union-attr]
+    dense_tps = sum(len(s) for s in seqs) / dense_s
+    inv, base = rows["batch_invariant"], rows["default"]
+    out = {"rows": rows, "throughput_ratio": inv["generated_tok_s"] / base["generated_tok_s"],
+           "dense_forward_tok_s": dense_tps,
+           "score_vs_dense_forward": inv["score_tok_s"] / dense_tps}
+    print(f"batch-invariant / default throughput: {out['throughput_ratio']:.2f}x (goal >= 0.75);"
+          f" recompute {inv['score_tok_s']:.0f} tok/s vs default dense forward {dense_tps:.0f}"
+          f" tok/s ({out['score_vs_dense_forward']:.2f}x)")
+    out["builtin_max_abs_dlogp"] = {m: builtin_dlogp(args.dtype, m == "batch_invariant")
+                                    for m in ("default", "batch_invariant")}
+    print(f"trained built-in model ({args.dtype}), max |dlogp| rollout vs recompute: default "
+          f"{out['builtin_max_abs_dlogp']['default']:.3e}, batch-invariant "
+          f"{out['builtin_max_abs_dlogp']['batch_invariant']:.1e}")
+    return out
 
 
 def _hf_generate(hf: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, n: int
@@ -165,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
                    help="weights and activations of both systems (KV pages follow)")
     p.add_argument("--backend", default="auto", help="engine kernels: auto|native|torch")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="default vs batch-invariant engine (and the recompute), no HF")
     p.add_argument("--out", default="benchmarks/results/engine.json")
     args = p.parse_args(argv)
     if args.quick:
@@ -177,6 +266,17 @@ def main(argv: list[str] | None = None) -> int:
         write_checkpoint(Path(tmp), cfg, random_weights(cfg, seed=args.seed))
         dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
         model = load(tmp, dtype=dtype)
+        if args.batch_invariant:
+            w = make_workload(args.requests, tuple(args.prompt_range),
+                              tuple(args.output_range), cfg.vocab_size, args.seed)
+            doc = {"benchmark": "engine --batch-invariant", "dtype": args.dtype,
+                   "workload": {"requests": args.requests,
+                                "prompt_range": list(args.prompt_range),
+                                "output_range": list(args.output_range)},
+                   **bench_batch_invariant(model, w, args)}
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
+            return 0
         hf = transformers.Qwen3_5ForCausalLM.from_pretrained(tmp, dtype=dtype).eval()
         n_params = sum(t.numel() for t in model.state_dict().values()) - (
             cfg.vocab_size * cfg.hidden_size if cfg.tie_word_embeddings else 0)

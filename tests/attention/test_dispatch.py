@@ -241,3 +241,25 @@ def test_cp_backend_is_forward_only_and_says_so() -> None:
         "role=train is unsupported",)
     assert DETERMINISTIC_CP.incompatibilities(_prefill(mode="chunked_prefill")) == (
         "mode=chunked_prefill without a KV cache is unsupported",)
+
+
+def test_a_batch_invariant_contract_is_refused_by_every_backend_without_the_property() -> None:
+    """The contract carries the property; each backend's capability declares it or not; a
+    backend that does not is rejected with that reason (never a silent fallback). The one
+    bundle that declares it returns no attention-domain LSE, which these contracts export, so
+    here nothing serves -- and the refusal says exactly that."""
+    reg = build_default_registry()
+    strict = _prefill(reduction=ReductionSpec(kv_block_size=4, batch_invariant=True))
+    ex = reg.explain(strict)
+    assert ex.selected is None
+    for b in reg.backends:
+        reasons = " ".join(ex.rejections[b.backend_id])
+        if b.capability is None:
+            continue
+        assert ("batch-invariant reduction is unsupported" in reasons) == \
+            (not b.capability.batch_invariant), b.backend_id
+    assert ex.rejections["native_batch_invariant"] == (
+        "attention-domain LSE export is unsupported",)
+    with pytest.raises(AttentionDispatchError, match="torch_varlen: batch-invariant reduction"):
+        reg.get_attention_op(strict)
+    assert reg.explain(_prefill()).selected == "torch_varlen"  # the plain contract is served

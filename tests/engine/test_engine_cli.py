@@ -81,3 +81,18 @@ def test_run_on_the_built_in_model_prints_english(capsys: pytest.CaptureFixture[
     assert "\\x" not in out and "\ufffd" not in out
     common = {"the", "and", "of", "unto", "he", "that", "shall", "to", "they", "LORD"}
     assert sum(w in common for w in words) >= 15, streamed
+
+
+def test_generate_batch_invariant_flag(tiny_dir: Path, capsys: pytest.CaptureFixture[str]
+                                       ) -> None:
+    """``--batch-invariant``: the same request alone and in a batch gives the same logprobs."""
+    runs = []
+    for prompts in (["Hello there"], ["Hello there", "Another prompt, longer than the first"]):
+        args = parse(add_generate_arguments, [
+            "--model", str(tiny_dir), "--prompt", *prompts, "--max-tokens", "5", "--ignore-eos",
+            "--json", "--logprobs", "0", "--num-blocks", "16", "--max-num-batched-tokens", "8",
+            "--batch-invariant"])
+        assert args.batch_invariant and generate_main(args) == 0
+        runs.append(json.loads(capsys.readouterr().out)["outputs"][0])
+    assert runs[0]["token_ids"] == runs[1]["token_ids"]
+    assert runs[0]["logprobs"] == runs[1]["logprobs"]

@@ -52,17 +52,35 @@ def test_engine_refuses_at_construction_and_reports_fallbacks(
         Engine(odd, EngineConfig(backend="native", num_blocks=8))
     engine = Engine(odd, EngineConfig(backend="auto", num_blocks=8))
     assert engine.model.backend.name == "torch"
-    assert "torch kernels: native unavailable -- native attention needs head_dim" in \
+    assert "torch kernels (auto; passed over: native: native attention needs head_dim" in \
         capsys.readouterr().err
     # a missing extension is said once, at engine start
     missing = native.NativeStatus(False, "native extension not built (run `make native`)", None)
     monkeypatch.setattr(native, "status", lambda: missing)
     engine = Engine(_model(), EngineConfig(num_blocks=8))
-    assert engine.model.backend.name == "torch" and engine.kernels.reason.endswith(
-        missing.reason)
-    assert capsys.readouterr().err.count("native extension not built") == 1
+    assert engine.model.backend.name == "torch" and missing.reason in engine.kernels.reason
+    assert capsys.readouterr().err.count("pagedhybrid:") == 1  # one line, at engine start
     with pytest.raises(UnsupportedConfiguration, match="not built"):
         Engine(_model(), EngineConfig(backend="native", num_blocks=8))
+
+
+def test_one_registry_holds_the_bundles_and_their_batch_invariance() -> None:
+    """The model's bundles are the kernel registry's backends: contract dispatch and the model's
+    selection read the same capabilities."""
+    from pagedhybrid.attention.backends import build_default_registry
+    from pagedhybrid.attention.contract import ReductionSpec
+
+    reg = build_default_registry()
+    steps = {b.step.name: b for b in reg.backends if b.step is not None}
+    assert list(steps) == list(registry.BACKENDS)  # priority order
+    for name, entry in steps.items():
+        assert entry.step is registry.backend(name)
+        assert entry.capability is entry.step.capability
+        assert entry.capability.batch_invariant == (name == "native_batch_invariant")
+    assert ReductionSpec(batch_invariant=True).batch_invariant
+    sel = registry.select("auto", tiny_byte_config(), torch.float32, batch_invariant=True)
+    assert sel.backend.name == "native_batch_invariant"
+    assert "native: batch-invariant reduction is unsupported" in sel.reason
 
 
 def test_a_stale_build_is_not_loaded(monkeypatch: pytest.MonkeyPatch) -> None:

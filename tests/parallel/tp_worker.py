@@ -43,3 +43,29 @@ def tp_worker(rank: int, world: int) -> dict[str, Any]:
     local = tensor_parallel_qwen35(full, sharding=attention_sharding(cfg, rank, world))
     assert local.config.num_attention_heads == cfg.num_attention_heads // world
     return {"tp": _steps(local), "tp1": _steps(full)}
+
+
+def tp_rollout_worker(rank: int, world: int) -> dict[str, Any]:
+    """TP=2 rollout (the engine, batched, chunked prefill) vs TP=2 recompute (``Engine.score``),
+    in the batch-invariant mode and the default mode."""
+    from pagedhybrid.engine import Engine, EngineConfig, SamplingParams
+
+    cfg = tiny_byte_config()
+    full = build(cfg, torch.float32, "cpu")
+    full.load_weights(random_weights(cfg, seed=7))
+    local = tensor_parallel_qwen35(full, sharding=attention_sharding(cfg, rank, world))
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
+    out: dict[str, Any] = {}
+    for invariant in (True, False):
+        engine = Engine(local, EngineConfig(batch_invariant=invariant, num_blocks=32,
+                                            max_num_batched_tokens=24))
+        for i, p in enumerate(PROMPTS):
+            engine.add_request(str(i), list(p), params)
+        done = {o.request_id: o for o in engine.stream() if o.finished}
+        got = [done[str(i)] for i in range(len(PROMPTS))]
+        rollout = [[d[t].logprob for d, t in zip(o.logprobs, o.token_ids, strict=True)]
+                   for o in got]
+        scored = engine.score([list(p) for p in PROMPTS], [list(o.token_ids) for o in got])
+        out["invariant" if invariant else "default"] = {
+            "rollout": rollout, "score": scored, "backend": engine.kernels.backend.name}
+    return out

@@ -2,17 +2,21 @@
 
 Registered in priority order (``default_registry()``):
 
-* ``webgpu_paged_attention`` / ``cpu_paged_attention`` -- the fast PagedAttention kernels of
-  ``pagedhybrid.kernels.webgpu`` / ``pagedhybrid.kernels.cpu``, registered when those modules
-  provide ``paged_attention``. ORT's PagedAttention returns no LSE, so they declare
-  ``exports_attention_lse=False`` and every strict (LSE-exporting) contract rejects them.
+* ``webgpu_paged_attention`` -- the WGSL PagedAttention kernel package (``kernels.webgpu``).
+* ``native_paged_attention`` / ``native_batch_invariant`` / ``cpu_paged_attention`` -- the
+  model's kernel bundles ``native`` / ``native_batch_invariant`` / ``torch`` of
+  ``pagedhybrid.kernels.backend`` (their contract op is their PagedAttention; their capability
+  is the bundle's own; ``select_step`` picks among them and ``paged_attention_reference`` for the
+  model). ORT's PagedAttention returns no LSE, so they declare ``exports_attention_lse=False``
+  and every strict (LSE-exporting) contract rejects them.
 * ``torch_varlen`` -- ``torch_varlen_attention``: packed varlen prefill on one rank, matmul
   scores, fp32 math, exports attention-domain LSE, differentiable (role train).
 * ``deterministic_cp`` -- ``pagedhybrid.parallel.context_parallel_attention``: any CP degree,
   fixed global KV grid, ``(out, lse)`` partials merged in global block order; prefill and
   decode / chunked prefill over a paged cache; forward only.
-* ``paged_attention_reference`` -- ``pagedhybrid.ops.paged_attention`` (the ORT-contract torch
-  reference, ORT's positional signature): packed, paged, fused RoPE; no LSE output.
+* ``paged_attention_reference`` -- the ``reference`` bundle: ``pagedhybrid.ops.paged_attention``
+  (the ORT-contract torch reference, ORT's positional signature): packed, paged, fused RoPE; no
+  LSE output.
 
 ``torch_varlen_attention(query, key, value, *, contract, scale=None) -> (out, lse)`` takes
 ``query [L, Hq, D]``, ``key``/``value [L, Hkv, D]`` packed by the contract's sequence offsets;
@@ -56,16 +60,6 @@ DETERMINISTIC_CP = AttentionBackendCapability(
                 "(out, lse) partials folded in global block order, bitwise equal for every CP "
                 "size; prefill (contiguous / zigzag, packed varlen) and decode / chunked "
                 "prefill over a paged KV cache; forward only")
-PAGED_REFERENCE = AttentionBackendCapability(
-    backend_id="paged_attention_reference", roles=("infer",), modes=ALL_MODES,
-    dtypes=ALL_DTYPES, cp_world_sizes=(1,), exports_attention_lse=False,
-    deterministic_cp_merge=False, supports_packed_varlen=True, supports_kv_cache=True,
-    implementation_kind="reference", supports_rope_metadata=True,
-    supports_fused_rope_attention=True,
-    description="com.microsoft.PagedAttention torch reference (ORT signature): packed, paged, "
-                "fused RoPE via cos/sin caches; returns no LSE")
-
-
 def _fast_capability(backend_id: str, dtypes: tuple[str, ...], *, non_causal: bool,
                      what: str) -> AttentionBackendCapability:
     """Conservative: a fast PagedAttention kernel never claims more than it is known to do."""
@@ -156,14 +150,8 @@ def build_default_registry() -> KernelRegistry:
             _fast_capability("webgpu_paged_attention", ("fp16",), non_causal=False,
                              what="WGSL kernel package on wgpu"),
             platform="webgpu", available=_webgpu_available)
-    cpu = (_optional("pagedhybrid.kernels.cpu.paged_attention", "paged_attention")
-           or _optional("pagedhybrid.kernels.cpu", "paged_attention"))
-    if cpu is not None:
-        reg.register_op("cpu_paged_attention", cpu)
-        reg.register_attention_backend(
-            "cpu_paged_attention", cpu,
-            _fast_capability("cpu_paged_attention", ALL_DTYPES, non_causal=True,
-                             what="vectorised CPU kernel"), platform="cpu")
+    for name in ("native", "native_batch_invariant", "torch"):
+        _register_bundle(reg, name)
     reg.register_op("torch_varlen_attention", torch_varlen_attention)
     reg.register_attention_backend("torch_varlen", torch_varlen_attention, TORCH_VARLEN)
     reg.register_op("context_parallel_attention", _cp_op)
@@ -171,11 +159,20 @@ def build_default_registry() -> KernelRegistry:
         "deterministic_cp", _cp_op, DETERMINISTIC_CP, platform="cpu",
         communication="torch.distributed all_gather_object + all_gather + all_to_all_single "
                       "(gloo on CPU, nccl on CUDA); no float reductions")
-    paged = _optional("pagedhybrid.ops.paged_attention", "paged_attention")
-    if paged is not None:
-        reg.register_op("paged_attention", paged)
-        reg.register_attention_backend("paged_attention_reference", paged, PAGED_REFERENCE)
+    reg.register_op("paged_attention", _register_bundle(reg, "reference").ops.paged_attention)
     return reg
+
+
+def _register_bundle(reg: KernelRegistry, name: str) -> Any:
+    from pagedhybrid.kernels.backend import backend
+
+    b = backend(name)
+    cap = b.capability
+    reg.register_op(cap.backend_id, b.ops.paged_attention)
+    reg.register_attention_backend(
+        cap.backend_id, b.ops.paged_attention, cap, platform="cpu", step=b,
+        available=lambda: b.unsupported(None, torch.float32))
+    return b
 
 
 @functools.cache
@@ -184,5 +181,5 @@ def default_registry() -> KernelRegistry:
     return build_default_registry()
 
 
-__all__ = ["DETERMINISTIC_CP", "PAGED_REFERENCE", "TORCH_VARLEN", "build_default_registry",
+__all__ = ["DETERMINISTIC_CP", "TORCH_VARLEN", "build_default_registry",
            "default_registry", "torch_varlen_attention"]

@@ -3,8 +3,14 @@
 ``incompatibilities(contract)`` lists every reason a contract is out of the backend's reach
 (role, mode, dtype, head_dim, TP/CP degree, attention-domain LSE export, deterministic CP merge,
 packed varlen, KV-cache identity, non-causal, RoPE metadata, fused RoPE+Attention boundary,
-modes that need a cache); ``supports`` is "no reasons". Re-exported by
-``pagedhybrid.attention.contract``.
+modes that need a cache, batch invariance); ``supports`` is "no reasons". ``step_gaps`` is the
+same check for the model's packed paged step (dtype, head_dim, batch invariance, packed varlen
+with a KV cache), which the one kernel registry uses to pick the model's kernels. Re-exported
+by ``pagedhybrid.attention.contract``.
+
+``batch_invariant``: every output row is bitwise the same whatever else is in the call, where
+the row sits in the packed stream, how the sequence's tokens were chunked over calls and which
+pages hold its keys -- the property ``ReductionSpec.batch_invariant`` asks for.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ class AttentionBackendCapability(JsonObject):
     head_dims: tuple[int, ...] | None = None  # None: any head_dim
     supports_non_causal: bool = True
     kv_cache_modes: tuple[AttentionMode, ...] = ()  # modes in which K/V must come from a cache
+    batch_invariant: bool = False
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -80,10 +87,8 @@ class AttentionBackendCapability(JsonObject):
             r.append(f"role={contract.role.value} is unsupported")
         if contract.mode not in self.modes:
             r.append(f"mode={contract.mode.value} is unsupported")
-        if contract.dtype not in self.dtypes:
-            r.append(f"dtype={contract.dtype.value} is unsupported")
-        if self.head_dims is not None and contract.head_dim not in self.head_dims:
-            r.append(f"head_dim={contract.head_dim} is unsupported")
+        r.extend(self._common_gaps(contract.dtype, contract.head_dim,
+                                   contract.reduction.batch_invariant))
         if self.tp_world_sizes is not None and sh.tp_world_size not in self.tp_world_sizes:
             r.append(f"TP={sh.tp_world_size} is unsupported")
         if self.cp_world_sizes is not None and sh.cp_world_size not in self.cp_world_sizes:
@@ -109,3 +114,24 @@ class AttentionBackendCapability(JsonObject):
 
     def supports(self, contract: AttentionContract) -> bool:
         return not self.incompatibilities(contract)
+
+    def _common_gaps(self, dtype: AttentionDType, head_dim: int, batch_invariant: bool
+                     ) -> list[str]:
+        r = []
+        if dtype not in self.dtypes:
+            r.append(f"dtype={dtype.value} is unsupported")
+        if self.head_dims is not None and head_dim not in self.head_dims:
+            r.append(f"head_dim={head_dim} is unsupported")
+        if batch_invariant and not self.batch_invariant:
+            r.append("batch-invariant reduction is unsupported (its rows depend on the batch: "
+                     "GEMM kernels and K splits chosen by shape, chunked prefill forms)")
+        return r
+
+    def step_gaps(self, dtype: AttentionDType | str, head_dim: int,
+                  batch_invariant: bool) -> tuple[str, ...]:
+        """Why this backend cannot run the model's packed paged step (empty when it can)."""
+        r = self._common_gaps(Checker("step").enum(AttentionDType, dtype, "dtype"), head_dim,
+                              batch_invariant)
+        if not (self.supports_packed_varlen and self.supports_kv_cache):
+            r.append("the packed paged step (packed varlen over a KV cache) is unsupported")
+        return tuple(r)

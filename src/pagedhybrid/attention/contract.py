@@ -207,6 +207,7 @@ class ReductionSpec(JsonObject):
     downcast_at: DowncastPoint = DowncastPoint.FINAL_WRITE
     engine: ReductionEngine = ReductionEngine.IN_OP_REFERENCE
     kv_block_size: int = 64
+    batch_invariant: bool = False  # rows bitwise independent of the batch (capability flag)
 
     def __post_init__(self) -> None:
         c = Checker("ReductionSpec")
@@ -222,6 +223,8 @@ class ReductionSpec(JsonObject):
                            c.enum(DowncastPoint, self.downcast_at, "downcast_at"))
         object.__setattr__(self, "engine", c.enum(ReductionEngine, self.engine, "engine"))
         c.positive(self.kv_block_size, "kv_block_size")
+        c.check(isinstance(self.batch_invariant, bool), "batch_invariant", "must be a bool",
+                self.batch_invariant)
 
 
 # -- RoPESpec ------------------------------------------------------------------------------------

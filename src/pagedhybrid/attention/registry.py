@@ -1,4 +1,11 @@
-"""Kernel registry: plain op lookups and contract-aware attention dispatch with provenance.
+"""The one kernel registry: op lookups, the model's kernel bundles, and contract-aware attention
+dispatch with provenance.
+
+``select_step(name, config=..., dtype=..., batch_invariant=...)`` picks the model's kernel bundle
+(``kernels.backend.Backend``, registered on the attention backends that carry one): ``auto``
+walks them in registration priority and takes the first whose capability (``step_gaps``:
+dtype, head_dim, batch invariance, packed paged step) and requirements (the prebuilt extension,
+the model's shape) fit; a named bundle that does not fit is refused with its reasons.
 
 ``KernelRegistry.get_op(name)`` is a plain name lookup. ``get_attention_op(contract)`` is a
 separate path, so a contract caller can never silently land on a backend with different
@@ -56,6 +63,7 @@ class AttentionBackend:
     platform: str = "cpu"
     available: Callable[[], str | None] | None = None  # returns a reason when unavailable
     communication: str | None = None  # collectives it launches, for provenance
+    step: Any = None  # the model's kernel bundle behind this backend (kernels.backend.Backend)
 
     def rejection_reasons(self, contract: AttentionContract,
                           platform: str | None) -> tuple[str, ...]:
@@ -162,7 +170,7 @@ class KernelRegistry:
                                    platform: str = "cpu",
                                    available: Callable[[], str | None] | None = None,
                                    communication: str | None = None,
-                                   prepend: bool = False) -> AttentionBackend:
+                                   prepend: bool = False, step: Any = None) -> AttentionBackend:
         if any(b.backend_id == backend_id for b in self.backends):
             raise ValueError(f"attention backend {backend_id!r} is already registered")
         if backend_id in POLICIES or backend_id == "deterministic":
@@ -171,7 +179,7 @@ class KernelRegistry:
             raise ValueError(f"capability.backend_id {capability.backend_id!r} must equal the "
                              f"registered id {backend_id!r}")
         backend = AttentionBackend(backend_id, op, capability, platform, available,
-                                   communication)
+                                   communication, step)
         if prepend:
             self.backends.insert(0, backend)
         else:
@@ -240,6 +248,43 @@ class KernelRegistry:
             + (f". Skipped by policy: {list(skipped)}" if skipped else ""))
         return DispatchExplanation(requested_backend, platform, None, False, refusal, every,
                                    skipped, None)
+
+    # -- the model's kernel bundles ---------------------------------------------------------
+    def select_step(self, requested: str, *, config: Any, dtype: Any,
+                    batch_invariant: bool = False) -> Any:
+        """The model's kernel bundle (``kernels.backend.Selection``); see the module docstring."""
+        from pagedhybrid import dtypes
+        from pagedhybrid.kernels.backend import Selection
+
+        entries = [b for b in self.backends if b.step is not None]
+        by_name = {b.step.name: b for b in entries}
+        if requested != "auto" and requested not in by_name:
+            raise UnsupportedConfiguration(
+                f"unknown kernel backend {requested!r}; choose one of auto, "
+                f"{', '.join(by_name)}")
+        walk = entries if requested == "auto" else [by_name[requested]]
+        head_dim = int(getattr(config, "head_dim", 0) or 0)
+        rejections: dict[str, tuple[str, ...]] = {}
+        for b in walk:
+            assert b.capability is not None
+            reasons: list[str] = []
+            if dtype in (dtypes.to_torch(d) for d in ("fp32", "bf16", "fp16")):
+                reasons.extend(b.capability.step_gaps(dtypes.cli_name(dtype),
+                                                      head_dim or 16, batch_invariant))
+            if not reasons:
+                why = b.step.unsupported(config, dtype)
+                if why:
+                    reasons.append(why)
+            if reasons:
+                rejections[b.step.name] = tuple(reasons)
+                continue
+            how = "requested" if requested != "auto" else "auto"
+            passed = f"; passed over: {_format(rejections)}" if rejections else ""
+            return Selection(b.step, f"{b.step.name} kernels ({how}{passed})", rejections)
+        what = "batch-invariant " if batch_invariant else ""
+        raise UnsupportedConfiguration(
+            f"kernel backend {requested!r}: no {what}kernel bundle serves dtype {dtype} "
+            f"(head_dim {head_dim}): {_format(rejections)}")
 
     def get_attention_op(self, contract: AttentionContract, *, requested_backend: str = "auto",
                          platform: str | None = None) -> DispatchResult:

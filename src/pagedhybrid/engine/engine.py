@@ -83,6 +83,13 @@ class EngineConfig:
     without one the engine loads ``kv_scales-{dtype}-{kv_quant}.safetensors`` beside the
     checkpoint and refuses to start if there is none (no silent dynamic scales). Pool sizing
     counts the smaller pages: a memory budget holds 2x (bf16) / 4x (fp32) the pages.
+
+    ``batch_invariant=True``: every request's logits are bitwise the same whatever else is in
+    the batch, where it sits in the packed stream, how its prefill is chunked, whether it was
+    preempted and recomputed, and which pages it holds -- the kernels are selected for the
+    property through the kernel registry (``native_batch_invariant``; a backend that does not
+    declare it is refused at construction, never substituted). ``Engine.score`` /
+    ``LLM.score`` then reproduce the sampled tokens' logprobs exactly.
     """
 
     block_size: int = 16
@@ -103,6 +110,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # auto | int8 | fp8_e4m3 (alias fp8)
     kv_quant: str = "per-channel"  # per-channel | per-tensor (quantized pages)
     kv_scales: str | None = None  # scale file; default: beside the checkpoint
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.num_blocks is not None and self.cache_memory_bytes is not None:
@@ -281,9 +289,11 @@ class Engine:
         self.config = config or EngineConfig()
         self.tokenizer = tokenizer
         mc = model.config
-        self.kernels: Selection = select(self.config.backend, mc, model.dtype)
+        self.kernels: Selection = select(self.config.backend, mc, model.dtype,
+                                         batch_invariant=self.config.batch_invariant)
         model.backend = self.kernels.backend
-        if self.kernels.backend.name != "native" and self.config.backend == "auto":
+        if self.kernels.backend.name not in ("native", "native_batch_invariant") and \
+                self.config.backend == "auto":
             print(f"pagedhybrid: {self.kernels.reason}", file=sys.stderr)
         sizes = size_pools(mc, self.config, model.dtype)
         self.sizes = sizes
@@ -330,6 +340,14 @@ class Engine:
         scales, _ = load_scales(path, mc.full_attention_layers, mc.num_key_value_heads,
                                 mc.head_dim, kvd, cfg.kv_quant)
         return {i: KVScales(s.k.to(cfg.device), s.v.to(cfg.device)) for i, s in scales.items()}
+
+    def score(self, prompts: Sequence[str | Sequence[int]],
+              completions: Sequence[str | Sequence[int]]) -> list[list[float]]:
+        """Each completion token's fp32 log-probability after its prompt, from one full forward
+        per sequence (``engine/score.py``): the training-side recompute."""
+        from pagedhybrid.engine.score import score
+
+        return score(self, prompts, completions)
 
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Sequence[int],

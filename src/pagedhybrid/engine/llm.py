@@ -75,7 +75,7 @@ def load_engine(model: str | Path | None = None, *, dtype: str | torch.dtype = "
 class LLM:
     """Offline generation. Keyword options are ``EngineConfig`` fields (block_size, num_blocks,
     cache_memory_bytes, num_state_slots, max_num_seqs, max_num_batched_tokens, max_model_len,
-    seed, ...) plus ``dtype``."""
+    seed, batch_invariant, kv_cache_dtype, ...) plus ``dtype``."""
 
     def __init__(self, model: str | Path | None = None, *, dtype: str | torch.dtype = "float32",
                  engine: Engine | None = None, **config: object) -> None:
@@ -109,6 +109,13 @@ class LLM:
             list(self.engine.stream())  # drain the abort outputs
             raise
         return ids
+
+    def score(self, prompts: Sequence[Prompt], completions: Sequence[Prompt]
+              ) -> list[list[float]]:
+        """The training-side recompute: each completion token's fp32 log-probability after its
+        prompt (one full-sequence forward each; ``engine/score.py``). With
+        ``batch_invariant=True`` they equal the engine's sampled-token logprobs bitwise."""
+        return self.engine.score(prompts, completions)
 
     def stream(self, prompts: Prompt | Sequence[Prompt],
                sampling_params: SamplingParams | Sequence[SamplingParams] | None = None

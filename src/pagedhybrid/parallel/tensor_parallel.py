@@ -30,17 +30,21 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from pagedhybrid.attention.contract import ShardingSpec
 from pagedhybrid.errors import ContractViolation, UnsupportedConfiguration
+from pagedhybrid.models.qwen35.layers import Matmul, project
 
 OP = "pagedhybrid.parallel.tensor_parallel_qwen35"
 
 
 class RowParallelLinear(nn.Module):
-    """``y = all_reduce(x_local @ W_local^T)`` over the TP group (weight name kept: ``weight``)."""
+    """``y = all_reduce(x_local @ W_local^T)`` over the TP group (weight name kept: ``weight``;
+    the product is the kernel bundle's, as for every ``Linear``). With two ranks the sum is
+    ``a + b`` element-wise, the same bits on both ranks and for any batch."""
+
+    matmul: Matmul | None = None
 
     def __init__(self, weight: torch.Tensor, group: Any) -> None:
         super().__init__()
@@ -48,7 +52,7 @@ class RowParallelLinear(nn.Module):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)  # [T, out] partial sum of this rank's input slice
+        y = project(self, x)  # [T, out] partial sum of this rank's input slice
         if self.group is not False:
             dist.all_reduce(y, group=self.group)
         return y
@@ -169,4 +173,6 @@ def tensor_parallel_qwen35(model: Any, *, sharding: ShardingSpec,
         proj = "o_proj" if layer.is_full else "out_proj"
         setattr(mixer, proj, RowParallelLinear(getattr(mixer, proj).weight, group))
         layer.mlp.down_proj = RowParallelLinear(layer.mlp.down_proj.weight, group)
+    if local._backend is not None:
+        local.backend = local._backend  # the row-parallel projections take its product too
     return local.eval()

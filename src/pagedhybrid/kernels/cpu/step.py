@@ -73,6 +73,16 @@ def folded_scales(q: torch.Tensor, key_cache: torch.Tensor, scales: KVScales
     return query_scales(scales.k, scales.v, q.shape[1], key_cache.shape[2], q.shape[2])
 
 
+def folded_query(q: torch.Tensor, key_cache: torch.Tensor, scales: KVScales | None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.dtype]:
+    """The native kernels' query (fp32, times K's scale for quantized pages), V's scale for the
+    output (None: unquantized) and the type the torch tiles run in."""
+    if scales is None:
+        return q.float(), None, key_cache.dtype
+    qs, vs = folded_scales(q, key_cache, scales)
+    return q.float() * qs, vs, q.dtype
+
+
 def attend(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
            meta: StepMetadata, scale: float, seqs: tuple[int, ...] | None = None,
            adt: torch.dtype | None = None) -> torch.Tensor:
@@ -156,22 +166,36 @@ def conv_sequences(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor,
                    checkpoints: torch.Tensor | None = None) -> torch.Tensor:
     """The stream conv of whole chunks from their pool rows; final states written back, and
     checkpoints inside the chunks taken from the inputs (the last K-1 before the position)."""
-    init = pool.index_select(0, meta.state_slots)  # [b, C, K-1]
-    init[meta.fresh_t] = 0
+    init = initial_conv_rows(pool, meta)  # [b, C, K-1]
     y, final = conv_compute(x, weight, None, init,
                             _conv_dims(x, weight, meta.cu_seqlens, activation))
-    inner = inner_checkpoints(meta)
-    if checkpoints is not None and inner:
-        sl = init.shape[-1]
-        seq = torch.tensor([b for b, _, _ in inner])
-        pos = torch.tensor([o for _, o, _ in inner])[:, None] + torch.arange(-sl, 0)  # [R, L]
-        state_rows = init.permute(0, 2, 1).reshape(-1, init.shape[1])  # [b*L, C]
-        win = window(x, state_rows, torch.tensor(meta.cu_seqlens), seq, pos, sl)  # [R, L, C]
-        checkpoints.index_copy_(0, torch.tensor([r for _, _, r in inner]),
-                                win.permute(0, 2, 1).to(checkpoints.dtype))
+    save_inner_conv_checkpoints(x, init, meta, checkpoints)
     pool.index_copy_(0, meta.state_slots, final.to(pool.dtype))
     save_chunk_ends(pool, checkpoints, meta)
     return y
+
+
+def initial_conv_rows(pool: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+    """The sequences' conv states before the step ``[b, C, K-1]`` (zeros when fresh), a copy."""
+    init = pool.index_select(0, meta.state_slots)
+    init[meta.fresh_t] = 0
+    return init
+
+
+def save_inner_conv_checkpoints(x: torch.Tensor, init: torch.Tensor, meta: StepMetadata,
+                                checkpoints: torch.Tensor | None) -> None:
+    """Conv checkpoints inside the chunks: the last K-1 inputs before each position, copied
+    from the step's inputs ``x`` and the initial states ``init`` (exact row copies)."""
+    inner = inner_checkpoints(meta)
+    if checkpoints is None or not inner:
+        return
+    sl = init.shape[-1]
+    seq = torch.tensor([b for b, _, _ in inner])
+    pos = torch.tensor([o for _, o, _ in inner])[:, None] + torch.arange(-sl, 0)  # [R, L]
+    state_rows = init.permute(0, 2, 1).reshape(-1, init.shape[1])  # [b*L, C]
+    win = window(x, state_rows, torch.tensor(meta.cu_seqlens), seq, pos, sl)  # [R, L, C]
+    checkpoints.index_copy_(0, torch.tensor([r for _, _, r in inner]),
+                            win.permute(0, 2, 1).to(checkpoints.dtype))
 
 
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, meta: StepMetadata,

@@ -24,16 +24,16 @@ MAX_NATIVE_QUERY = 16
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
               value_cache: torch.Tensor, meta: StepMetadata, scale: float,
-              scales: KVScales | None = None) -> torch.Tensor:
+              scales: KVScales | None = None, max_query: int = MAX_NATIVE_QUERY
+              ) -> torch.Tensor:
+    """Sequences with at most ``max_query`` new tokens on the native kernel, longer ones on the
+    torch SDPA path."""
     torch_step.write_kv(k, v, key_cache, value_cache, meta, scales)
-    short = meta.memo("native_short", lambda: tuple(
-        b for b in range(meta.batch) if 0 < meta.q_lens[b] <= MAX_NATIVE_QUERY))
-    long_ = tuple(b for b in range(meta.batch) if meta.q_lens[b] > MAX_NATIVE_QUERY)
+    short = meta.memo(f"native_short{max_query}", lambda: tuple(
+        b for b in range(meta.batch) if 0 < meta.q_lens[b] <= max_query))
+    long_ = tuple(b for b in range(meta.batch) if meta.q_lens[b] > max_query)
     n, hq, d = q.shape
-    qf, vs, adt = q.float(), None, key_cache.dtype
-    if scales is not None:  # int8 / fp8 pages: scales folded into q and the output
-        qs, vs = torch_step.folded_scales(q, key_cache, scales)
-        qf, adt = qf * qs, q.dtype
+    qf, vs, adt = torch_step.folded_query(q, key_cache, scales)  # int8 / fp8: scales folded
     out = (torch.empty(n, hq, d, dtype=torch.float32) if not long_ else
            torch_step.attend(qf.to(adt), key_cache, value_cache, meta, scale, long_, adt))
     if short:

@@ -6,15 +6,21 @@
 * ``GatedRMSNorm`` (Gated DeltaNet output norm over ``Dv`` per head):
   ``y = o * rsqrt(mean(o^2) + eps) * w * silu(z)`` with the **raw** weight ``w``, fp32 math.
 * ``MLP``: ``down(silu(gate(x)) * up(x))``.
+* ``Linear``: a bias-free projection whose product is the kernel bundle's (``matmul``, set from
+  ``Backend.linear`` when the model's backend is set; None = ``F.linear``).
 
 Parameter names equal HF's so ``state_dict()`` keys are the checkpoint keys.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class OffsetRMSNorm(nn.Module):
@@ -42,9 +48,22 @@ class GatedRMSNorm(nn.Module):
         return y.to(x.dtype)
 
 
-def linear(in_features: int, out_features: int, dtype: torch.dtype) -> nn.Linear:
+class Linear(nn.Linear):
+    matmul: Matmul | None = None  # the backend's product (None: F.linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return project(self, x)
+
+
+def project(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``x @ module.weight^T`` with the module's ``matmul`` (``F.linear`` when None)."""
+    mm = getattr(module, "matmul", None)
+    return F.linear(x, module.weight) if mm is None else mm(x, module.weight)
+
+
+def linear(in_features: int, out_features: int, dtype: torch.dtype) -> Linear:
     """A bias-free projection (weights are loaded, never initialised)."""
-    layer = nn.Linear(in_features, out_features, bias=False, dtype=dtype)
+    layer = Linear(in_features, out_features, bias=False, dtype=dtype)
     layer.weight.requires_grad_(False)
     return layer
 

@@ -18,8 +18,11 @@ Two forwards share every weight and every layer's math:
   engine's ``build_batch`` or here from the batch) is read by every layer; pages and state slots
   are updated in place.
 
-Kernels come from one registry (``pagedhybrid.kernels.backend``): ``select("auto")`` gives the
-native kernels when the prebuilt extension is present, else the torch kernels, with the reason.
+Kernels come from the one kernel registry (``pagedhybrid.kernels.backend.select``, which asks
+``pagedhybrid.attention.backends.default_registry``): ``select("auto")`` gives the native kernels
+when the prebuilt extension is present, else the torch kernels, with the reason; with
+``batch_invariant=True`` the bundle that declares the property. Setting ``model.backend`` gives
+every layer its step seam and every projection (``layers.Linear``) its ``linear``.
 
 Logits are returned as float32 (as the exported graph does).
 """
@@ -105,17 +108,25 @@ class Qwen35ForCausalLM(nn.Module):
         self.lm_head = linear(config.hidden_size, config.vocab_size, dtype)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        if backend is not None:
+            self.backend = backend  # every projection takes the bundle's product
 
     # -- ops seam ---------------------------------------------------------------------------------
     @property
     def backend(self) -> Backend:
         if self._backend is None:
-            self._backend = select("auto", self.config, self.dtype).backend
+            self.backend = select("auto", self.config, self.dtype).backend
+        assert self._backend is not None
         return self._backend
 
     @backend.setter
     def backend(self, value: Backend) -> None:
+        """The kernel bundle of every layer: its step seam, and its ``linear`` for every
+        projection and the LM head."""
         self._backend = value
+        for m in self.modules():
+            if hasattr(m, "matmul"):
+                m.matmul = value.linear
 
     # -- weights ----------------------------------------------------------------------------------
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:

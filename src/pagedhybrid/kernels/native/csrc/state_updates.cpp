@@ -13,6 +13,14 @@
 // `slots[b]` of the conv pool [S, C, K-1] (the last K-1 inputs, oldest first):
 //   y[c] = w[c, K-1] x[c] + sum_j w[c, j] state[c, j] (+ bias), optional SiLU; the state shifts
 //   by one column and takes x. `fresh` rows read zeros instead of the pool. T = pool dtype.
+//
+// gated_delta_varlen / causal_conv_varlen -- the same recurrences over every token of packed
+// sequences (cu_seqlens int32 [B+1]), token after token, in place on the pool rows. Both
+// kinds of kernel run one token through the same out-of-line function (`gdn_token`,
+// `conv_token`), so a token's arithmetic -- and every bit of its output and of the state -- is
+// the same whether it came in a decode step, a prefill chunk of any length or a batch of any
+// composition (the batch-invariant mode's linear layers; the chunked WY form is faster but its
+// arithmetic depends on where the chunk boundaries fall).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -27,78 +35,142 @@ namespace {
 
 inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
 
+// One Gated DeltaNet token of one value head: state [Dv, Dk] advanced in place, o [Dv] written.
+__attribute__((noinline)) void gdn_token(float* state, const float* qv, const float* kv,
+                                         const float* vv, float a, float b, float a_log,
+                                         float dt_bias, bool zero, int64_t dv, int64_t dk,
+                                         float sc, float* o) {
+  const float g = -std::exp(a_log) * softplus(a + dt_bias);
+  const float decay = std::exp(g);
+  const float beta = 1.f / (1.f + std::exp(-b));
+  for (int64_t r = 0; r < dv; ++r) {
+    float* s = state + r * dk;
+    float dot_k = 0.f;
+    if (!zero) {
+#pragma omp simd reduction(+ : dot_k)
+      for (int64_t e = 0; e < dk; ++e) {
+        s[e] *= decay;
+        dot_k += s[e] * kv[e];
+      }
+    }
+    const float u = beta * (vv[r] - dot_k);
+    float dot_q = 0.f;
+    if (zero) {
+#pragma omp simd reduction(+ : dot_q)
+      for (int64_t e = 0; e < dk; ++e) {
+        s[e] = u * kv[e];
+        dot_q += s[e] * qv[e];
+      }
+    } else {
+#pragma omp simd reduction(+ : dot_q)
+      for (int64_t e = 0; e < dk; ++e) {
+        s[e] += u * kv[e];
+        dot_q += s[e] * qv[e];
+      }
+    }
+    o[r] = sc * dot_q;
+  }
+}
+
+// The tensors of a GDN call, checked once; token(t, b, h, zero) runs token row t of value head h
+// on sequence b's pool row.
+struct GdnCall {
+  const float *q, *k, *v, *a, *b, *a_log, *dt_bias;
+  const int64_t* slots;
+  const bool* fresh;
+  float *pool, *out;
+  int64_t hv, dv, hk, dk, ratio;
+  float scale;
+
+  GdnCall(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_, const at::Tensor& a_,
+          const at::Tensor& b_, const at::Tensor& a_log_, const at::Tensor& dt_bias_,
+          at::Tensor& pool_, const at::Tensor& slots_, const at::Tensor& fresh_, at::Tensor& out_,
+          double scale_) {
+    const std::array<const at::Tensor*, 9> all{&q_, &k_, &v_, &a_, &b_, &a_log_, &dt_bias_,
+                                               &pool_, &out_};
+    for (const at::Tensor* t : all)
+      TORCH_CHECK(t->dtype() == at::kFloat && t->is_contiguous(), "float32 contiguous expected");
+    TORCH_CHECK(slots_.dtype() == at::kLong && fresh_.dtype() == at::kBool,
+                "slots int64, fresh bool");
+    TORCH_CHECK(pool_.size(1) == v_.size(1) && pool_.size(2) == v_.size(2) &&
+                    pool_.size(3) == q_.size(2), "pool shape");
+    q = q_.data_ptr<float>(), k = k_.data_ptr<float>(), v = v_.data_ptr<float>();
+    a = a_.data_ptr<float>(), b = b_.data_ptr<float>();
+    a_log = a_log_.data_ptr<float>(), dt_bias = dt_bias_.data_ptr<float>();
+    slots = slots_.data_ptr<int64_t>(), fresh = fresh_.data_ptr<bool>();
+    pool = pool_.data_ptr<float>(), out = out_.data_ptr<float>();
+    hv = v_.size(1), dv = v_.size(2), hk = q_.size(1), dk = q_.size(2), ratio = hv / hk;
+    scale = static_cast<float>(scale_);
+  }
+
+  void token(int64_t t, int64_t bb, int64_t h, bool zero) const {
+    gdn_token(pool + (slots[bb] * hv + h) * dv * dk, q + (t * hk + h / ratio) * dk,
+              k + (t * hk + h / ratio) * dk, v + (t * hv + h) * dv, a[t * hv + h], b[t * hv + h],
+              a_log[h], dt_bias[h], zero, dv, dk, scale, out + (t * hv + h) * dv);
+  }
+};
+
 void gated_delta_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_log,
                         const at::Tensor& dt_bias, at::Tensor pool, const at::Tensor& slots,
                         const at::Tensor& fresh, at::Tensor out, double scale) {
-  const std::array<const at::Tensor*, 9> all{&q, &k, &v, &a, &b, &a_log, &dt_bias, &pool, &out};
-  for (const at::Tensor* t : all)
-    TORCH_CHECK(t->dtype() == at::kFloat && t->is_contiguous(), "float32 contiguous expected");
-  TORCH_CHECK(slots.dtype() == at::kLong && fresh.dtype() == at::kBool, "slots int64, fresh bool");
-  const int64_t batch = v.size(0), hv = v.size(1), dv = v.size(2), hk = q.size(1),
-                dk = q.size(2);
-  TORCH_CHECK(pool.size(1) == hv && pool.size(2) == dv && pool.size(3) == dk, "pool shape");
-  const int64_t ratio = hv / hk;
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
-  const float* ap = a.data_ptr<float>();
-  const float* bp = b.data_ptr<float>();
-  const float* alog = a_log.data_ptr<float>();
-  const float* dtb = dt_bias.data_ptr<float>();
-  const int64_t* sl = slots.data_ptr<int64_t>();
-  const bool* fr = fresh.data_ptr<bool>();
-  float* pp = pool.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
-  at::parallel_for(0, batch * hv, 1, [&](int64_t lo, int64_t hi) {
+  const GdnCall call(q, k, v, a, b, a_log, dt_bias, pool, slots, fresh, out, scale);
+  at::parallel_for(0, v.size(0) * call.hv, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t item = lo; item < hi; ++item) {
-      const int64_t bb = item / hv, h = item % hv;
-      const float* qv = qp + (bb * hk + h / ratio) * dk;
-      const float* kv = kp + (bb * hk + h / ratio) * dk;
-      const float* vv = vp + (bb * hv + h) * dv;
-      const float g = -std::exp(alog[h]) * softplus(ap[bb * hv + h] + dtb[h]);
-      const float decay = std::exp(g);
-      const float beta = 1.f / (1.f + std::exp(-bp[bb * hv + h]));
-      float* state = pp + (sl[bb] * hv + h) * dv * dk;
-      float* o = op + (bb * hv + h) * dv;
-      const bool zero = fr[bb];
-      for (int64_t r = 0; r < dv; ++r) {
-        float* s = state + r * dk;
-        float dot_k = 0.f;
-        if (!zero) {
-#pragma omp simd reduction(+ : dot_k)
-          for (int64_t e = 0; e < dk; ++e) {
-            s[e] *= decay;
-            dot_k += s[e] * kv[e];
-          }
-        }
-        const float u = beta * (vv[r] - dot_k);
-        float dot_q = 0.f;
-        if (zero) {
-#pragma omp simd reduction(+ : dot_q)
-          for (int64_t e = 0; e < dk; ++e) {
-            s[e] = u * kv[e];
-            dot_q += s[e] * qv[e];
-          }
-        } else {
-#pragma omp simd reduction(+ : dot_q)
-          for (int64_t e = 0; e < dk; ++e) {
-            s[e] += u * kv[e];
-            dot_q += s[e] * qv[e];
-          }
-        }
-        o[r] = sc * dot_q;
-      }
+      const int64_t bb = item / call.hv;
+      call.token(bb, bb, item % call.hv, call.fresh[bb]);
+    }
+  });
+}
+
+// Every token of sequence b (rows cu[b] .. cu[b+1]-1 of q, k, v, a, b, out) in order.
+void gated_delta_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_log,
+                        const at::Tensor& dt_bias, at::Tensor pool, const at::Tensor& slots,
+                        const at::Tensor& fresh, const at::Tensor& cu_seqlens, at::Tensor out,
+                        double scale) {
+  const GdnCall call(q, k, v, a, b, a_log, dt_bias, pool, slots, fresh, out, scale);
+  TORCH_CHECK(cu_seqlens.dtype() == at::kInt, "cu_seqlens int32");
+  const int32_t* cu = cu_seqlens.data_ptr<int32_t>();
+  at::parallel_for(0, (cu_seqlens.size(0) - 1) * call.hv, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t item = lo; item < hi; ++item) {
+      const int64_t bb = item / call.hv, h = item % call.hv;
+      for (int64_t t = cu[bb]; t < cu[bb + 1]; ++t)
+        call.token(t, bb, h, call.fresh[bb] && t == cu[bb]);
     }
   });
 }
 
 template <typename T>
-void conv_decode_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* bias,
-                      at::Tensor& pool, const at::Tensor& slots, const at::Tensor& fresh,
-                      at::Tensor& out, bool silu) {
-  const int64_t batch = x.size(0), ch = x.size(1), kk = weight.size(1), st = kk - 1;
+__attribute__((noinline)) void conv_token(T* state, const T* x, const T* wp, const T* bp,
+                                          bool zero, int64_t ch, int64_t kk, bool silu, T* out) {
+  const int64_t st = kk - 1;
+  for (int64_t c = 0; c < ch; ++c) {
+    const float xc = to_float(x[c]);
+    const T* w = wp + c * kk;
+    T* s = state + c * st;
+    float y = to_float(w[st]) * xc + (bp != nullptr ? to_float(bp[c]) : 0.f);
+    if (!zero)
+      for (int64_t j = 0; j < st; ++j) y += to_float(w[j]) * to_float(s[j]);
+    if (silu) y = y / (1.f + std::exp(-y));
+    out[c] = from_float<T>(y);
+    if (st > 0) {
+      if (zero) {
+        for (int64_t j = 0; j + 1 < st; ++j) s[j] = from_float<T>(0.f);
+      } else {
+        for (int64_t j = 0; j + 1 < st; ++j) s[j] = s[j + 1];
+      }
+      s[st - 1] = x[c];
+    }
+  }
+}
+
+// cu == nullptr: one token per sequence (decode); else tokens cu[b] .. cu[b+1]-1 in order.
+template <typename T>
+void conv_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* bias,
+               at::Tensor& pool, const at::Tensor& slots, const at::Tensor& fresh,
+               const int32_t* cu, int64_t batch, at::Tensor& out, bool silu) {
+  const int64_t ch = x.size(1), kk = weight.size(1), st = kk - 1;
   const T* xp = x.data_ptr<T>();
   const T* wp = weight.data_ptr<T>();
   const T* bp = bias != nullptr ? bias->data_ptr<T>() : nullptr;
@@ -108,50 +180,55 @@ void conv_decode_impl(const at::Tensor& x, const at::Tensor& weight, const at::T
   const bool* fr = fresh.data_ptr<bool>();
   at::parallel_for(0, batch, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t bb = lo; bb < hi; ++bb) {
-      T* state = pp + sl[bb] * ch * st;
-      const bool zero = fr[bb];
-      for (int64_t c = 0; c < ch; ++c) {
-        const float xc = to_float(xp[bb * ch + c]);
-        const T* w = wp + c * kk;
-        T* s = state + c * st;
-        float y = to_float(w[st]) * xc + (bp != nullptr ? to_float(bp[c]) : 0.f);
-        if (!zero)
-          for (int64_t j = 0; j < st; ++j) y += to_float(w[j]) * to_float(s[j]);
-        if (silu) y = y / (1.f + std::exp(-y));
-        op[bb * ch + c] = from_float<T>(y);
-        if (st > 0) {
-          if (zero) {
-            for (int64_t j = 0; j + 1 < st; ++j) s[j] = from_float<T>(0.f);
-          } else {
-            for (int64_t j = 0; j + 1 < st; ++j) s[j] = s[j + 1];
-          }
-          s[st - 1] = xp[bb * ch + c];
-        }
-      }
+      const int64_t t0 = cu != nullptr ? cu[bb] : bb, t1 = cu != nullptr ? cu[bb + 1] : bb + 1;
+      for (int64_t t = t0; t < t1; ++t)
+        conv_token<T>(pp + sl[bb] * ch * st, xp + t * ch, wp, bp, fr[bb] && t == t0, ch, kk,
+                      silu, op + t * ch);
     }
   });
 }
 
-void causal_conv_decode(const at::Tensor& x, const at::Tensor& weight,
-                        const c10::optional<at::Tensor>& bias, at::Tensor pool,
-                        const at::Tensor& slots, const at::Tensor& fresh, at::Tensor out,
-                        bool silu) {
+void check_conv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& pool,
+                const at::Tensor& slots, const at::Tensor& fresh, const at::Tensor& out) {
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && pool.is_contiguous() &&
                   out.is_contiguous(), "contiguous tensors expected");
   TORCH_CHECK(x.dtype() == weight.dtype() && x.dtype() == pool.dtype() &&
                   x.dtype() == out.dtype(), "x, weight, pool and out must share a dtype");
   TORCH_CHECK(slots.dtype() == at::kLong && fresh.dtype() == at::kBool, "slots int64, fresh bool");
   TORCH_CHECK(pool.size(2) == weight.size(1) - 1, "pool holds K-1 columns");
+}
+
+void run_conv(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+              at::Tensor& pool, const at::Tensor& slots, const at::Tensor& fresh,
+              const int32_t* cu, int64_t batch, at::Tensor& out, bool silu) {
   const at::Tensor* bp = bias.has_value() ? &bias.value() : nullptr;
   if (x.dtype() == at::kFloat) {
-    conv_decode_impl<float>(x, weight, bp, pool, slots, fresh, out, silu);
+    conv_impl<float>(x, weight, bp, pool, slots, fresh, cu, batch, out, silu);
   } else if (x.dtype() == at::kBFloat16) {
-    conv_decode_impl<c10::BFloat16>(x, weight, bp, pool, slots, fresh, out, silu);
+    conv_impl<c10::BFloat16>(x, weight, bp, pool, slots, fresh, cu, batch, out, silu);
   } else if (x.dtype() == at::kHalf) {
-    conv_decode_impl<c10::Half>(x, weight, bp, pool, slots, fresh, out, silu);
+    conv_impl<c10::Half>(x, weight, bp, pool, slots, fresh, cu, batch, out, silu);
   } else {
     TORCH_CHECK(false, "dtype must be float32, bfloat16 or float16");
   }
+}
+
+void causal_conv_decode(const at::Tensor& x, const at::Tensor& weight,
+                        const c10::optional<at::Tensor>& bias, at::Tensor pool,
+                        const at::Tensor& slots, const at::Tensor& fresh, at::Tensor out,
+                        bool silu) {
+  check_conv(x, weight, pool, slots, fresh, out);
+  run_conv(x, weight, bias, pool, slots, fresh, nullptr, x.size(0), out, silu);
+}
+
+void causal_conv_varlen(const at::Tensor& x, const at::Tensor& weight,
+                        const c10::optional<at::Tensor>& bias, at::Tensor pool,
+                        const at::Tensor& slots, const at::Tensor& fresh,
+                        const at::Tensor& cu_seqlens, at::Tensor out, bool silu) {
+  check_conv(x, weight, pool, slots, fresh, out);
+  TORCH_CHECK(cu_seqlens.dtype() == at::kInt, "cu_seqlens int32");
+  run_conv(x, weight, bias, pool, slots, fresh, cu_seqlens.data_ptr<int32_t>(),
+           cu_seqlens.size(0) - 1, out, silu);
 }
 
 }  // namespace
@@ -165,9 +242,18 @@ TORCH_LIBRARY_FRAGMENT(pagedhybrid, m) {
   m.def(
       "causal_conv_decode(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) pool, Tensor slots, "
       "Tensor fresh, Tensor(b!) out, bool silu) -> ()");
+  m.def(
+      "gated_delta_varlen(Tensor q, Tensor k, Tensor v, Tensor a, Tensor b, Tensor a_log, "
+      "Tensor dt_bias, Tensor(a!) pool, Tensor slots, Tensor fresh, Tensor cu_seqlens, "
+      "Tensor(b!) out, float scale) -> ()");
+  m.def(
+      "causal_conv_varlen(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) pool, Tensor slots, "
+      "Tensor fresh, Tensor cu_seqlens, Tensor(b!) out, bool silu) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedhybrid, CPU, m) {
   m.impl("gated_delta_decode", &pagedhybrid::gated_delta_decode);
   m.impl("causal_conv_decode", &pagedhybrid::causal_conv_decode);
+  m.impl("gated_delta_varlen", &pagedhybrid::gated_delta_varlen);
+  m.impl("causal_conv_varlen", &pagedhybrid::causal_conv_varlen);
 }

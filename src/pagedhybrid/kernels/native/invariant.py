@@ -1,0 +1,121 @@
+"""The batch-invariant step seam: every token's arithmetic is independent of its batch.
+
+A token's logits must come out bitwise the same whatever else is in the step, where it sits in
+the packed stream, how its prompt was chunked, whether it was preempted and recomputed, and
+which pages it got. Each source of drift is replaced by a kernel with one fixed order per
+output element:
+
+* ``linear`` -- every projection and the LM head on ``linear_invariant`` (fixed per-element
+  K order, no K split, register blocks that only share loads; torch's GEMMs pick kernels and K
+  splits by shape);
+* ``attention`` -- every sequence, decode or prefill of any length, on the native paged kernel:
+  fixed KV splits of ``KV_SPLIT`` tokens from position 0 merged in split order, 16-key tiles
+  from each split's start, each row's online softmax its own (rows that see no key of a tile
+  are exact no-ops), so a row's result depends only on its query and keys ``0..p``;
+* ``gated_delta`` / ``causal_conv`` -- the token-recurrent form for prefill too
+  (``gated_delta_varlen`` / ``causal_conv_varlen`` run each token through the very function the
+  decode kernels use); state checkpoints inside a chunk are taken between segments (the
+  recurrence) or copied from the inputs (the conv window), so a prefix-cache hit restores the
+  bits the recurrence had there.
+
+What stays on torch is row-wise or element-wise (norms, RoPE, SiLU, residuals, the per-row
+log-softmax of sampling), which does not mix rows; the tests check the whole model bitwise.
+Speed (``benchmarks/engine.py --batch-invariant``, 2 cores): the linear kernel runs at the fp32
+FMA peak -- torch's fp32 GEMM speed for decode batches, 0.85x for prefill -- so the fp32 mode
+costs nothing measurable (1.00x); against the AMX bf16 GEMMs it is 4-10x slower, so bf16 pays
+(0.45x). An AMX tile kernel (rows of a tile are independent in ``tdpbf16ps``, so padding M to 16
+keeps every row's arithmetic its own) with VNNI-packed weights would close that gap.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from pagedhybrid.kernels.cpu import step as torch_step
+from pagedhybrid.kernels.native import library
+from pagedhybrid.kernels.native import step as native_step
+from pagedhybrid.kernels.step import StepMetadata
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x [..., K] @ weight [N, K]^T`` with the invariant kernel, in ``x``'s dtype."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k).to(weight.dtype).contiguous()
+    out = torch.empty(x2.shape[0], weight.shape[0], dtype=torch.float32)
+    if x2.shape[0]:
+        library().linear_invariant(x2, weight.contiguous(), out)  # type: ignore[attr-defined]
+    return out.to(x.dtype).view(*lead, weight.shape[0])
+
+
+# every sequence on the native kernel, whatever its query length
+attention = functools.partial(native_step.attention, max_query=1 << 62)
+
+
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, meta: StepMetadata,
+                activation: str, checkpoints: torch.Tensor | None = None) -> torch.Tensor:
+    silu = activation in ("silu", "swish")
+    w = weight.view(weight.shape[0], weight.shape[-1])  # [C, K]
+    x = x.contiguous()
+    init = (torch_step.initial_conv_rows(pool, meta)
+            if checkpoints is not None and torch_step.inner_checkpoints(meta) else None)
+    y = torch.empty_like(x)
+    library().causal_conv_varlen(x, w, None, pool, meta.state_slots, meta.fresh_t,  # type: ignore[attr-defined]
+                                 meta.cu_seqlens_t, y, silu)
+    if init is not None:
+        torch_step.save_inner_conv_checkpoints(x, init, meta, checkpoints)
+    torch_step.save_chunk_ends(pool, checkpoints, meta)
+    return y
+
+
+def _gdn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+         a_log: torch.Tensor, dt_bias: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
+         fresh: torch.Tensor, cu: torch.Tensor, scale: float) -> torch.Tensor:
+    out = torch.empty(v.shape, dtype=torch.float32)
+    library().gated_delta_varlen(q.float().contiguous(), k.float().contiguous(),  # type: ignore[attr-defined]
+                                 v.float().contiguous(), a.float().contiguous(),
+                                 b.float().contiguous(), a_log, dt_bias, pool, slots, fresh, cu,
+                                 out, scale)
+    return out
+
+
+def gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+                b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, pool: torch.Tensor,
+                meta: StepMetadata, scale: float, checkpoints: torch.Tensor | None = None
+                ) -> torch.Tensor:
+    inner = torch_step.inner_checkpoints(meta) if checkpoints is not None else []
+    if not inner:
+        out = _gdn(q, k, v, a, b, a_log, dt_bias, pool, meta.state_slots, meta.fresh_t,
+                   meta.cu_seqlens_t, scale)
+        torch_step.save_chunk_ends(pool, checkpoints, meta)
+        return out
+    assert checkpoints is not None
+    # Segments between a sequence's inner checkpoints, run phase by phase: phase p advances
+    # every sequence through its p-th segment, then the states of the checkpoints ending there
+    # are copied out; the recurrence (and so every bit) is the unsegmented one.
+    cuts = {s: sorted(o for s2, o, _ in inner if s2 == s) for s, _, _ in inner}
+    rows_of = {(s, o): r for s, o, r in inner}
+    out = torch.empty(v.shape, dtype=torch.float32)
+    start = [0] * meta.batch
+    for p in range(1 + max(len(c) for c in cuts.values())):
+        end = [cuts[s][p] if p < len(cuts.get(s, ())) else
+               (meta.q_lens[s] if p <= len(cuts.get(s, ())) else start[s])
+               for s in range(meta.batch)]
+        rows = torch.cat([torch.arange(meta.cu_seqlens[s] + start[s], meta.cu_seqlens[s] + end[s])
+                          for s in range(meta.batch)])
+        cu = torch.tensor([0, *torch.tensor([e - s0 for s0, e in zip(start, end, strict=True)])
+                           .cumsum(0).tolist()], dtype=torch.int32)
+        fresh = meta.fresh_t & (p == 0)
+        out.index_copy_(0, rows, _gdn(q[rows], k[rows], v[rows], a[rows], b[rows], a_log,
+                                      dt_bias, pool, meta.state_slots, fresh, cu, scale))
+        done = [(s, rows_of[(s, end[s])]) for s in range(meta.batch)
+                if p < len(cuts.get(s, ())) and (s, end[s]) in rows_of]
+        if done:
+            checkpoints.index_copy_(0, torch.tensor([r for _, r in done]), pool.index_select(
+                0, meta.state_slots[[s for s, _ in done]]))
+        start = end
+    torch_step.save_chunk_ends(pool, checkpoints, meta)
+    return out

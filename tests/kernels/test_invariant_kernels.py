@@ -1,0 +1,143 @@
+"""The batch-invariant kernels, each against the batch: bitwise, never a tolerance (except vs the
+float references, which they must also approximate).
+
+* ``linear_invariant``: a row's output is the same for every row count, offset and thread count,
+  and close to ``F.linear`` (torch's GEMM rows drift with the batch: shown too);
+* ``gated_delta_varlen`` / ``causal_conv_varlen``: one call over a whole chunk equals, bit for
+  bit, the decode kernel run token after token, and approximates the chunked / stream forms;
+* the native paged attention: a row of a prefill chunk equals the same row computed as a decode.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedhybrid.kernels.native import KV_SPLIT, status
+
+pytestmark = pytest.mark.skipif(not status().available, reason=status().reason)
+
+
+def lib():  # type: ignore[no-untyped-def]
+    from pagedhybrid.kernels.native import library
+
+    return library()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "k"), [(96, 64), (37, 1000), (258, 33)])
+def test_linear_rows_do_not_depend_on_the_batch(dtype: torch.dtype, n: int, k: int) -> None:
+    gen = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    x = torch.randn(70, k, generator=gen).to(dtype)
+    full = torch.empty(70, n)
+    lib().linear_invariant(x, w, full)
+    for m, off, threads in ((1, 0, 1), (1, 33, 2), (3, 5, 2), (17, 50, 1), (64, 6, 2)):
+        torch.set_num_threads(threads)
+        part = torch.empty(m, n)
+        lib().linear_invariant(x[off:off + m].contiguous(), w, part)
+        assert torch.equal(part, full[off:off + m]), (m, off, threads)
+    torch.set_num_threads(2)
+    ref = F.linear(x.double(), w.double())
+    tol = 1e-4 if dtype == torch.float32 else 1e-3
+    assert (full.double() - ref).abs().max() <= tol * max(1.0, ref.abs().max().item())
+
+
+def test_torch_linear_rows_do_drift_with_the_batch() -> None:
+    """Why the mode needs its own GEMM: torch's row results change with the row count."""
+    gen = torch.Generator().manual_seed(0)
+    w, x = torch.randn(1024, 1000, generator=gen), torch.randn(128, 1000, generator=gen)
+    full = F.linear(x, w)
+    assert any(not torch.equal(F.linear(x[:m], w), full[:m]) for m in (1, 2, 16, 64))
+
+
+def _gdn_inputs(t: int, b: int = 2, hk: int = 2, hv: int = 4, dk: int = 16, dv: int = 8,
+                seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    q = F.normalize(torch.randn(t, hk, dk, generator=gen), dim=-1)
+    k = F.normalize(torch.randn(t, hk, dk, generator=gen), dim=-1)
+    return {"q": q, "k": k, "v": torch.randn(t, hv, dv, generator=gen),
+            "a": torch.randn(t, hv, generator=gen), "b": torch.randn(t, hv, generator=gen),
+            "a_log": torch.randn(hv, generator=gen) * 0.5,
+            "dt_bias": torch.randn(hv, generator=gen)}
+
+
+def test_recurrent_prefill_equals_decode_token_by_token() -> None:
+    lens = [7, 1, 12]
+    n = sum(lens)
+    x = _gdn_inputs(n)
+    hv, dv, dk = 4, 8, 16
+    cu = torch.tensor([0, 7, 8, 20], dtype=torch.int32)
+    pool = torch.randn(5, hv, dv, dk)
+    slots = torch.tensor([3, 0, 4])
+    fresh = torch.tensor([True, False, False])
+    a_pool = pool.clone()
+    out = torch.empty(n, hv, dv)
+    lib().gated_delta_varlen(x["q"], x["k"], x["v"], x["a"], x["b"], x["a_log"], x["dt_bias"],
+                             a_pool, slots, fresh, cu, out, 0.25)
+    b_pool = pool.clone()
+    step = torch.empty(n, hv, dv)
+    for i in range(max(lens)):  # decode steps: token i of every sequence still running
+        seqs = [s for s in range(3) if i < lens[s]]
+        rows = torch.tensor([int(cu[s]) + i for s in seqs])
+        o = torch.empty(len(seqs), hv, dv)
+        lib().gated_delta_decode(
+            x["q"][rows].contiguous(), x["k"][rows].contiguous(), x["v"][rows].contiguous(),
+            x["a"][rows].contiguous(), x["b"][rows].contiguous(), x["a_log"], x["dt_bias"],
+            b_pool, slots[seqs].contiguous(), fresh[seqs] & (i == 0), o, 0.25)
+        step[rows] = o
+    assert torch.equal(out, step) and torch.equal(a_pool, b_pool)
+    # and the recurrence is the contract's (the reference, to float noise)
+    from pagedhybrid.ops import gated_delta_net
+
+    init = pool[slots].clone()
+    init[fresh] = 0
+    ref, final = gated_delta_net(x["q"], x["k"], x["v"], cu, x["a"], x["b"], init, x["a_log"],
+                                 x["dt_bias"], gate_activation="qwen", beta_activation="sigmoid",
+                                 qk_l2_norm=0, scale=0.25)
+    assert (ref - out).abs().max() < 1e-5 and (final - a_pool[slots]).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_prefill_equals_decode_token_by_token(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    lens, c, kk = [5, 1, 9], 24, 4
+    n = sum(lens)
+    cu = torch.tensor([0, 5, 6, 15], dtype=torch.int32)
+    x = torch.randn(n, c, generator=gen).to(dtype)
+    w = torch.randn(c, kk, generator=gen).to(dtype)
+    pool = torch.randn(4, c, kk - 1, generator=gen).to(dtype)
+    slots, fresh = torch.tensor([2, 0, 3]), torch.tensor([False, True, False])
+    a_pool, y = pool.clone(), torch.empty_like(x)
+    lib().causal_conv_varlen(x, w, None, a_pool, slots, fresh, cu, y, True)
+    b_pool, y2 = pool.clone(), torch.empty_like(x)
+    for i in range(max(lens)):
+        seqs = [s for s in range(3) if i < lens[s]]
+        rows = torch.tensor([int(cu[s]) + i for s in seqs])
+        o = torch.empty(len(seqs), c, dtype=dtype)
+        lib().causal_conv_decode(x[rows].contiguous(), w, None, b_pool, slots[seqs].contiguous(),
+                                 fresh[seqs] & (i == 0), o, True)
+        y2[rows] = o
+    assert torch.equal(y, y2) and torch.equal(a_pool, b_pool)
+
+
+def test_attention_row_of_a_prefill_chunk_equals_its_decode() -> None:
+    gen = torch.Generator().manual_seed(3)
+    hq, hkv, d, bs, total = 8, 2, 64, 16, KV_SPLIT + 90  # crosses a KV split
+    pages = -(-total // bs)
+    kc = torch.randn(pages + 2, bs, hkv, d, generator=gen)
+    vc = torch.randn(pages + 2, bs, hkv, d, generator=gen)
+    table = torch.randperm(pages + 2, generator=gen)[:pages].to(torch.int32)[None]
+    q = torch.randn(40, hq, d, generator=gen)  # the last 40 positions as one chunk
+    out = torch.empty(40, hq, d)
+    lib().paged_attention(q, kc, vc, table, torch.tensor([0, 40], dtype=torch.int32),
+                          torch.tensor([total - 40], dtype=torch.int32),
+                          torch.tensor([0], dtype=torch.int32), out, d ** -0.5, KV_SPLIT)
+    for i in (0, 7, 39):  # the same query row as a decode at its position
+        one = torch.empty(1, hq, d)
+        lib().paged_attention(q[i:i + 1].contiguous(), kc, vc, table,
+                              torch.tensor([0, 1], dtype=torch.int32),
+                              torch.tensor([total - 40 + i], dtype=torch.int32),
+                              torch.tensor([0], dtype=torch.int32), one, d ** -0.5, KV_SPLIT)
+        assert torch.equal(one[0], out[i]), i
