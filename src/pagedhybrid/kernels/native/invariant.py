@@ -5,9 +5,14 @@ the packed stream, how its prompt was chunked, whether it was preempted and reco
 which pages it got. Each source of drift is replaced by a kernel with one fixed order per
 output element:
 
-* ``linear`` -- every projection and the LM head on ``linear_invariant`` (fixed per-element
-  K order, no K split, register blocks that only share loads; torch's GEMMs pick kernels and K
-  splits by shape);
+* ``linear`` -- every projection and the LM head. fp32: ``linear_invariant`` (fixed
+  per-element K order, no K split, register blocks that only share loads). bf16: oneDNN's AMX
+  GEMM, always called on tiles of exactly ``ROW_TILE`` rows (the last one zero-padded). Its
+  kernel, blocking and K split are chosen by shape and thread count, so with the shape fixed a
+  row's arithmetic is the same in every tile and at every position in it; rows never mix. (A
+  plain ``torch.mm`` is not invariant: its kernel changes with M.) The K split does change
+  with the thread count, so bf16 invariance holds for one ``torch.get_num_threads()`` -- the
+  rollout and the recompute run in one process, or in processes with the same count;
 * ``attention`` -- every sequence, decode or prefill of any length, on the native paged kernel:
   fixed KV splits of ``KV_SPLIT`` tokens from position 0 merged in split order, 16-key tiles
   from each split's start, each row's online softmax its own (rows that see no key of a tile
@@ -20,11 +25,11 @@ output element:
 
 What stays on torch is row-wise or element-wise (norms, RoPE, SiLU, residuals, the per-row
 log-softmax of sampling), which does not mix rows; the tests check the whole model bitwise.
-Speed (``benchmarks/engine.py --batch-invariant``, 2 cores): the linear kernel runs at the fp32
+Speed (``benchmarks/engine.py --batch-invariant``, 2 cores): the fp32 linear kernel runs at the
 FMA peak -- torch's fp32 GEMM speed for decode batches, 0.85x for prefill -- so the fp32 mode
-costs nothing measurable (1.00x); against the AMX bf16 GEMMs it is 4-10x slower, so bf16 pays
-(0.45x). An AMX tile kernel (rows of a tile are independent in ``tdpbf16ps``, so padding M to 16
-keeps every row's arithmetic its own) with VNNI-packed weights would close that gap.
+costs nothing measurable (1.00x). In bf16 the fixed tiles cost the padding of the last tile and
+the larger GEMM a whole prefill chunk would get (the own fp32-FMA kernel was 4-10x slower than
+the AMX GEMMs there).
 """
 
 from __future__ import annotations
@@ -41,14 +46,27 @@ from pagedhybrid.kernels.step import StepMetadata
 DTYPES = (torch.float32, torch.bfloat16)
 
 
+ROW_TILE = 64  # bf16 GEMM tile: pads decode batches a little, keeps prefill near full speed
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x [..., K] @ weight [N, K]^T`` with the invariant kernel, in ``x``'s dtype."""
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k).to(weight.dtype).contiguous()
-    out = torch.empty(x2.shape[0], weight.shape[0], dtype=torch.float32)
-    if x2.shape[0]:
+    m, n = x2.shape[0], weight.shape[0]
+    if weight.dtype == torch.bfloat16:
+        pad = -m % ROW_TILE
+        if pad:
+            x2 = torch.cat([x2, x2.new_zeros(pad, k)])
+        out = torch.empty(m + pad, n, dtype=torch.bfloat16)
+        wt = weight.t()
+        for lo in range(0, m + pad, ROW_TILE):
+            torch.mm(x2[lo:lo + ROW_TILE], wt, out=out[lo:lo + ROW_TILE])
+        return out[:m].to(x.dtype).view(*lead, n)
+    out = torch.empty(m, n, dtype=torch.float32)
+    if m:
         library().linear_invariant(x2, weight.contiguous(), out)  # type: ignore[attr-defined]
-    return out.to(x.dtype).view(*lead, weight.shape[0])
+    return out.to(x.dtype).view(*lead, n)
 
 
 # every sequence on the native kernel, whatever its query length

@@ -1,7 +1,6 @@
 // Batch-invariant linear: out[m, n] = sum_k x[m, k] w[n, k] with one fixed reduction order.
 //
-// Inputs (validated by the caller): x T [M, K], w T [N, K] (T = float32 | bfloat16, converted to
-// fp32 exactly on load), out float32 [M, N]. Every output element is computed the same way
+// Inputs (validated by the caller): x float32 [M, K], w float32 [N, K], out float32 [M, N]. Every output element is computed the same way
 // whatever M is and wherever its row sits: kLanes partial sums, lane l accumulating k = l,
 // l + kLanes, ... in ascending order with FMAs (a masked zero-filled load for the K tail), then
 // one fixed horizontal reduction. Rows and weight rows are register-blocked 4 x 4 (a block only
@@ -9,8 +8,8 @@
 // rows, and work is split over (weight rows x row blocks) -- never over K -- so neither the
 // batch size, the packing position nor the thread count changes a bit of the result (torch's
 // GEMMs pick kernels and K splits by shape, so their rows drift with the batch).
-// vdpbf16ps pairs were tried for bf16 and were no faster here (their peak is the fp32 FMA's);
-// the bf16 gap to torch is AMX (see kernels/native/invariant.py).
+// fp32 only: bf16 runs oneDNN's AMX GEMM on fixed row tiles instead (kernels/native/invariant.py;
+// this kernel with vdpbf16ps pairs was 4-10x slower than AMX there).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -98,15 +97,9 @@ void linear_invariant(const at::Tensor& x, const at::Tensor& w, at::Tensor out) 
               "contiguous tensors expected");
   TORCH_CHECK(x.size(1) == w.size(1) && out.size(0) == x.size(0) && out.size(1) == w.size(0),
               "shapes: x [M, K], w [N, K], out [M, N]");
-  TORCH_CHECK(x.dtype() == w.dtype() && out.dtype() == at::kFloat,
-              "x and w share a dtype; out is float32");
-  if (x.dtype() == at::kFloat) {
-    linear_impl<float>(x, w, out);
-  } else if (x.dtype() == at::kBFloat16) {
-    linear_impl<c10::BFloat16>(x, w, out);
-  } else {
-    TORCH_CHECK(false, "dtype must be float32 or bfloat16");
-  }
+  TORCH_CHECK(x.dtype() == at::kFloat && w.dtype() == at::kFloat && out.dtype() == at::kFloat,
+              "x, w and out are float32");
+  linear_impl<float>(x, w, out);
 }
 
 }  // namespace
