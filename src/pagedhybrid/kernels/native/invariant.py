@@ -5,14 +5,15 @@ the packed stream, how its prompt was chunked, whether it was preempted and reco
 which pages it got. Each source of drift is replaced by a kernel with one fixed order per
 output element:
 
-* ``linear`` -- every projection and the LM head. fp32: ``linear_invariant`` (fixed
-  per-element K order, no K split, register blocks that only share loads). bf16: oneDNN's AMX
-  GEMM, always called on tiles of exactly ``ROW_TILE`` rows (the last one zero-padded). Its
-  kernel, blocking and K split are chosen by shape and thread count, so with the shape fixed a
-  row's arithmetic is the same in every tile and at every position in it; rows never mix. (A
-  plain ``torch.mm`` is not invariant: its kernel changes with M.) The K split does change
-  with the thread count, so bf16 invariance holds for one ``torch.get_num_threads()`` -- the
-  rollout and the recompute run in one process, or in processes with the same count;
+* ``linear`` -- every projection and the LM head. fp32: ``linear_invariant`` (fixed per-element
+  K order, no K split, register blocks that only share loads). bf16: oneDNN's bf16 GEMM (AMX or
+  AVX512-BF16, whichever the CPU has), always called on tiles of exactly ``ROW_TILE`` rows (the
+  last one zero-padded). Its kernel, blocking and K split are chosen by shape and thread count,
+  so with the shape fixed a row's arithmetic is the same in every tile and at every position in
+  it; rows never mix. (A plain ``torch.mm`` is not invariant: its kernel changes with M.) The K
+  split does change with the thread count, so bf16 invariance holds for one
+  ``torch.get_num_threads()`` -- the rollout and the recompute run in one process, or in
+  processes with the same count;
 * ``attention`` -- every sequence, decode or prefill of any length, on the native paged kernel:
   fixed KV splits of ``KV_SPLIT`` tokens from position 0 merged in split order, 16-key tiles
   from each split's start, each row's online softmax its own (rows that see no key of a tile
@@ -29,7 +30,7 @@ Speed (``benchmarks/engine.py --batch-invariant``, 2 cores): the fp32 linear ker
 FMA peak -- torch's fp32 GEMM speed for decode batches, 0.85x for prefill -- so the fp32 mode
 costs nothing measurable (1.00x). In bf16 the fixed tiles cost the padding of the last tile and
 the larger GEMM a whole prefill chunk would get (the own fp32-FMA kernel was 4-10x slower than
-the AMX GEMMs there).
+oneDNN's bf16 GEMMs there).
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@
 // rows, and work is split over (weight rows x row blocks) -- never over K -- so neither the
 // batch size, the packing position nor the thread count changes a bit of the result (torch's
 // GEMMs pick kernels and K splits by shape, so their rows drift with the batch).
-// fp32 only: bf16 runs oneDNN's AMX GEMM on fixed row tiles instead (kernels/native/invariant.py;
-// this kernel with vdpbf16ps pairs was 4-10x slower than AMX there).
+// fp32 only: bf16 runs oneDNN's bf16 GEMM on fixed row tiles instead (kernels/native/invariant.py;
+// this kernel with vdpbf16ps pairs was 4-10x slower than oneDNN there).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
