@@ -24,7 +24,11 @@ from pagedhybrid.engine import Engine, RequestOutput, SamplingParams
 from pagedhybrid.errors import UnsupportedConfiguration
 from pagedhybrid.kernels.native import status
 
-pytestmark = pytest.mark.skipif(not status().available, reason=status().reason)
+
+@pytest.fixture(autouse=True)
+def _native_kernels_built() -> None:
+    """``make test`` builds the extension: a missing or stale build fails here, loudly."""
+    assert status().available, status().reason
 
 BASE = prompt_of(11, 200)
 TOTALS = {"examples": 0, "preemptions": 0, "hits": 0, "chunked": 0}

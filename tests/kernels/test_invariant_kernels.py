@@ -16,7 +16,11 @@ import torch.nn.functional as F
 
 from pagedhybrid.kernels.native import KV_SPLIT, status
 
-pytestmark = pytest.mark.skipif(not status().available, reason=status().reason)
+
+@pytest.fixture(autouse=True)
+def _native_kernels_built() -> None:
+    """``make test`` builds the extension: a missing or stale build fails here, loudly."""
+    assert status().available, status().reason
 
 
 def lib():  # type: ignore[no-untyped-def]
