@@ -22,7 +22,7 @@ from engine_helpers import prompt_of
 from pagedhybrid.calibrate_kv import channel_amax, scales_from_amax
 from pagedhybrid.cli import main as cli_main
 from pagedhybrid.engine import Engine, EngineConfig, RequestOutput, SamplingParams
-from pagedhybrid.engine.engine import size_pools
+from pagedhybrid.engine.config import size_pools
 from pagedhybrid.errors import ContractViolation
 from pagedhybrid.kernels.native import status
 from pagedhybrid.kvquant import KV_DTYPES, QMAX, load_scales, quantize, save_scales

@@ -7,13 +7,16 @@
   prefill in one packed step, FCFS admission into both pools atomically, preemption by recompute.
 * ``SamplingParams`` / ``sample`` (``sampling.py``) -- greedy, temperature, top-k, top-p, seeds,
   stop ids / EOS, ``logprobs``.
+* ``EngineConfig`` (``config.py``) -- pool sizes and batching limits; ``size_pools`` turns a
+  memory budget into pages, slots and checkpoints.
 * ``Engine`` (``engine.py``) -- ``add_request`` / ``abort_request`` / ``step`` / ``stream``
   driving ``Qwen35ForCausalLM.forward_packed``; ``LLM`` (``llm.py``) -- offline ``generate``.
 """
 
 from __future__ import annotations
 
-from pagedhybrid.engine.engine import Engine, EngineConfig, EngineStats, build_batch
+from pagedhybrid.engine.config import EngineConfig
+from pagedhybrid.engine.engine import Engine, EngineStats, build_batch
 from pagedhybrid.engine.llm import LLM, Throughput, load_engine
 from pagedhybrid.engine.pages import BlockPool
 from pagedhybrid.engine.request import FinishReason, InvalidRequest, Request, RequestOutput

@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from pagedhybrid import dtypes
-from pagedhybrid.engine.engine import Engine, EngineConfig
+from pagedhybrid.engine.config import EngineConfig
+from pagedhybrid.engine.engine import Engine
 from pagedhybrid.engine.request import RequestOutput
 from pagedhybrid.engine.sampling import SamplingParams
 from pagedhybrid.errors import ContractViolation, UnsupportedConfiguration

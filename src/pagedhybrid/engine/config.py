@@ -1,0 +1,145 @@
+"""Engine configuration and pool sizing: ``EngineConfig`` and how a memory budget becomes KV
+pages, state slots and state checkpoints (``size_pools``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedhybrid.errors import CapacityError, ContractViolation
+from pagedhybrid.kvquant import QUANTS, kv_dtype
+from pagedhybrid.models.qwen35.config import Qwen35Config
+
+DEFAULT_CACHE_MEMORY = 64 << 20  # bytes of KV pages + state slots when nothing is given
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Pool sizes and batching limits.
+
+    ``num_blocks`` and ``cache_memory_bytes`` are exclusive (like ORT GenAI's ``num_blocks`` /
+    ``gpu_utilization_factor``); with neither, ``DEFAULT_CACHE_MEMORY`` is split into
+    ``num_state_slots`` slots (default ``max_num_seqs``) and as many pages as fit, capped at what
+    ``max_num_seqs`` requests of ``max_model_len`` tokens can use. ``cache_fill=None`` fills the
+    pools with random garbage instead of zeros (outputs must not change). ``backend`` picks the
+    kernels (``pagedhybrid.kernels.backend.select``): ``auto`` runs the native kernels when the
+    prebuilt extension is present and says why not otherwise; a named backend that cannot serve
+    the model's dtype/shape is refused here, at construction.
+
+    Prefix caching (``enable_prefix_caching``, on by default): full KV pages are content-hashed
+    and kept after their requests finish, and the linear layers' states are checkpointed every
+    ``state_checkpoint_interval`` tokens (a multiple of ``block_size``) into their own pool of
+    ``num_state_checkpoints`` rows; a new request starts after its longest prefix that has both
+    (``engine/scheduler.py``, ``HybridAllocator``).
+
+    Quantized KV pages (``kv_cache_dtype`` ``int8`` | ``fp8_e4m3``; ``auto`` = the model's
+    dtype): K/V are stored by ONNX Runtime's PagedAttention rule (``pagedhybrid.kvquant``) with
+    calibrated, fixed scales -- ``kv_scales`` names a scale file (``pagedhybrid calibrate-kv``);
+    without one the engine loads ``kv_scales-{dtype}-{kv_quant}.safetensors`` beside the
+    checkpoint and refuses to start if there is none (no silent dynamic scales). Pool sizing
+    counts the smaller pages: a memory budget holds 2x (bf16) / 4x (fp32) the pages.
+
+    ``batch_invariant=True``: every request's logits are bitwise the same whatever else is in
+    the batch, where it sits in the packed stream, how its prefill is chunked, whether it was
+    preempted and recomputed, and which pages it holds -- the kernels are selected for the
+    property through the kernel registry (``native_batch_invariant``; a backend that does not
+    declare it is refused at construction, never substituted). ``Engine.score`` /
+    ``LLM.score`` then reproduce the sampled tokens' logprobs exactly.
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    cache_memory_bytes: int | None = None
+    num_state_slots: int | None = None
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    seed: int = 0
+    device: str = "cpu"
+    cache_fill: float | None = 0.0
+    backend: str = "auto"  # kernel backend: auto | native | torch | reference
+    enable_prefix_caching: bool = True
+    state_checkpoint_interval: int | None = None  # tokens; default max(64, block_size)
+    num_state_checkpoints: int | None = None  # default: as many as state slots
+    prefix_cache_key: str | None = None  # e.g. a model/adapter id, part of every page hash
+    kv_cache_dtype: str = "auto"  # auto | int8 | fp8_e4m3 (alias fp8)
+    kv_quant: str = "per-channel"  # per-channel | per-tensor (quantized pages)
+    kv_scales: str | None = None  # scale file; default: beside the checkpoint
+    batch_invariant: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_blocks is not None and self.cache_memory_bytes is not None:
+            raise ContractViolation("EngineConfig", "num_blocks/cache_memory_bytes",
+                                    "are exclusive: give one", (self.num_blocks,
+                                                                self.cache_memory_bytes))
+        for name in ("num_blocks", "cache_memory_bytes", "num_state_slots", "max_model_len",
+                     "state_checkpoint_interval", "num_state_checkpoints"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ContractViolation("EngineConfig", name, "must be None or an int >= 1", v)
+        if self.kv_cache_dtype != "auto":
+            kv_dtype(self.kv_cache_dtype)  # ContractViolation naming the field
+        if self.kv_quant not in QUANTS:
+            raise ContractViolation("EngineConfig", "kv_quant", f"must be one of {list(QUANTS)}",
+                                    self.kv_quant)
+        if self.state_checkpoint_interval is not None and \
+                self.state_checkpoint_interval % self.block_size:
+            raise ContractViolation("EngineConfig", "state_checkpoint_interval",
+                                    f"must be a multiple of block_size {self.block_size}",
+                                    self.state_checkpoint_interval)
+
+    @property
+    def checkpoint_interval(self) -> int:
+        return self.state_checkpoint_interval or max(64, self.block_size)
+
+    def page_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The KV pages' element type."""
+        return model_dtype if self.kv_cache_dtype == "auto" else kv_dtype(self.kv_cache_dtype)
+
+
+def page_bytes(config: Qwen35Config, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV page across all full-attention layers (K and V)."""
+    per_layer = block_size * config.num_key_value_heads * config.head_dim * dtype.itemsize
+    return 2 * per_layer * len(config.full_attention_layers)
+
+
+def slot_bytes(config: Qwen35Config, dtype: torch.dtype) -> int:
+    """Bytes of one state slot across all linear layers (conv in ``dtype``, recurrent fp32)."""
+    conv = config.conv_dim * (config.linear_conv_kernel_dim - 1) * dtype.itemsize
+    rec = (config.linear_num_value_heads * config.linear_value_head_dim
+           * config.linear_key_head_dim * 4)
+    return (conv + rec) * len(config.linear_attention_layers)
+
+
+@dataclass(frozen=True)
+class PoolSizes:
+    num_blocks: int
+    num_slots: int
+    max_model_len: int
+    num_checkpoints: int = 0
+
+
+def size_pools(model_config: Qwen35Config, cfg: EngineConfig, dtype: torch.dtype) -> PoolSizes:
+    """Pages, slots, checkpoints and max_model_len from an ``EngineConfig`` (its docstring);
+    checkpoint rows cost what slots cost."""
+    slots = cfg.num_state_slots or cfg.max_num_seqs
+    checkpoints = (cfg.num_state_checkpoints or slots) if cfg.enable_prefix_caching else 0
+    limit = min(cfg.max_model_len or model_config.max_position_embeddings,
+                model_config.max_position_embeddings)
+    if cfg.num_blocks is not None:
+        blocks = cfg.num_blocks
+    else:
+        budget = cfg.cache_memory_bytes or DEFAULT_CACHE_MEMORY
+        per_page = max(page_bytes(model_config, cfg.block_size, cfg.page_dtype(dtype)), 1)
+        blocks = (budget - (slots + checkpoints) * slot_bytes(model_config, dtype)) // per_page
+        if cfg.cache_memory_bytes is None:
+            blocks = min(blocks, cfg.max_num_seqs * -(-limit // cfg.block_size))
+        if blocks < 1:
+            raise CapacityError(
+                f"cache memory {budget} B holds {slots} state slots and {checkpoints} state "
+                f"checkpoints of {slot_bytes(model_config, dtype)} B and no KV page of "
+                f"{per_page} B; raise cache_memory_bytes or lower num_state_slots / "
+                "num_state_checkpoints")
+    max_len = cfg.max_model_len or min(limit, blocks * cfg.block_size)
+    return PoolSizes(int(blocks), int(slots), int(max_len), int(checkpoints))
