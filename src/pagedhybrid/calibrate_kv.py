@@ -6,8 +6,10 @@ values are reduced per kv head and channel to their absolute maximum -- or, with
 ``--percentile P``, the P-th percentile of ``|x|`` over the calibration tokens, which clips rare
 outliers. PER_CHANNEL scales are ``amax[h, c] / qmax``, PER_TENSOR ``max(amax) / qmax``
 (``qmax`` = 127 for int8, 448 for float8e4m3fn), floored at ``1e-8``. The file
-(``pagedhybrid.kvquant.save_scales``) goes to ``--out``, by default beside the checkpoint, where
-the engine and the exporter find it.
+(``pagedhybrid.kvquant.save_scales``) goes to ``--out``, by default
+``kv_scales/{dtype}-{quant}.safetensors`` in the checkpoint folder (``default_scales_path``; out
+of the top folder, whose ``*.safetensors`` weight loaders read), where the engine and the
+exporter find it.
 """
 
 from __future__ import annotations
@@ -75,8 +77,8 @@ def scales_from_amax(amax: dict[int, tuple[torch.Tensor, torch.Tensor]], dtype: 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="checkpoint folder (default: built-in model)")
     p.add_argument("--text", required=True, help="UTF-8 calibration text")
-    p.add_argument("--out", default=None, help="scale file (default: kv_scales-{dtype}-{quant}"
-                   ".safetensors beside the checkpoint)")
+    p.add_argument("--out", default=None, help="scale file (default: kv_scales/{dtype}-{quant}"
+                   ".safetensors in the checkpoint folder)")
     p.add_argument("--quant", choices=list(QUANTS), default="per-channel")
     p.add_argument("--dtype", choices=["int8", "fp8", "fp8_e4m3"], default="int8")
     p.add_argument("--percentile", type=float, default=None,

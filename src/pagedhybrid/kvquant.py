@@ -18,7 +18,9 @@ Scale files (``pagedhybrid calibrate-kv``) are safetensors with ``layers.{i}.k_s
 ``layers.{i}.v_scale`` per full-attention layer ``i`` in that layout and the header metadata
 ``kv_cache_dtype`` (``int8`` | ``fp8_e4m3``), ``quant`` (``per-channel`` | ``per-tensor``) and
 how they were calibrated. ``default_scales_path`` is where the engine and the exporter look when
-no file is given: ``kv_scales-{dtype}-{quant}.safetensors`` beside the checkpoint.
+no file is given: ``kv_scales/{dtype}-{quant}.safetensors`` in the checkpoint folder. They live in
+a subfolder because checkpoint loaders (vLLM, SGLang) read every ``*.safetensors`` at the top of
+the folder as weights and would reject ``layers.{i}.k_scale`` as an unknown parameter.
 """
 
 from __future__ import annotations
@@ -113,8 +115,11 @@ def per_tensor(scales: KVScales) -> bool:
     return scales.k.numel() == 1
 
 
+SCALES_DIR = "kv_scales"  # the checkpoint's subfolder of scale files, out of weight loaders' glob
+
+
 def default_scales_path(model_dir: str | Path, dtype: torch.dtype, quant: str) -> Path:
-    return Path(model_dir) / f"kv_scales-{dtype_name(dtype)}-{quant}.safetensors"
+    return Path(model_dir) / SCALES_DIR / f"{dtype_name(dtype)}-{quant}.safetensors"
 
 
 def save_scales(path: str | Path, scales: Mapping[int, KVScales], dtype: torch.dtype,
@@ -127,6 +132,7 @@ def save_scales(path: str | Path, scales: Mapping[int, KVScales], dtype: torch.d
         tensors[f"layers.{i}.v_scale"] = s.v.to(torch.float32).contiguous()
     meta = {"kv_cache_dtype": dtype_name(dtype), "quant": quant, **(info or {})}
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path), metadata=meta)
     return path
 

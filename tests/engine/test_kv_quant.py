@@ -1,7 +1,8 @@
 """Quantized KV pages (int8 / float8e4m3fn, per-tensor / per-channel) end to end.
 
 * calibration: the scales are the channel absmax of the keys/values the pages hold, over qmax;
-  files round-trip and a mismatched file is refused; the CLI writes a file the engine loads;
+  files round-trip and a mismatched file is refused; the CLI writes a file the engine loads
+  (by default in the checkpoint's ``kv_scales/``, out of weight loaders' ``*.safetensors``);
 * engine: every backend (reference, torch, native) serves quantized pages, agreeing with each
   other to float noise and with the unquantized engine to quantization noise (but not exactly:
   the pages really are int8 / fp8); a prefix-cache hit on quantized pages equals no hit;
@@ -133,6 +134,28 @@ def test_calibrate_kv_cli_writes_what_the_engine_loads(tmp_path: Path,
     assert cli_main(["calibrate-kv", "--text", str(text), "--percentile", "0"]) == 2
     assert cli_main(["calibrate-kv", "--text", str(tmp_path / "none.txt")]) == 2
     assert "must be a readable file" in capsys.readouterr().err
+
+
+def test_calibrate_kv_default_out_is_the_checkpoints_kv_scales_folder(tmp_path: Path) -> None:
+    """Without ``--out`` the file goes to ``kv_scales/`` in the checkpoint folder -- not its top,
+    whose ``*.safetensors`` weight loaders (vLLM) read -- and the engine finds it there."""
+    from pagedhybrid.engine.llm import load_engine
+    from pagedhybrid.models.qwen35 import default_model_dir
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                 "tokenizer_config.json"):
+        (ckpt / name).symlink_to(default_model_dir() / name)
+    text = tmp_path / "calib.txt"
+    text.write_text("And God said, Let there be light: and there was light.\n" * 20)
+    assert cli_main(["calibrate-kv", "--model", str(ckpt), "--text", str(text), "--dtype", "int8",
+                     "--quant", "per-tensor", "--context", "64"]) == 0
+    assert sorted(p.name for p in ckpt.glob("*.safetensors")) == ["model.safetensors"]
+    assert (ckpt / "kv_scales" / "int8-per-tensor.safetensors").is_file()
+    engine = load_engine(ckpt, kv_cache_dtype="int8", kv_quant="per-tensor", num_blocks=16,
+                         backend="torch")
+    assert engine.cache.kv_dtype == torch.int8 and engine.cache.kv_scales[3].k.shape == (1,)
 
 
 def test_the_builtin_model_ships_its_scales() -> None:

@@ -42,7 +42,7 @@ ONNX_TYPE = {"int8": "int8", "fp8": "float8e4m3fn"}
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny checkpoint with calibrated scale files of every combination beside it."""
+    """A tiny checkpoint with calibrated scale files of every combination in its kv_scales/."""
     path = write_tiny(tmp_path_factory.mktemp("quant-ckpt"))
     model = load(path)
     amax, _ = channel_amax(model, torch.randint(0, 256, (300,)).tolist(), 128)

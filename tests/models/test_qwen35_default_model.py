@@ -1,22 +1,27 @@
 """The built-in default model (a trained HF checkpoint shipped in the package) and the tokenizers.
 
 HF transformers must read the same folder (``Qwen3_5ForCausalLM`` + ``PreTrainedTokenizerFast``)
-and agree with our loader and tokenizer; the model must be trained (its held-out perplexity is
+and agree with our loader and tokenizer, and so must a loader that takes every top-level
+``*.safetensors`` for weights (vLLM's); the model must be trained (its held-out perplexity is
 far below that of a uniform guess) and greedy text must be English words, not bytes.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import math
+import os
 import re
 
 import pytest
 import torch
+from safetensors import safe_open
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen3_5ForCausalLM
 
 from pagedhybrid.errors import UnsupportedConfiguration
+from pagedhybrid.kvquant import KV_DTYPES, QUANTS, default_scales_path
 from pagedhybrid.models.qwen35 import (
     ByteTokenizer,
     CheckpointError,
@@ -31,10 +36,53 @@ from pagedhybrid.models.qwen35.default_model import heldout_text_path
 
 
 @pytest.fixture(scope="module")
-def hf_pair():
+def hf_loaded():
+    hf, info = Qwen3_5ForCausalLM.from_pretrained(str(default_model_dir()), dtype=torch.float32,
+                                                  output_loading_info=True)
+    return hf.eval(), info
+
+
+@pytest.fixture(scope="module")
+def hf_pair(hf_loaded):
+    return hf_loaded[0], PreTrainedTokenizerFast.from_pretrained(str(default_model_dir()))
+
+
+def test_hf_loads_every_parameter_from_the_folder(hf_loaded):
+    _, info = hf_loaded
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert not info["mismatched_keys"] and not info["error_msgs"], info
+
+
+def test_folder_loads_as_vllm_globs_it(hf_loaded):
+    """vLLM's DefaultModelLoader (``_prepare_weights``) takes every ``*.safetensors`` at the top
+    of a local folder (``glob.glob(os.path.join(folder, "*.safetensors"))``, not recursive) as
+    weights, keeping only the files of ``model.safetensors.index.json``'s ``weight_map`` when that
+    exists; a tensor no parameter takes fails the load. So every tensor those files hold must be
+    a parameter of HF's model and together they must give all of them (the tied LM head aside).
+    The KV scale files live in ``kv_scales/``, out of that glob, and the engine still finds them."""
+    hf, _ = hf_loaded
     path = default_model_dir()
-    hf = Qwen3_5ForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    return hf, PreTrainedTokenizerFast.from_pretrained(str(path))
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = set(json.loads(index.read_text())["weight_map"].values())
+        files = [f for f in files if os.path.basename(f) in shards]
+    assert files
+    params = set(hf.state_dict())
+    held = []  # (tensor name, file)
+    for file in files:
+        with safe_open(file, framework="pt") as st:
+            held += [(name, os.path.basename(file)) for name in st.keys()]  # noqa: SIM118
+    unknown = [(n, f) for n, f in held if n not in params]
+    assert not unknown, f"tensors that are no parameter of Qwen3_5ForCausalLM: {unknown}"
+    names = {n for n, _ in held}
+    assert len(names) == len(held), "a tensor in two files"
+    tied = {"lm_head.weight"} if hf.config.tie_word_embeddings else set()
+    assert params - tied - names == set()
+    for dt in KV_DTYPES.values():
+        for q in QUANTS:
+            scales = default_scales_path(path, dt, q)
+            assert scales.is_file() and scales.parent != path, scales
 
 
 def test_folder_is_an_hf_checkpoint_both_libraries_read(hf_pair):

@@ -53,8 +53,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-quant", default="per-channel", choices=["per-channel", "per-tensor"],
                    help="scale granularity of quantized pages")
     g.add_argument("--kv-scales", default=None, metavar="FILE",
-                   help="KV scale file (default: kv_scales-{dtype}-{quant}.safetensors beside "
-                   "the checkpoint)")
+                   help="KV scale file (default: kv_scales/{dtype}-{quant}.safetensors in the "
+                   "checkpoint folder)")
 
 
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:

@@ -36,8 +36,8 @@ class EngineConfig:
     Quantized KV pages (``kv_cache_dtype`` ``int8`` | ``fp8_e4m3``; ``auto`` = the model's
     dtype): K/V are stored by ONNX Runtime's PagedAttention rule (``pagedhybrid.kvquant``) with
     calibrated, fixed scales -- ``kv_scales`` names a scale file (``pagedhybrid calibrate-kv``);
-    without one the engine loads ``kv_scales-{dtype}-{kv_quant}.safetensors`` beside the
-    checkpoint and refuses to start if there is none (no silent dynamic scales). Pool sizing
+    without one the engine loads ``kv_scales/{dtype}-{kv_quant}.safetensors`` in the
+    checkpoint folder and refuses to start if there is none (no silent dynamic scales). Pool sizing
     counts the smaller pages: a memory budget holds 2x (bf16) / 4x (fp32) the pages.
 
     ``batch_invariant=True``: every request's logits are bitwise the same whatever else is in
@@ -65,7 +65,7 @@ class EngineConfig:
     prefix_cache_key: str | None = None  # e.g. a model/adapter id, part of every page hash
     kv_cache_dtype: str = "auto"  # auto | int8 | fp8_e4m3 (alias fp8)
     kv_quant: str = "per-channel"  # per-channel | per-tensor (quantized pages)
-    kv_scales: str | None = None  # scale file; default: beside the checkpoint
+    kv_scales: str | None = None  # scale file; default: kv_scales/ in the checkpoint
     batch_invariant: bool = False
 
     def __post_init__(self) -> None:

@@ -41,8 +41,8 @@ def register_subcommands(subparsers: Any) -> None:
                    help="quantized KV pages (CUDA): int8 or float8e4m3fn with calibrated scales")
     e.add_argument("--kv-quant", choices=["per-channel", "per-tensor"], default="per-channel")
     e.add_argument("--kv-scales", default=None, metavar="FILE",
-                   help="KV scale file (default: kv_scales-{dtype}-{quant}.safetensors beside "
-                   "the checkpoint; pagedhybrid calibrate-kv writes it)")
+                   help="KV scale file (default: kv_scales/{dtype}-{quant}.safetensors in the "
+                   "checkpoint folder; pagedhybrid calibrate-kv writes it)")
     e.add_argument("--no-weights", action="store_true",
                    help="structure only: weights declared as external data, not written")
     e.set_defaults(func=run_export)

@@ -55,7 +55,7 @@ class ExportOptions:
     weights: bool = True
     kv_cache_dtype: str | None = None  # None: the activation dtype; int8 | fp8 (e4m3)
     kv_quant: str = "per-channel"  # per-channel | per-tensor
-    kv_scales: str | None = None  # scale file; default: beside the checkpoint
+    kv_scales: str | None = None  # scale file; default: kv_scales/ in the checkpoint
 
     @property
     def onnx_dtype(self) -> str:

@@ -87,8 +87,8 @@ def export_package(model_dir: str | Path, out_dir: str | Path, options: ExportOp
 
 def export_scales(model_dir: Path, config: Qwen35Config, options: ExportOptions
                   ) -> dict[int, KVScales] | None:
-    """The calibrated KV scales of a quantized-page export (``--kv-scales`` or the file beside
-    the checkpoint), checked against the cache type, quant and shapes."""
+    """The calibrated KV scales of a quantized-page export (``--kv-scales`` or the checkpoint's
+    ``kv_scales/`` file), checked against the cache type, quant and shapes."""
     if not options.kv_cache_dtype:
         return None
     dtype = kv_dtype(options.kv_cache_dtype)
