@@ -58,12 +58,16 @@ class Server:
         return int(self.proc.returncode)
 
 
-def start_server(tmp: Path, *args: str, name: str = "default-model") -> Server:
+def start_server(tmp: Path, *args: str, name: str = "default-model",
+                 launcher: Path | None = None) -> Server:
+    """A real server process; ``launcher`` runs a script instead of ``-m pagedhybrid`` (the
+    fault-injection wrapper)."""
     port = free_port()
     log = tmp / f"server-{port}.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    entry = [str(launcher)] if launcher is not None else ["-m", "pagedhybrid"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pagedhybrid", "serve", "--port", str(port),
+        [sys.executable, *entry, "serve", "--port", str(port),
          "--served-model-name", name, *args],
         stdout=log.open("w"), stderr=subprocess.STDOUT, text=True, env=env)
     base = f"http://127.0.0.1:{port}"

@@ -54,10 +54,11 @@ def test_completions_equal_llm_generate_streaming_or_not(server: Server, llm: LL
     echo = c.completions.create(model=server.model, prompt=PROMPT, max_tokens=4,
                                 temperature=0, echo=True, logprobs=2)
     assert echo.choices[0].text.startswith(PROMPT)
-    lp = echo.choices[0].logprobs
-    assert len(lp.tokens) == len(lp.token_logprobs) == 4 and all(v <= 0 for v in
-                                                                 lp.token_logprobs)
-    assert all(len(t) >= 2 for t in lp.top_logprobs)
+    lp = echo.choices[0].logprobs  # the prompt's tokens first (the very first has none)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(ids) + 4
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:])
+    assert all(len(t) >= 2 for t in lp.top_logprobs[1:])
 
 
 def test_chat_equals_llm_generate_of_the_templated_prompt(server: Server, llm: LLM) -> None:

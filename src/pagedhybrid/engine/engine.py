@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import sys
 import time
+import traceback
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -37,8 +38,15 @@ import torch
 
 from pagedhybrid.engine.config import EngineConfig, size_pools, slot_bytes
 from pagedhybrid.engine.pages import BlockPool
-from pagedhybrid.engine.request import InvalidRequest, Request, RequestOutput
-from pagedhybrid.engine.sampling import SampledToken, SamplingParams, logprob_dicts, sample
+from pagedhybrid.engine.request import InvalidRequest, Request, RequestOutput, RequestStatus
+from pagedhybrid.engine.sampling import (
+    SampledToken,
+    SamplingParams,
+    bad_word_bans,
+    bad_words_token_ids,
+    logprob_dicts,
+    sample,
+)
 from pagedhybrid.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedhybrid.engine.states import CheckpointPool, StatePool
 from pagedhybrid.errors import ContractViolation, UnsupportedConfiguration
@@ -68,6 +76,8 @@ class EngineStats:
     generated_tokens: int = 0
     computed_tokens: int = 0  # tokens fed to the model (prefill chunks, recompute, decodes)
     preemptions: int = 0
+    step_failures: int = 0  # steps that raised (their requests failed, serving went on)
+    pool_rebuilds: int = 0  # of those, the ones whose pools had to be rebuilt
     peak_running: int = 0
     peak_blocks: int = 0
     # per step: (sequences, tokens, scheduling + batch building s, whole step s)
@@ -163,8 +173,8 @@ class Engine:
         sizes = size_pools(mc, self.config, model.dtype)
         self.sizes = sizes
         gen = torch.Generator().manual_seed(self.config.seed)
-        caching = self.config.enable_prefix_caching
-        if caching and "state_checkpoints" not in self.kernels.backend.features:
+        if self.config.enable_prefix_caching and \
+                "state_checkpoints" not in self.kernels.backend.features:
             raise UnsupportedConfiguration(
                 f"EngineConfig.enable_prefix_caching: the {self.kernels.backend.name!r} kernels "
                 "cannot emit the linear layers' intermediate states (state checkpoints); use "
@@ -175,19 +185,25 @@ class Engine:
             num_slots=sizes.num_slots, dtype=model.dtype, device=self.config.device,
             fill=self.config.cache_fill, generator=gen, num_checkpoints=sizes.num_checkpoints,
             kv_dtype=kvd, kv_scales=self._kv_scales(kvd) if is_quantized(kvd) else None)
-        self.blocks = BlockPool(sizes.num_blocks, self.config.block_size, caching=caching)
-        self.states = StatePool(sizes.num_slots)
-        self.checkpoints = CheckpointPool(sizes.num_checkpoints) if caching else None
-        eos = tuple(mc.eos_token_id) or tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
-        self.scheduler = Scheduler(
-            SchedulerConfig(self.config.max_num_seqs, self.config.max_num_batched_tokens,
-                            sizes.max_model_len),
-            self.blocks, self.states, eos, self.checkpoints, self.config.checkpoint_interval,
-            self.config.prefix_cache_key)
+        self.eos_token_ids = tuple(mc.eos_token_id) or tuple(
+            getattr(tokenizer, "eos_token_ids", ()) or ())
+        self._make_pools()
         self._generator = torch.Generator().manual_seed(self.config.seed)
         self._arrivals = 0
         self._pending: list[RequestOutput] = []
         self.stats = EngineStats()
+
+    def _make_pools(self) -> None:
+        """Fresh page, slot and checkpoint pools and a scheduler over them."""
+        sizes, caching = self.sizes, self.config.enable_prefix_caching
+        self.blocks = BlockPool(sizes.num_blocks, self.config.block_size, caching=caching)
+        self.states = StatePool(sizes.num_slots)
+        self.checkpoints = CheckpointPool(sizes.num_checkpoints) if caching else None
+        self.scheduler = Scheduler(
+            SchedulerConfig(self.config.max_num_seqs, self.config.max_num_batched_tokens,
+                            sizes.max_model_len),
+            self.blocks, self.states, self.eos_token_ids, self.checkpoints,
+            self.config.checkpoint_interval, self.config.prefix_cache_key)
 
     def _kv_scales(self, kvd: torch.dtype) -> dict[int, KVScales]:
         cfg, mc = self.config, self.model.config
@@ -232,9 +248,21 @@ class Engine:
             raise InvalidRequest(request_id, "params", "must be SamplingParams",
                                  type(params).__name__)
         ids = self._token_ids(request_id, prompt)
+        try:
+            params.check_vocab(self.model.config.vocab_size)
+        except ContractViolation as exc:
+            raise InvalidRequest(request_id, exc.where, exc.rule, exc.got) from None
+        bad_words: tuple[tuple[int, ...], ...] = ()
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise InvalidRequest(request_id, "bad_words", "needs the model's tokenizer")
+            enc = self.tokenizer.encode  # type: ignore[attr-defined]
+            bad_words = bad_words_token_ids(params.bad_words,
+                                            lambda t: list(enc(t, add_special_tokens=False)))
         gen = (torch.Generator().manual_seed(params.seed) if params.seed is not None
                else self._generator)
-        req = Request(request_id, tuple(ids), params, self._arrivals, gen)
+        req = Request(request_id, tuple(ids), params, self._arrivals, gen,
+                      bad_word_ids=bad_words)
         self.scheduler.add(req)  # CapacityError when it can never fit
         self._arrivals += 1
 
@@ -273,6 +301,15 @@ class Engine:
                 done.append(rid)
         return done
 
+    def fail_requests(self, requests: Iterable[Request], why: str) -> list[RequestOutput]:
+        """Finish ``requests`` now with reason ``error`` and message ``why``."""
+        outputs = []
+        for req in requests:
+            if not req.finished:
+                self.scheduler.finish(req, "error", why)
+                outputs.append(self._output(req))
+        return outputs
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
 
@@ -281,15 +318,27 @@ class Engine:
 
     # -- stepping --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One engine step (see the module docstring). A step that raises (a bug, never a
+        request's input) does not stop the engine: that step's requests finish with reason
+        ``error``, the pools are checked (and rebuilt if they do not add up) and the next
+        step serves the others."""
         outputs, self._pending = self._pending, []
+        sched: SchedulerOutput | None = None
+        try:
+            t0 = time.perf_counter()
+            sched = self.scheduler.schedule()
+            self.stats.schedule_s += time.perf_counter() - t0
+            self.stats.preemptions += len(sched.preempted)
+            if sched.sequences:
+                self._run(sched, t0, outputs)
+        except Exception as exc:  # the engine must outlive a faulty step
+            outputs.extend(self._fail_step(sched, exc))
+        outputs.extend(self._output(r) for r in self.scheduler.take_failed())
+        return outputs
+
+    def _run(self, sched: SchedulerOutput, t0: float, outputs: list[RequestOutput]) -> None:
         st = self.stats
-        t0 = time.perf_counter()
-        sched = self.scheduler.schedule()
         t1 = time.perf_counter()
-        st.schedule_s += t1 - t0
-        st.preemptions += len(sched.preempted)
-        if not sched.sequences:
-            return outputs
         step = build_batch(sched, self.cache, self.config.device)
         for s in sched.sequences:  # prefix hits start from their checkpointed state
             if s.restore is not None:
@@ -313,16 +362,8 @@ class Engine:
             failed = [(seqs[j].request, "non-finite logits") for j, f in enumerate(finite)
                       if not f]
             if ok:
-                reqs = [seqs[j].request for j in ok]
-                rows = logits[ok]
-                for j, r in enumerate(reqs):  # min_tokens: no EOS / stop id before then
-                    if r.num_output_tokens < r.params.min_tokens:
-                        banned = set(r.params.stop_token_ids) | (
-                            set() if r.params.ignore_eos else set(self.scheduler.eos_token_ids))
-                        if banned:
-                            rows[j, list(banned)] = float("-inf")
-                toks = sample(rows, [r.params for r in reqs], [r.generator for r in reqs])
-                sampled = {r.request_id: t for r, t in zip(reqs, toks, strict=True)}
+                sampled, errors = self._sample(logits[ok], [seqs[j].request for j in ok])
+                failed.extend(errors)
         t4 = time.perf_counter()
         for req, why in failed:
             self.scheduler.finish(req, "error", why)
@@ -347,6 +388,58 @@ class Engine:
         st.forward_s += t3 - t2
         st.sample_s += t4 - t3
         st.update_s += t5 - t4
+
+    def _sample(self, rows: torch.Tensor, reqs: list[Request]
+                ) -> tuple[dict[str, SampledToken], list[tuple[Request, str]]]:
+        """Tokens of ``reqs`` from their logits ``rows [S, V]``; a request whose sampling raises
+        fails alone (the rows are then sampled one by one)."""
+        vocab = rows.shape[1]
+        eos = [t for t in self.eos_token_ids if 0 <= t < vocab]
+        banned = [([*r.params.stop_token_ids, *(() if r.params.ignore_eos else eos)]
+                   if r.num_output_tokens < r.params.min_tokens else [])
+                  + (bad_word_bans(r.bad_word_ids, r.output_token_ids) if r.bad_word_ids
+                     else []) for r in reqs]
+        params = [r.params for r in reqs]
+        gens = [r.generator for r in reqs]
+        try:
+            toks = sample(rows, params, gens, reqs, banned if any(banned) else None)
+            return {r.request_id: t for r, t in zip(reqs, toks, strict=True)}, []
+        except Exception:  # find the row that fails, keep the others
+            sampled, failed = {}, []
+            for j, r in enumerate(reqs):
+                try:
+                    (tok,) = sample(rows[j:j + 1], params[j:j + 1], gens[j:j + 1], reqs[j:j + 1],
+                                    banned[j:j + 1])
+                    sampled[r.request_id] = tok
+                except Exception as exc:
+                    failed.append((r, f"sampling failed: {type(exc).__name__}: {exc}"))
+            return sampled, failed
+
+    def _fail_step(self, sched: SchedulerOutput | None, exc: Exception) -> list[RequestOutput]:
+        """A step raised: fail its requests (all running ones when scheduling itself raised),
+        drop the step's checkpoint writes, check the pools; rebuild them if they do not add up
+        (every request then fails: nothing else can be trusted)."""
+        why = f"internal error in an engine step: {type(exc).__name__}: {exc}"
+        print(f"pagedhybrid: {why}", file=sys.stderr)
+        traceback.print_exc(file=sys.stderr)
+        self.stats.step_failures += 1
+        victims = ([s.request for s in sched.sequences] if sched is not None
+                   else list(self.scheduler.running))
+        if self.checkpoints is not None:
+            self.checkpoints.abandon()
+        outputs = self.fail_requests(victims, why)
+        try:
+            self.check_invariants()
+        except Exception as broken:
+            print(f"pagedhybrid: pools inconsistent after the failed step ({broken}); "
+                  "failing every request and rebuilding them", file=sys.stderr)
+            everyone = list(self.scheduler.requests.values())
+            for req in everyone:
+                req.status, req.finish_reason, req.error = (RequestStatus.FINISHED, "error",
+                                                            why)
+                outputs.append(self._output(req))
+            self._make_pools()
+            self.stats.pool_rebuilds += 1
         return outputs
 
     def stream(self) -> Iterator[RequestOutput]:
@@ -383,7 +476,10 @@ class Engine:
         req.num_emitted = len(out)
         text = None
         if self.tokenizer is not None:
-            text = self.tokenizer.decode(out)  # type: ignore[attr-defined]
+            try:
+                text = self.tokenizer.decode(out)  # type: ignore[attr-defined]
+            except Exception:  # text stays None; the token ids are reported all the same
+                text = None
         return RequestOutput(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,

@@ -65,6 +65,7 @@ class Request:
     page_hashes: list[int] = field(default_factory=list)  # chain hashes of the full pages
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     admitted: bool = False  # admitted at least once (num_cached_tokens is then final)
+    bad_word_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token sequences
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -1,35 +1,59 @@
 """Sampling parameters and the batched sampler.
 
 ``SamplingParams`` follows vLLM's names: ``temperature`` (0 = greedy), ``top_k`` (0 or -1 =
-off), ``top_p`` (1 = off), ``seed`` (per-request generator), ``max_tokens``, ``stop_token_ids``,
-``ignore_eos``, ``min_tokens`` (EOS and stop ids cannot be sampled before that many tokens),
-``logprobs`` (k: the top-k log-probabilities of the model distribution at each
-generated token, plus the sampled token's own, like vLLM's default raw logprobs) and
-``prompt_logprobs`` (k: the same for every prompt token after the first, given the tokens before
-it -- what perplexity is computed from).
+off), ``top_p`` (1 = off), ``min_p`` (0 = off), ``seed`` (per-request generator, int64),
+``max_tokens``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens`` (EOS and stop ids cannot be
+sampled before that many tokens), ``presence_penalty`` / ``frequency_penalty`` (OpenAI's, over
+the generated tokens), ``repetition_penalty`` (over prompt and generated tokens, as HF/vLLM),
+``logit_bias`` (token id -> bias added to its logit), ``bad_words`` (strings whose token
+sequences may not be completed; resolved to token ids by the engine's tokenizer, vLLM's rule),
+``logprobs`` (k: the top-k log-probabilities of the model distribution at each generated token,
+plus the sampled token's own, like vLLM's default raw logprobs) and ``prompt_logprobs`` (k: the
+same for every prompt token after the first, given the tokens before it).
 
-Algorithm of ``sample`` on fp32 logits ``[B, V]`` (one row per request that samples this step):
+Algorithm of ``sample`` on fp32 logits ``[B, V]`` (one row per request that samples this step);
+every stage is a tensor operation over the rows that use it, row-wise, so a row's result does
+not depend on the other rows (batch-invariant), in vLLM v1's order:
 
-1. greedy rows (temperature 0): ``argmax`` of the raw logits.
-2. random rows: ``l = logits / T``; sort descending; top-k masks sorted positions ``>= k``;
-   top-p keeps the shortest prefix whose mass reaches ``p`` (always at least one token);
-   ``softmax`` of the masked sorted logits, scattered back to vocabulary order.
-3. each random row draws its own exponential noise ``q ~ Exp(1)^V`` from its own generator
+1. logit processors on a copy of the raw logits: ``logit_bias`` added, banned ids (``min_tokens``
+   not reached: EOS and stop ids; the last token of a bad word whose prefix was just generated)
+   set to ``-inf``;
+2. penalties: ``repetition_penalty`` r divides positive / multiplies non-positive logits of the
+   tokens seen in the prompt or the output; then ``l -= frequency * count_out + presence *
+   [count_out > 0]``;
+3. greedy rows (temperature 0): ``argmax`` of the processed logits;
+4. random rows: ``l = logits / T``; sort descending; ``min_p`` drops tokens whose probability is
+   below ``min_p`` times the best one; top-k masks sorted positions ``>= k``; top-p keeps the
+   shortest prefix whose mass reaches ``p`` (always at least one token); ``softmax`` of the masked
+   sorted logits, scattered back to vocabulary order;
+5. each random row draws its own exponential noise ``q ~ Exp(1)^V`` from its own generator
    (the request's seeded ``torch.Generator``, or the engine's shared one) and picks
    ``argmax(probs / q)`` (the exponential-race form of categorical sampling). A request draws
    exactly V numbers per generated token from its own generator, so a seeded request samples the
    same tokens whatever else is in the batch (given the same logits).
+
+Logprobs are always those of the raw model distribution (before processors and penalties).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
 from pagedhybrid.errors import ContractViolation
+
+INT64 = (-(2 ** 63), 2 ** 63 - 1)
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value
+MAX_PENALTY = 2.0  # OpenAI's range for presence / frequency penalties
+
+
+def wrap_seed(seed: int) -> int:
+    """``seed`` folded into int64 (the ``n`` choices of one request use ``seed + i``)."""
+    return (seed - INT64[0]) % 2 ** 64 + INT64[0]
 
 
 @dataclass(frozen=True)
@@ -39,6 +63,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     max_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
@@ -46,35 +71,121 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     min_tokens: int = 0  # EOS and stop token ids are masked until this many tokens exist
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] | Mapping[int, float] = ()
+    bad_words: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         def bad(field: str, rule: str, got: object) -> ContractViolation:
             return ContractViolation("SamplingParams", field, rule, got)
 
-        if not (self.temperature >= 0.0 and self.temperature < float("inf")):
+        def is_int(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def finite(v: object) -> bool:
+            return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+        if not (finite(self.temperature) and self.temperature >= 0.0):
             raise bad("temperature", "must be a finite number >= 0 (0 = greedy)", self.temperature)
-        if not (0.0 < self.top_p <= 1.0):
+        if not (finite(self.top_p) and 0.0 < self.top_p <= 1.0):
             raise bad("top_p", "must lie in (0, 1]", self.top_p)
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not (finite(self.min_p) and 0.0 <= self.min_p <= 1.0):
+            raise bad("min_p", "must lie in [0, 1]", self.min_p)
+        if not is_int(self.top_k) or not -1 <= self.top_k <= INT64[1]:
             raise bad("top_k", "must be an int >= -1 (0 or -1 = off)", self.top_k)
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT64[1]:
             raise bad("max_tokens", "must be an int >= 1", self.max_tokens)
-        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise bad("min_tokens", "must be an int in [0, max_tokens]", self.min_tokens)
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", "must be an int or None", self.seed)
+        if self.seed is not None and (not is_int(self.seed)
+                                      or not INT64[0] <= self.seed <= INT64[1]):
+            raise bad("seed", f"must be None or an int in [{INT64[0]}, {INT64[1]}] (int64)",
+                      self.seed)
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
-            if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
+            if k is not None and (not is_int(k) or k < 0):
                 raise bad(name, "must be None or an int >= 0", k)
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (finite(v) and -MAX_PENALTY <= v <= MAX_PENALTY):
+                raise bad(name, f"must lie in [-{MAX_PENALTY}, {MAX_PENALTY}]", v)
+        if not (finite(self.repetition_penalty) and self.repetition_penalty > 0.0):
+            raise bad("repetition_penalty", "must be a finite number > 0 (1 = off)",
+                      self.repetition_penalty)
+        ids = tuple(self.stop_token_ids)
+        if not all(is_int(t) for t in ids):
+            raise bad("stop_token_ids", "must be ints", ids)
+        object.__setattr__(self, "stop_token_ids", ids)
+        bias = self.logit_bias
+        pairs = tuple(sorted(bias.items() if isinstance(bias, Mapping) else bias))
+        for t, b in pairs:
+            if not is_int(t) or not (finite(b) and abs(b) <= MAX_LOGIT_BIAS):
+                raise bad("logit_bias", f"must map int token ids to numbers in "
+                          f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]", (t, b))
+        if len({t for t, _ in pairs}) != len(pairs):
+            raise bad("logit_bias", "has a token id twice", pairs)
+        object.__setattr__(self, "logit_bias", tuple((t, float(b)) for t, b in pairs))
+        words = tuple(self.bad_words)
+        if not all(isinstance(w, str) and w.strip() for w in words):
+            raise bad("bad_words", "must be non-blank strings", words)
+        object.__setattr__(self, "bad_words", words)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
+
+    def check_vocab(self, vocab: int) -> None:
+        """The token ids this request names must exist: ``ContractViolation`` naming the field."""
+        def bad(field: str, got: object) -> ContractViolation:
+            return ContractViolation("SamplingParams", field,
+                                     f"token ids must lie in [0, {vocab})", got)
+
+        outside = [t for t in self.stop_token_ids if not 0 <= t < vocab]
+        if outside:
+            raise bad("stop_token_ids", outside[:5])
+        outside = [t for t, _ in self.logit_bias if not 0 <= t < vocab]
+        if outside:
+            raise bad("logit_bias", outside[:5])
+        if self.top_k > vocab:
+            raise ContractViolation("SamplingParams", "top_k",
+                                    f"must be -1, 0 (off) or in [1, {vocab}] (the vocabulary)",
+                                    self.top_k)
+
 
 GREEDY = SamplingParams(temperature=0.0)
+
+
+def bad_words_token_ids(words: Sequence[str], encode: Callable[[str], list[int]]
+                        ) -> tuple[tuple[int, ...], ...]:
+    """vLLM's rule: each word as written and, when that tokenises to another first token of the
+    same length, with a leading space (the word in mid-sentence)."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        plain = tuple(encode(word))
+        if not plain:
+            continue
+        out.append(plain)
+        spaced = tuple(encode(" " + word.lstrip()))
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return tuple(out)
+
+
+def bad_word_bans(sequences: Sequence[tuple[int, ...]], output: Sequence[int]) -> list[int]:
+    """Ids that would complete one of ``sequences`` after ``output`` (single tokens always)."""
+    bans = []
+    for seq in sequences:
+        k = len(seq) - 1
+        if k == 0 or (len(output) >= k and tuple(output[len(output) - k:]) == seq[:-1]):
+            bans.append(seq[-1])
+    return bans
 
 
 class Logprob(NamedTuple):
@@ -91,12 +202,87 @@ class SampledToken(NamedTuple):
     logprobs: dict[int, Logprob] | None
 
 
+class TokenHistory(Protocol):
+    """What the penalties read of a request."""
+
+    @property
+    def prompt_token_ids(self) -> Sequence[int]: ...
+
+    @property
+    def output_token_ids(self) -> Sequence[int]: ...
+
+
+def _counts(seqs: Sequence[Sequence[int]], vocab: int) -> torch.Tensor:
+    """``[R, V]`` float32 occurrence counts of each row's token ids."""
+    width = max((len(s) for s in seqs), default=0)
+    counts = torch.zeros(len(seqs), vocab, dtype=torch.float32)
+    if width == 0:
+        return counts
+    ids = torch.zeros(len(seqs), width, dtype=torch.int64)  # [R, L], padding -> id 0, weight 0
+    ones = torch.zeros(len(seqs), width, dtype=torch.float32)  # [R, L]
+    for r, s in enumerate(seqs):
+        if s:
+            ids[r, :len(s)] = torch.as_tensor(list(s), dtype=torch.int64)
+            ones[r, :len(s)] = 1.0
+    return counts.scatter_add_(1, ids, ones)
+
+
+def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
+                    history: Sequence[TokenHistory]) -> torch.Tensor:
+    """vLLM's penalties on ``logits [R, V]`` (in place for the rows that use them)."""
+    rows = [r for r, p in enumerate(params) if p.penalized]
+    if not rows:
+        return logits
+    vocab = logits.shape[1]
+    idx = torch.tensor(rows, dtype=torch.int64)
+    sub = logits[idx]  # [P, V]
+    out_counts = _counts([history[r].output_token_ids for r in rows], vocab)  # [P, V]
+    rep = torch.tensor([params[r].repetition_penalty for r in rows])[:, None]  # [P, 1]
+    if bool((rep != 1.0).any()):
+        seen = (_counts([history[r].prompt_token_ids for r in rows], vocab) > 0) | (
+            out_counts > 0)  # [P, V]
+        factor = torch.where(seen, rep, torch.ones_like(rep))  # [P, V]
+        sub = torch.where(sub > 0, sub / factor, sub * factor)
+    freq = torch.tensor([params[r].frequency_penalty for r in rows])[:, None]  # [P, 1]
+    pres = torch.tensor([params[r].presence_penalty for r in rows])[:, None]  # [P, 1]
+    sub = sub - freq * out_counts - pres * (out_counts > 0).float()
+    logits[idx] = sub
+    return logits
+
+
+def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
+                   history: Sequence[TokenHistory] | None = None,
+                   banned: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+    """Stages 1-2 of the module docstring on fp32 ``logits [R, V]``; returns ``logits`` itself
+    when no row uses any of them, else a processed copy."""
+    bias = [(r, t, b) for r, p in enumerate(params) for t, b in p.logit_bias]
+    bans = [(r, t) for r, ids in enumerate(banned or ()) for t in ids]
+    penalized = history is not None and any(p.penalized for p in params)
+    if not (bias or bans or penalized):
+        return logits
+    out = logits.clone()
+    if bias:
+        rr, tt, bb = zip(*bias, strict=True)
+        out.index_put_((torch.tensor(rr), torch.tensor(tt)), torch.tensor(bb), accumulate=True)
+    if bans:
+        rr, tt = zip(*bans, strict=True)
+        out[torch.tensor(rr), torch.tensor(tt)] = float("-inf")
+    if penalized:
+        assert history is not None
+        apply_penalties(out, params, history)
+    return out
+
+
 def _filtered_probs(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor,
-                    top_p: torch.Tensor) -> torch.Tensor:
-    """Temperature, top-k and top-p applied row-wise; returns probabilities in vocab order."""
+                    top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """Temperature, min-p, top-k and top-p applied row-wise; probabilities in vocab order."""
     vocab = logits.shape[1]
     scaled = logits / temps[:, None]  # [R, V]
     sorted_l, order = scaled.sort(dim=-1, descending=True)  # [R, V], [R, V]
+    if min_p is not None and bool((min_p > 0).any()):
+        probs_sorted = sorted_l.softmax(dim=-1)  # [R, V]
+        sorted_l = sorted_l.masked_fill(probs_sorted < probs_sorted[:, :1] * min_p[:, None],
+                                        float("-inf"))
     pos = torch.arange(vocab)[None, :]  # [1, V]
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
     sorted_l = sorted_l.masked_fill(pos >= k[:, None], float("-inf"))
@@ -130,31 +316,40 @@ def logprob_dicts(logits: torch.Tensor, tokens: Sequence[int], k: int
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
-           generators: Sequence[torch.Generator]) -> list[SampledToken]:
-    """Pick one token per row of ``logits`` ``[B, V]`` (see the module docstring)."""
+           generators: Sequence[torch.Generator], history: Sequence[TokenHistory] | None = None,
+           banned: Sequence[Sequence[int]] | None = None) -> list[SampledToken]:
+    """Pick one token per row of ``logits`` ``[B, V]`` (see the module docstring).
+    ``history`` (one per row) feeds the penalties, ``banned`` (one list per row) the ids that
+    may not be sampled now."""
     rows = logits.shape[0]
-    if len(params) != rows or len(generators) != rows:
-        raise ContractViolation("sample", "params/generators", "need one per logits row",
-                                (rows, len(params), len(generators)))
-    logits = logits.float()
-    tokens = logits.argmax(dim=-1).tolist()  # greedy choice for every row first
+    if len(params) != rows or len(generators) != rows or (
+            history is not None and len(history) != rows) or (
+            banned is not None and len(banned) != rows):
+        raise ContractViolation("sample", "params/generators/history/banned",
+                                "need one per logits row", (rows, len(params), len(generators)))
+    if history is None and any(p.penalized for p in params):
+        raise ContractViolation("sample", "history", "is needed by penalized rows", None)
+    raw = logits.float()  # [B, V]
+    proc = process_logits(raw, params, history, banned)  # [B, V]
+    tokens = proc.argmax(dim=-1).tolist()  # greedy choice for every row first
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
         idx = torch.tensor(random_rows)
         sel = [params[i] for i in random_rows]
         probs = _filtered_probs(
-            logits[idx],
+            proc[idx],
             torch.tensor([p.temperature for p in sel], dtype=torch.float32),
             torch.tensor([p.top_k for p in sel], dtype=torch.int64),
             torch.tensor([p.top_p for p in sel], dtype=torch.float32),
+            torch.tensor([p.min_p for p in sel], dtype=torch.float32),
         )  # [R, V]
-        vocab = logits.shape[1]
+        vocab = raw.shape[1]
         for j, i in enumerate(random_rows):
             noise = torch.empty(vocab, dtype=torch.float32).exponential_(generator=generators[i])
             tokens[i] = int((probs[j] / noise).argmax())
     out = []
     for i, p in enumerate(params):
-        lps = (logprob_dicts(logits[i:i + 1], [tokens[i]], p.logprobs)[0]
+        lps = (logprob_dicts(raw[i:i + 1], [tokens[i]], p.logprobs)[0]
                if p.logprobs is not None else None)
         out.append(SampledToken(int(tokens[i]), lps))
     return out

@@ -246,6 +246,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.failed: list[Request] = []  # finished with an error by schedule/update, unreported
 
     # -- request lifecycle ---------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -322,7 +323,11 @@ class Scheduler:
             while (self.waiting and budget > 0
                    and len(self.running) < self.config.max_num_seqs):
                 req = self.waiting[0]
-                admitted = self.alloc.admit(req, budget)
+                try:
+                    admitted = self.alloc.admit(req, budget)
+                except Exception as exc:  # this request fails alone; admission goes on
+                    self._fail(req, "admission", exc)
+                    continue
                 if admitted is None:
                     break
                 slot, hit, n = admitted
@@ -345,20 +350,34 @@ class Scheduler:
             req = seq.request
             if req.status is not RequestStatus.RUNNING:
                 continue  # aborted or finished (e.g. error) in between
-            req.num_computed_tokens = seq.start + seq.num_new_tokens
-            self.alloc.computed(req)
-            if not seq.samples:
+            try:
+                reason = self._advance(seq, sampled.get(req.request_id))
+            except Exception as exc:  # this request fails alone; the others advance
+                self._fail(req, "bookkeeping", exc)
                 continue
-            tok = sampled.get(req.request_id)
-            if tok is None:
-                continue
-            reason = req.append(tok, self.eos_token_ids, self.config.max_model_len)
             if reason is not None:
                 self.finish(req, reason)
                 finished.append(req)
         if self.alloc.checkpoints is not None:
             self.alloc.checkpoints.commit()
         return finished
+
+    def _advance(self, seq: ScheduledSequence, tok: SampledToken | None) -> FinishReason | None:
+        req = seq.request
+        req.num_computed_tokens = seq.start + seq.num_new_tokens
+        self.alloc.computed(req)
+        if not seq.samples or tok is None:
+            return None
+        return req.append(tok, self.eos_token_ids, self.config.max_model_len)
+
+    def _fail(self, req: Request, where: str, exc: Exception) -> None:
+        self.finish(req, "error", f"internal error in {where}: {type(exc).__name__}: {exc}")
+        self.failed.append(req)
+
+    def take_failed(self) -> list[Request]:
+        """Requests that ``schedule`` / ``update`` failed since the last call."""
+        out, self.failed = self.failed, []
+        return out
 
     def check_invariants(self) -> None:
         self.alloc.check_invariants()

@@ -152,6 +152,11 @@ class CheckpointPool:
             if self._writing.pop(row, None) is not None:
                 self._free.append(row)
 
+    def abandon(self) -> None:
+        """The step failed: none of its writes are kept, its read pins end."""
+        self.discard(list(self._writing))
+        self._reading.clear()
+
     def commit(self) -> None:
         """The step ran: its written rows become cached, its read pins end."""
         for row, h in self._writing.items():

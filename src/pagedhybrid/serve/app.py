@@ -1,20 +1,36 @@
 """The OpenAI-compatible HTTP API over an ``EngineLoop`` (FastAPI).
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (OpenAI's JSON, streaming
-as server-sent events ending with ``data: [DONE]``), ``GET /v1/models``, ``GET /health``,
-``GET /metrics`` (Prometheus text).
+as server-sent events ending with ``data: [DONE]``), ``GET /v1/models``,
+``GET /v1/models/{id}``, vLLM's ``POST /tokenize`` and ``POST /detokenize``, ``GET /version``,
+``GET /health``, ``GET /metrics`` (Prometheus text). Unknown paths and methods answer 404 / 405
+with OpenAI's error object, like every other refusal.
 
-Per request: check the API key (401), the model name (404), the prompt (empty, token ids outside
-the vocabulary, prompt + max_tokens over max_model_len: 400) and the sampling values (400, the
-offending field as ``param``), refuse when more than ``max_waiting`` requests are queued (503,
-nothing accepted is dropped), then submit one engine request per choice (``n`` per prompt;
-with a ``seed``, choice i samples with ``seed + i``). Outputs are detokenised incrementally;
-stop strings are found in the decoded text, cut (never returned) and the engine request aborted;
-while streaming, the tail that could still begin a stop string (or is an incomplete UTF-8
-character) is held back. A client that disconnects, streaming or not, aborts its requests at
-once (their pages and slots are free by the next step). Usage counts are the exact prompt and
-generated token counts. A request whose computation fails (non-finite logits) fails alone with
-a 500 and its error; no client mistake ever gets a 500.
+Per request: check the API key (401), the model name (404), the body against its typed model
+(``protocol``: every field typed and range-checked, unknown fields refused; 400 naming the
+field as ``param``), the prompt against the model (empty, token ids outside the vocabulary,
+prompt + max_tokens over max_model_len: 400) and the sampling values against the vocabulary
+(400), refuse when ``max_waiting`` is set and that many requests are queued (503; by default
+requests queue, each costing only its token list until admitted), then submit one engine request
+per choice (``n``, or ``best_of`` candidates of which the ``n`` with the best mean token logprob
+are returned; with a ``seed``, choice i samples with ``seed + i``). Outputs are detokenised
+incrementally; stop strings are found in the decoded text, cut (never returned) and the engine
+request aborted; while streaming, the tail that could still begin a stop string (or is an
+incomplete UTF-8 character) is held back.
+
+Logprobs as vLLM and lm-eval expect them: ``logprobs`` k (completions) gives each returned
+token's logprob and OpenAI's ``top_logprobs`` dicts (top k plus the token itself); with ``echo``
+the prompt's tokens come first, the first with ``null`` (the engine computes them as
+``prompt_logprobs``), and ``max_tokens: 0`` + ``echo`` returns the prompt and its logprobs only.
+Streamed completions carry the logprobs of each chunk's tokens. vLLM's ``prompt_logprobs`` k
+returns ``[null, {id: {logprob, rank, decoded_token}}, ...]`` per choice (completions) or per
+response (chat).
+
+A client that disconnects, streaming or not, aborts its requests at once (a task waits on the
+connection's disconnect event; their pages and slots are free by the next step). Usage counts
+are the exact prompt and generated token counts. A request whose computation fails fails alone:
+500 with its error when not streaming; when streaming, a last chunk with ``finish_reason:
+"error"`` and an error object after it. No client mistake ever gets a 500.
 """
 
 from __future__ import annotations
@@ -31,17 +47,23 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagedhybrid import __version__
 from pagedhybrid.engine import RequestOutput, SamplingParams
-from pagedhybrid.errors import ContractViolation
+from pagedhybrid.engine.sampling import Logprob, wrap_seed
+from pagedhybrid.errors import ContractViolation, PagedHybridError
 from pagedhybrid.serve.loop import EngineLoop, EngineRefusal
 from pagedhybrid.serve.metrics import ServerMetrics
 from pagedhybrid.serve.protocol import (
-    MAX_LOGPROBS,
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
 )
+
+MAX_CHOICES = 2048  # prompts x (best_of or n) of one request
 
 
 @dataclass
@@ -53,7 +75,8 @@ class ServerState:
     vocab_size: int
     metrics: ServerMetrics
     api_key: str | None = None
-    max_waiting: int = 256
+    max_waiting: int | None = None  # None: requests queue (vLLM's behaviour)
+    root: str = ""  # the checkpoint folder (``/v1/models`` ``root``)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -64,21 +87,40 @@ class Choice:
     request_id: str
     stops: list[str]
     tokenizer: Any
+    echo_only: bool = False  # max_tokens 0 + echo: the generated token is not returned
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     sent: int = 0  # characters of ``text`` already returned
     finish_reason: str | None = None
     error: str | None = None
-    logprobs: tuple[dict[int, Any], ...] = ()
+    logprobs: tuple[dict[int, Logprob], ...] = ()
+    prompt_logprobs: tuple[dict[int, Logprob] | None, ...] | None = None
+    prompt_ids: tuple[int, ...] = ()
     arrival: float = field(default_factory=time.perf_counter)
     last_token_time: float | None = None
+    echoed: bool = False  # streaming: the echo chunk went out
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None or self.error is not None
 
+    def mean_logprob(self) -> float:
+        lps = [d[t].logprob for t, d in zip(self.token_ids, self.logprobs, strict=False)]
+        return sum(lps) / len(lps) if lps else 0.0
+
     def update(self, out: RequestOutput) -> tuple[str, bool]:
         """New output -> (text that is safe to return now, whether a stop string ended it)."""
+        self.prompt_ids = out.prompt_token_ids
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+        if out.finished and out.finish_reason == "error":
+            self.error = out.error or "the computation failed"
+            self.finish_reason = "error"
+            return "", False
+        if self.echo_only:
+            if out.finished:
+                self.finish_reason = "length"
+            return "", False
         self.token_ids = list(out.token_ids)
         self.logprobs = out.logprobs or ()
         text = self.tokenizer.decode(self.token_ids)
@@ -87,8 +129,6 @@ class Choice:
         if stopped:
             text, self.finish_reason = text[:min(hits)], "stop"
         elif out.finished:
-            if out.finish_reason == "error":
-                self.error = out.error or "the computation failed"
             self.finish_reason = "stop" if out.finish_reason in ("stop", "abort") else \
                 str(out.finish_reason)
         self.text = text
@@ -107,14 +147,24 @@ def _token_text(tok: Any, tid: int) -> str:
     return tok.decode([tid], skip_special_tokens=False)
 
 
-def completion_logprobs(c: Choice, tok: Any, start: int) -> dict[str, Any] | None:
+def _top(d: dict[int, Logprob], k: int, tid: int) -> dict[int, Logprob]:
+    """The top ``k`` entries of a logprob dict and ``tid``'s own."""
+    return {t: lp for t, lp in d.items() if lp.rank <= k or t == tid}
+
+
+def completion_logprobs(tok: Any, ids: Sequence[int],
+                        dicts: Sequence[dict[int, Logprob] | None], k: int, start: int
+                        ) -> dict[str, Any]:
+    """OpenAI's completions logprobs of tokens ``ids`` (a ``None`` dict: no logprob, as the
+    first prompt token), text offsets from ``start``."""
     tokens, token_lp, top, offsets = [], [], [], []
     pos = start
-    for tid, d in zip(c.token_ids, c.logprobs, strict=False):
+    for tid, d in zip(ids, dicts, strict=True):
         piece = _token_text(tok, tid)
         tokens.append(piece)
-        token_lp.append(d[tid].logprob)
-        top.append({_token_text(tok, t): lp.logprob for t, lp in d.items()})
+        token_lp.append(None if d is None else d[tid].logprob)
+        top.append(None if d is None else {_token_text(tok, t): lp.logprob
+                                           for t, lp in _top(d, k, tid).items()})
         offsets.append(pos)
         pos += len(piece)
     return {"tokens": tokens, "token_logprobs": token_lp, "top_logprobs": top,
@@ -125,13 +175,26 @@ def chat_logprobs(c: Choice, tok: Any, k: int, first: int = 0) -> dict[str, Any]
     content = []
     for tid, d in list(zip(c.token_ids, c.logprobs, strict=False))[first:]:
         piece = _token_text(tok, tid)
-        ranked = sorted((lp.rank, t, lp.logprob) for t, lp in d.items())
+        ranked = sorted((lp.rank, t, lp.logprob) for t, lp in d.items() if lp.rank <= k)
         content.append({"token": piece, "logprob": d[tid].logprob,
                         "bytes": list(piece.encode("utf-8")),
                         "top_logprobs": [{"token": _token_text(tok, t), "logprob": lp,
                                           "bytes": list(_token_text(tok, t).encode("utf-8"))}
                                          for _, t, lp in ranked[:k]]})
     return {"content": content}
+
+
+def vllm_prompt_logprobs(tok: Any, c: Choice, k: int) -> list[Any] | None:
+    """vLLM's ``prompt_logprobs`` layout: ``None`` first, then ``{id: {...}}`` per token."""
+    if c.prompt_logprobs is None:
+        return None
+    out: list[Any] = []
+    for tid, d in zip(c.prompt_ids, c.prompt_logprobs, strict=True):
+        out.append(None if d is None else {
+            str(t): {"logprob": lp.logprob, "rank": lp.rank,
+                     "decoded_token": _token_text(tok, t)}
+            for t, lp in _top(d, k, tid).items()})
+    return out
 
 
 # -- checks -------------------------------------------------------------------------------------
@@ -143,8 +206,8 @@ def check_auth(state: ServerState, request: Request) -> None:
         raise ApiError(401, "Incorrect API key provided.", None, "invalid_api_key")
 
 
-def check_model(state: ServerState, model: str) -> None:
-    if model != state.model_name:
+def check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model != state.model_name:
         raise ApiError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
 
 
@@ -162,25 +225,30 @@ def check_prompt(state: ServerState, ids: list[int], max_tokens: int, param: str
                        "max_tokens", "context_length_exceeded")
 
 
-def sampling_params(body: Any, max_tokens: int, logprobs: int | None, index: int
-                    ) -> SamplingParams:
-    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-        raise ApiError(400, f"logprobs must lie in [0, {MAX_LOGPROBS}]", "logprobs")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name):
-            raise ApiError(400, f"{name} is not supported (only 0)", name)
-    temperature = 1.0 if body.temperature is None else body.temperature
-    if not 0.0 <= temperature <= 2.0:
-        raise ApiError(400, "temperature must lie in [0, 2]", "temperature")
+def sampling_params(state: ServerState, body: Any, max_tokens: int, logprobs: int | None,
+                    prompt_logprobs: int | None, index: int) -> SamplingParams:
+    """The engine's parameters of choice ``index``; a value the engine refuses -> 400."""
+    if body.min_tokens > max_tokens:
+        raise ApiError(400, "min_tokens must be <= max_tokens", "min_tokens")
     try:
-        return SamplingParams(
-            temperature=temperature, top_p=1.0 if body.top_p is None else body.top_p,
+        params = SamplingParams(
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
             top_k=0 if body.top_k is None else body.top_k,
-            seed=None if body.seed is None else body.seed + index, max_tokens=max_tokens,
-            stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
-            min_tokens=body.min_tokens, logprobs=logprobs)
+            min_p=0.0 if body.min_p is None else body.min_p,
+            seed=None if body.seed is None else wrap_seed(body.seed + index),
+            max_tokens=max_tokens, stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=(1.0 if body.repetition_penalty is None
+                                else body.repetition_penalty),
+            logit_bias=body.logit_bias_ids(), bad_words=tuple(body.bad_words or ()))
+        params.check_vocab(state.vocab_size)
     except ContractViolation as exc:
         raise ApiError(400, f"{exc.where} {exc.rule}", exc.where) from None
+    return params
 
 
 # -- the app ------------------------------------------------------------------------------------
@@ -192,27 +260,51 @@ class ClientGone(Exception):
     """The client disconnected before its answer was ready."""
 
 
+async def _disconnect(request: Request) -> None:
+    """Returns when the client has gone (the ASGI server reports ``http.disconnect``)."""
+    while True:
+        message = await request.receive()
+        if message.get("type") == "http.disconnect":
+            return
+
+
 async def _wait_all(request: Request, state: ServerState, sink: asyncio.Queue[Any],
                     choices: dict[str, Choice]) -> None:
     """Collect outputs until every choice is done; a client disconnect raises ``ClientGone``."""
-    while not all(c.done for c in choices.values()):
-        try:
-            item = await asyncio.wait_for(sink.get(), timeout=0.25)
-        except TimeoutError:
-            if await request.is_disconnected():
-                raise ClientGone from None
-            continue
-        _apply(state, item, choices)
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        while not all(c.done for c in choices.values()):
+            get = asyncio.ensure_future(sink.get())
+            await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not get.done():
+                get.cancel()
+                raise ClientGone
+            _apply(state, get.result(), choices)
+    finally:
+        gone.cancel()
+
+
+def _refusal(item: EngineRefusal) -> ApiError:
+    exc = item.error
+    if isinstance(exc, PagedHybridError):
+        param = getattr(exc, "what", None) or getattr(exc, "where", None) or "prompt"
+        return ApiError(400, str(exc), str(param))
+    return ApiError(500, f"internal error while admitting the request: "
+                    f"{type(exc).__name__}: {exc}", None, "internal_error", "server_error")
 
 
 def _apply(state: ServerState, item: Any, choices: dict[str, Choice]) -> tuple[Choice, str]:
     if isinstance(item, EngineRefusal):
-        raise ApiError(400, str(item.error), "prompt")
+        raise _refusal(item)
     c = choices[item.request_id]
     if c.done:
         return c, ""
-    delta, stopped = c.update(item)
-    if stopped:
+    try:
+        delta, stopped = c.update(item)
+    except Exception as exc:  # detokenisation of this choice failed: it fails alone
+        c.error, c.finish_reason, delta, stopped = (
+            f"detokenisation failed: {type(exc).__name__}: {exc}", "error", "", False)
+    if stopped or (c.done and not item.finished):
         state.loop.abort(c.request_id)
     now = time.perf_counter()
     m = state.metrics
@@ -228,6 +320,24 @@ def _apply(state: ServerState, item: Any, choices: dict[str, Choice]) -> tuple[C
     return c, delta
 
 
+def _error_chunk(c: Choice) -> ApiError:
+    return ApiError(500, f"the computation of choice {c.index} failed: {c.error}", None,
+                    "computation_failed", "server_error")
+
+
+@dataclass
+class Job:
+    """What ``generate`` needs of a parsed request."""
+
+    prompts: list[list[int]]
+    max_tokens: int
+    logprobs: int | None  # k of the returned tokens' logprobs (None: not asked)
+    chat: bool
+    echo_texts: list[str] = field(default_factory=list)
+    echo_logprobs: bool = False  # completions: prompt tokens' logprobs with the echo
+    echo_only: bool = False  # max_tokens 0 + echo
+
+
 def create_app(state: ServerState) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -235,64 +345,166 @@ def create_app(state: ServerState) -> FastAPI:
         yield
         state.loop.stop()
 
-    app = FastAPI(title="pagedhybrid", lifespan=lifespan)
+    app = FastAPI(title="pagedhybrid", version=__version__, lifespan=lifespan)
+
+    def openapi() -> dict[str, Any]:
+        """FastAPI's schema, with ``model`` naming the one served model (so a client or a
+        fuzzer generating from the schema can reach the engine)."""
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
+
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            for comp in schema.get("components", {}).get("schemas", {}).values():
+                prop = comp.get("properties", {}).get("model")
+                if prop is not None and comp.get("title") in (
+                        "CompletionRequest", "ChatCompletionRequest"):
+                    prop.clear()
+                    prop.update({"type": "string", "enum": [state.model_name],
+                                 "title": "Model"})
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        msg = {404: f"not found: {request.method} {request.url.path}",
+               405: f"method {request.method} is not allowed on {request.url.path}"}.get(
+                   exc.status_code, str(exc.detail))
+        return JSONResponse(ApiError(exc.status_code, msg).body(), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
     @app.exception_handler(RequestValidationError)
     async def bad_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        def where(err: Any) -> list[str]:  # the field path, without pydantic's union tags
+            return [str(x) for x in err.get("loc", ()) if x != "body"
+                    and not any(ch in str(x) for ch in "[]()")]
+
         errs = exc.errors()
-        first = errs[0] if errs else {}
+        # of a union's alternatives, the one that got furthest names the field best
+        first = max(errs, key=lambda e: len(where(e)), default={})
         if first.get("type") == "json_invalid":
-            loc, msg = None, f"malformed JSON body: {first.get('ctx', {}).get('error', '')}"
+            loc, msg = None, "malformed JSON body"
         else:
-            loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or None
-            msg = f"{loc}: {first.get('msg', 'invalid value')}"
+            loc = ".".join(where(first)) or None
+            if first.get("type") == "extra_forbidden":
+                msg = f"{loc}: unknown field (not an OpenAI or vLLM field this server has)"
+            else:
+                msg = f"{loc}: {first.get('msg', 'invalid value')}"
         return JSONResponse(ApiError(400, msg, loc).body(), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(ApiError(500, f"internal error: {type(exc).__name__}", None,
+                                     "internal_error", "server_error").body(), status_code=500)
 
     @app.get("/health")
     async def health() -> Response:
-        alive = state.loop.error is None
-        return JSONResponse({"status": "ok" if alive else "error"},
-                            status_code=200 if alive else 503)
+        ok = state.loop.alive and not state.loop.degraded
+        return JSONResponse({"status": "ok" if ok else "degraded" if state.loop.alive
+                             else "error"}, status_code=200 if ok else 503)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
+    def model_card() -> dict[str, Any]:
+        return {"id": state.model_name, "object": "model", "created": state.created,
+                "owned_by": "pagedhybrid", "root": state.root or state.model_name,
+                "parent": None, "max_model_len": state.max_model_len,
+                "permission": [{"id": f"modelperm-{state.model_name}",
+                                "object": "model_permission", "created": state.created,
+                                "allow_create_engine": False, "allow_sampling": True,
+                                "allow_logprobs": True, "allow_search_indices": False,
+                                "allow_view": True, "allow_fine_tuning": False,
+                                "organization": "*", "group": None, "is_blocking": False}]}
+
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         check_auth(state, request)
-        return {"object": "list", "data": [{
-            "id": state.model_name, "object": "model", "created": state.created,
-            "owned_by": "pagedhybrid", "max_model_len": state.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
 
-    async def generate(request: Request, body: Any, prompts: list[list[int]], max_tokens: int,
-                       logprobs: int | None, chat: bool, echo_texts: Sequence[str]
-                       ) -> Response:
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> dict[str, Any]:
+        check_auth(state, request)
+        check_model(state, model_id)
+        return model_card()
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request, body: TokenizeRequest) -> dict[str, Any]:
+        check_auth(state, request)
+        check_model(state, body.model)
+        if body.messages is not None:
+            text = render_chat(body.messages, body.add_generation_prompt)
+            ids = state.tokenizer.encode(text)
+        else:
+            ids = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
+                "token_strs": [_token_text(state.tokenizer, t) for t in ids]
+                if body.return_token_strs else None}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request, body: DetokenizeRequest) -> dict[str, Any]:
+        check_auth(state, request)
+        check_model(state, body.model)
+        bad = [t for t in body.tokens if not 0 <= t < state.vocab_size]
+        if bad:
+            raise ApiError(400, f"tokens holds ids outside the vocabulary "
+                           f"[0, {state.vocab_size}): {bad[:5]}", "tokens")
+        return {"prompt": state.tokenizer.decode(body.tokens)}
+
+    def render_chat(messages: Sequence[Any], add_generation_prompt: bool) -> str:
+        try:
+            return str(state.tokenizer.apply_chat_template(
+                [m.for_template() for m in messages],
+                add_generation_prompt=add_generation_prompt))
+        except Exception as exc:  # a template that cannot render these messages
+            raise ApiError(400, f"messages cannot be rendered by the chat template: "
+                           f"{type(exc).__name__}: {exc}", "messages") from None
+
+    async def generate(request: Request, body: Any, job: Job) -> Response:
         n = body.n
-        if n < 1:
-            raise ApiError(400, "n must be >= 1", "n")
-        params = [sampling_params(body, max_tokens, logprobs, i) for i in range(n)]
-        if state.loop.num_waiting() + len(prompts) * n > state.max_waiting:
+        best_of = getattr(body, "best_of", None) or n
+        if len(job.prompts) * best_of > MAX_CHOICES:
+            raise ApiError(400, f"prompts x {'best_of' if best_of > n else 'n'} = "
+                           f"{len(job.prompts) * best_of} exceeds {MAX_CHOICES} choices",
+                           "best_of" if best_of > n else "n")
+        engine_lp = job.logprobs
+        if best_of > n:  # ranking needs each sampled token's own logprob
+            engine_lp = max(engine_lp or 0, 0)
+        prompt_k = [k for k in (body.prompt_logprobs,
+                                job.logprobs if job.echo_logprobs else None) if k is not None]
+        params = [sampling_params(state, body, job.max_tokens, engine_lp,
+                                  max(prompt_k) if prompt_k else None, i)
+                  for i in range(best_of)]
+        if state.max_waiting is not None and \
+                state.loop.num_waiting() + len(job.prompts) * best_of > state.max_waiting:
             raise ApiError(503, f"the server has {state.max_waiting} requests waiting; retry "
                            "later", None, "server_overloaded", "server_error")
         stops = body.stop_strings()
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        rid = ("chatcmpl-" if job.chat else "cmpl-") + uuid.uuid4().hex
         sink: asyncio.Queue[Any] = asyncio.Queue()
         choices: dict[str, Choice] = {}
-        for p_i, ids in enumerate(prompts):
-            for i in range(n):
+        for p_i, ids in enumerate(job.prompts):
+            for i in range(best_of):
                 sub = f"{rid}-{p_i}-{i}"
-                choices[sub] = Choice(p_i * n + i, sub, stops, state.tokenizer)
+                choices[sub] = Choice(p_i * best_of + i, sub, stops, state.tokenizer,
+                                      job.echo_only)
                 state.loop.submit(sub, ids, params[i], sink)
-        prompt_tokens = sum(len(p) for p in prompts)
+        prompt_tokens = sum(len(p) for p in job.prompts)
         created = int(time.time())
+        tok = state.tokenizer
 
-        def usage() -> dict[str, int]:
-            gen = sum(len(c.token_ids) for c in choices.values())
+        def usage(returned: Sequence[Choice]) -> dict[str, int]:
+            gen = sum(len(c.token_ids) for c in returned)
             return {"prompt_tokens": prompt_tokens, "completion_tokens": gen,
                     "total_tokens": prompt_tokens + gen}
 
@@ -301,57 +513,86 @@ def create_app(state: ServerState) -> FastAPI:
                 if not c.done:
                     state.loop.abort(c.request_id)
 
+        def echo_part(c: Choice, p_i: int) -> tuple[str, dict[str, Any] | None]:
+            text = job.echo_texts[p_i] if job.echo_texts else ""
+            if not (text and job.echo_logprobs and job.logprobs is not None):
+                return text, None
+            dicts = c.prompt_logprobs or (None,) * len(c.prompt_ids)
+            return text, completion_logprobs(tok, c.prompt_ids, dicts, job.logprobs, 0)
+
+        def join_logprobs(a: dict[str, Any] | None, b: dict[str, Any] | None
+                          ) -> dict[str, Any] | None:
+            if a is None or b is None:
+                return a or b
+            return {key: a[key] + b[key] for key in a}
+
         if not body.stream:
             try:
                 await _wait_all(request, state, sink, choices)
             except ClientGone:
                 cleanup()
                 return Response(status_code=499)  # nobody is listening
-            except BaseException:
+            finally:
                 cleanup()
-                raise
-            cleanup()
             failed = [c for c in choices.values() if c.error]
             if failed:
-                raise ApiError(500, f"the computation of choice {failed[0].index} failed: "
-                               f"{failed[0].error}", None, "computation_failed",
-                               "server_error")
-            ordered = sorted(choices.values(), key=lambda c: c.index)
-            if chat:
-                out = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                        "logprobs": chat_logprobs(c, state.tokenizer, logprobs or 0)
-                        if logprobs is not None else None,
-                        "finish_reason": c.finish_reason} for c in ordered]
-                return JSONResponse({"id": rid, "object": "chat.completion",
-                                     "created": created, "model": state.model_name,
-                                     "choices": out, "usage": usage()})
+                raise _error_chunk(failed[0])
+            picked: list[Choice] = []
+            for p_i in range(len(job.prompts)):
+                group = [c for c in choices.values() if c.index // best_of == p_i]
+                if best_of > n:
+                    group = sorted(group, key=lambda c: -c.mean_logprob())[:n]
+                picked.extend(sorted(group, key=lambda c: c.index)[:n])
             out = []
-            for c in ordered:
-                echo = echo_texts[c.index // n] if echo_texts else ""
-                out.append({"index": c.index, "text": echo + c.text,
-                            "logprobs": completion_logprobs(c, state.tokenizer, len(echo))
-                            if logprobs is not None else None,
-                            "finish_reason": c.finish_reason})
-            return JSONResponse({"id": rid, "object": "text_completion", "created": created,
-                                 "model": state.model_name, "choices": out, "usage": usage()})
+            for j, c in enumerate(picked):
+                p_i = c.index // best_of
+                if job.chat:
+                    entry: dict[str, Any] = {
+                        "index": j, "message": {"role": "assistant", "content": c.text},
+                        "logprobs": chat_logprobs(c, tok, job.logprobs)
+                        if job.logprobs is not None else None,
+                        "finish_reason": c.finish_reason}
+                else:
+                    echo, echo_lp = echo_part(c, p_i)
+                    gen_lp = None
+                    if job.logprobs is not None:
+                        gen_lp = completion_logprobs(tok, c.token_ids, c.logprobs[:len(
+                            c.token_ids)], job.logprobs, len(echo))
+                    entry = {"index": j, "text": echo + c.text,
+                             "logprobs": join_logprobs(echo_lp, gen_lp),
+                             "finish_reason": c.finish_reason}
+                    if body.prompt_logprobs is not None:
+                        entry["prompt_logprobs"] = vllm_prompt_logprobs(tok, c,
+                                                                        body.prompt_logprobs)
+                out.append(entry)
+            resp: dict[str, Any] = {
+                "id": rid, "object": "chat.completion" if job.chat else "text_completion",
+                "created": created, "model": state.model_name, "choices": out,
+                "usage": usage(picked)}
+            if job.chat and body.prompt_logprobs is not None and picked:
+                resp["prompt_logprobs"] = vllm_prompt_logprobs(tok, picked[0],
+                                                               body.prompt_logprobs)
+            return JSONResponse(resp)
 
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        kind = "chat.completion.chunk" if chat else "text_completion"
+        opts = body.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = bool(opts and opts.continuous_usage_stats)
+        kind = "chat.completion.chunk" if job.chat else "text_completion"
 
         def chunk(choice: dict[str, Any]) -> str:
-            return _sse({"id": rid, "object": kind, "created": created,
-                         "model": state.model_name, "choices": [choice]})
+            data: dict[str, Any] = {"id": rid, "object": kind, "created": created,
+                                    "model": state.model_name, "choices": [choice]}
+            if continuous:
+                data["usage"] = usage(list(choices.values()))
+            return _sse(data)
 
         async def events() -> AsyncIterator[str]:
             sent_lp = dict.fromkeys(choices, 0)
             try:
-                for c in sorted(choices.values(), key=lambda c: c.index):
-                    if chat:
+                if job.chat:
+                    for c in sorted(choices.values(), key=lambda c: c.index):
                         yield chunk({"index": c.index, "delta": {"role": "assistant",
                                                                  "content": ""},
-                                     "logprobs": None, "finish_reason": None})
-                    elif echo_texts:
-                        yield chunk({"index": c.index, "text": echo_texts[c.index // n],
                                      "logprobs": None, "finish_reason": None})
                 while not all(c.done for c in choices.values()):
                     item = await sink.get()
@@ -359,27 +600,44 @@ def create_app(state: ServerState) -> FastAPI:
                         c, delta = _apply(state, item, choices)
                     except ApiError as exc:
                         yield _sse(exc.body())
+                        yield "data: [DONE]\n\n"
                         return
+                    if not job.chat and job.echo_texts and not c.echoed:
+                        c.echoed = True
+                        text, lp = echo_part(c, c.index // best_of)
+                        yield chunk({"index": c.index, "text": text, "logprobs": lp,
+                                     "finish_reason": None})
                     if c.error:
-                        yield _sse(ApiError(500, f"the computation failed: {c.error}", None,
-                                            "computation_failed", "server_error").body())
+                        yield chunk({"index": c.index, "delta": {}, "logprobs": None,
+                                     "finish_reason": "error"} if job.chat else
+                                    {"index": c.index, "text": "", "logprobs": None,
+                                     "finish_reason": "error"})
+                        yield _sse(_error_chunk(c).body())
+                        yield "data: [DONE]\n\n"
                         return
                     lp = None
-                    if logprobs is not None and len(c.logprobs) > sent_lp[c.request_id]:
-                        lp = (chat_logprobs(c, state.tokenizer, logprobs,
-                                            sent_lp[c.request_id]) if chat else None)
-                        sent_lp[c.request_id] = len(c.logprobs)
+                    new = len(c.token_ids) - sent_lp[c.request_id]
+                    if job.logprobs is not None and new > 0 and len(c.logprobs) >= len(
+                            c.token_ids):
+                        start = sent_lp[c.request_id]
+                        lp = (chat_logprobs(c, tok, job.logprobs, start) if job.chat else
+                              completion_logprobs(tok, c.token_ids[start:],
+                                                  c.logprobs[start:len(c.token_ids)],
+                                                  job.logprobs, 0))
+                        sent_lp[c.request_id] = len(c.token_ids)
                     if delta or c.done or lp:
-                        if chat:
+                        finish = c.finish_reason if c.done else None
+                        if job.chat:
                             yield chunk({"index": c.index, "delta": {"content": delta}
                                          if delta else {}, "logprobs": lp,
-                                         "finish_reason": c.finish_reason if c.done else None})
+                                         "finish_reason": finish})
                         else:
-                            yield chunk({"index": c.index, "text": delta, "logprobs": None,
-                                         "finish_reason": c.finish_reason if c.done else None})
+                            yield chunk({"index": c.index, "text": delta, "logprobs": lp,
+                                         "finish_reason": finish})
                 if include_usage:
                     yield _sse({"id": rid, "object": kind, "created": created,
-                                "model": state.model_name, "choices": [], "usage": usage()})
+                                "model": state.model_name, "choices": [],
+                                "usage": usage(list(choices.values()))})
                 yield "data: [DONE]\n\n"
             finally:
                 cleanup()
@@ -390,53 +648,29 @@ def create_app(state: ServerState) -> FastAPI:
     async def completions(request: Request, body: CompletionRequest) -> Response:
         check_auth(state, request)
         check_model(state, body.model)
-        raw = body.prompt
-        if isinstance(raw, str):
-            texts: list[str] = [raw]
-        elif raw and all(isinstance(x, str) for x in raw):
-            texts = list(raw)  # type: ignore[arg-type]
-        else:
-            texts = []
-        if texts:
-            prompts = [state.tokenizer.encode(t) if t else [] for t in texts]
-        elif raw and isinstance(raw[0], list):
-            prompts = [list(p) for p in raw]  # type: ignore[union-attr]
-        else:
-            prompts = [list(raw)]  # type: ignore[arg-type]
-        max_tokens = 16 if body.max_tokens is None else body.max_tokens
-        if max_tokens < 1:
-            raise ApiError(400, "max_tokens must be >= 1", "max_tokens")
+        texts, id_prompts = body.prompts()
+        prompts = id_prompts if id_prompts is not None else [
+            state.tokenizer.encode(t) for t in texts]
+        echo_only = body.echo and body.max_tokens == 0
+        max_tokens = 1 if echo_only else (16 if body.max_tokens is None else body.max_tokens)
         for ids in prompts:
             check_prompt(state, ids, max_tokens, "prompt")
-        echo = ([t for t in texts] if texts else [state.tokenizer.decode(p) for p in prompts]
+        echo = (list(texts) if texts else [state.tokenizer.decode(p) for p in prompts]
                 ) if body.echo else []
-        return await generate(request, body, prompts, max_tokens, body.logprobs, False, echo)
+        return await generate(request, body, Job(
+            prompts, max_tokens, body.logprobs, False, echo,
+            echo_logprobs=body.echo and body.logprobs is not None, echo_only=echo_only))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
         check_auth(state, request)
         check_model(state, body.model)
-        if not body.messages:
-            raise ApiError(400, "messages is empty", "messages")
-        try:
-            text = state.tokenizer.apply_chat_template(
-                [{"role": m.role, "content": m.text()} for m in body.messages],
-                add_generation_prompt=True)
-        except ApiError:
-            raise
-        except Exception as exc:  # a template that cannot render these messages
-            raise ApiError(400, f"messages cannot be rendered by the chat template: {exc}",
-                           "messages") from None
-        ids = state.tokenizer.encode(text)
+        ids = state.tokenizer.encode(render_chat(body.messages, body.add_generation_prompt))
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else \
             body.max_tokens
         max_tokens = limit if limit is not None else max(1, state.max_model_len - len(ids))
-        if max_tokens < 1:
-            raise ApiError(400, "max_completion_tokens must be >= 1", "max_completion_tokens")
         check_prompt(state, ids, max_tokens, "messages")
-        if body.top_logprobs is not None and not body.logprobs:
-            raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
         k = (body.top_logprobs or 0) if body.logprobs else None
-        return await generate(request, body, [ids], max_tokens, k, True, [])
+        return await generate(request, body, Job([ids], max_tokens, k, True))
 
     return app

@@ -29,8 +29,9 @@ def register_subcommands(subparsers: Any) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients send (default: the folder's name)")
-    p.add_argument("--max-waiting", type=int, default=256,
-                   help="queued requests beyond which new ones get HTTP 503")
+    p.add_argument("--max-waiting", type=int, default=None,
+                   help="queued requests beyond which new ones get HTTP 503 (default: no "
+                   "limit; requests queue as in vLLM, each costing its token ids until admitted)")
     p.add_argument("--api-key", default=os.environ.get("PAGEDHYBRID_API_KEY"),
                    help="require 'Authorization: Bearer KEY'")
     p.add_argument("--max-model-len", type=int, default=None)
@@ -60,7 +61,8 @@ def build_state(args: argparse.Namespace) -> Any:
     metrics = ServerMetrics(name)
     loop = EngineLoop(engine, metrics.on_step)
     return ServerState(loop, engine.tokenizer, name, engine.scheduler.config.max_model_len,
-                       engine.model.config.vocab_size, metrics, args.api_key, args.max_waiting)
+                       engine.model.config.vocab_size, metrics, args.api_key, args.max_waiting,
+                       str(model_dir))
 
 
 def serve_main(args: argparse.Namespace) -> int:

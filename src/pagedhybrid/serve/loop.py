@@ -8,23 +8,30 @@ for HTTP. ``submit`` is called on the event loop and returns at once with the re
 an ``add_request`` refusal (a request the handler's checks let through) comes back on that queue
 as an ``EngineRefusal``. After each step, ``on_step(engine, outputs)`` runs on the engine
 thread (metrics). ``stop()`` aborts what is left and joins the thread.
+
+Nothing one request does stops the loop: any exception at intake refuses that request alone; a
+step that raises fails that step's requests inside ``Engine.step``; an exception anywhere else
+in an iteration (a hook, a delivery) is logged, the running requests fail with an error, the
+pools are checked and the loop goes on. ``degraded`` is set only while an iteration is failing
+and cleared by the next good one; ``alive`` says whether the thread runs at all.
 """
 
 from __future__ import annotations
 
 import asyncio
 import queue
+import sys
 import threading
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from pagedhybrid.engine import Engine, RequestOutput, SamplingParams
-from pagedhybrid.errors import PagedHybridError
 
 
 class EngineRefusal(NamedTuple):
     request_id: str
-    error: PagedHybridError
+    error: Exception
 
 
 class _Submission(NamedTuple):
@@ -51,6 +58,8 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="pagedhybrid-engine",
                                         daemon=True)
         self.error: BaseException | None = None
+        self.degraded = False  # the last iteration failed outside a step
+        self.loop_failures = 0
 
     # -- event-loop side ----------------------------------------------------------------------
     def start(self) -> None:
@@ -71,6 +80,10 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         self._aborts.put(request_id)
         self._wake.set()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
 
     def num_waiting(self) -> int:
         """Requests accepted but not running yet (queued in the engine or not yet added)."""
@@ -102,7 +115,7 @@ class EngineLoop:
             self._sinks[sub.request_id] = (sub.sink, sub.loop)
             try:
                 self.engine.add_request(sub.request_id, sub.prompt, sub.params)
-            except PagedHybridError as exc:
+            except Exception as exc:  # any refusal concerns this request alone
                 self._deliver(sub.request_id, EngineRefusal(sub.request_id, exc))
             finally:
                 with self._lock:
@@ -114,19 +127,42 @@ class EngineLoop:
                 break
             self.engine.abort_request(rid)  # frees its pages and slot now
 
+    def _iterate(self) -> None:
+        self._intake()
+        if not self.engine.has_unfinished_requests():
+            self._wake.wait(0.05)
+            self._wake.clear()
+            return
+        outs = self.engine.step()
+        for o in outs:
+            self._deliver(o.request_id, o)
+        if self.on_step is not None:
+            try:
+                self.on_step(self.engine, outs)
+            except Exception as exc:  # a hook (metrics) never fails requests
+                print(f"pagedhybrid: on_step hook failed: {type(exc).__name__}: {exc}",
+                      file=sys.stderr)
+
+    def _recover(self, exc: Exception) -> None:
+        """An iteration raised outside ``Engine.step``: fail what was running (its outputs may
+        be lost), check the pools and carry on."""
+        self.degraded = True
+        self.loop_failures += 1
+        print(f"pagedhybrid: engine loop error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        traceback.print_exc(file=sys.stderr)
+        why = f"internal error in the engine loop: {type(exc).__name__}: {exc}"
+        for o in self.engine.fail_requests(list(self.engine.scheduler.running), why):
+            self._deliver(o.request_id, o)
+        self.engine.check_invariants()
+
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                self._intake()
-                if not self.engine.has_unfinished_requests():
-                    self._wake.wait(0.05)
-                    self._wake.clear()
-                    continue
-                outs = self.engine.step()
-                for o in outs:
-                    self._deliver(o.request_id, o)
-                if self.on_step is not None:
-                    self.on_step(self.engine, outs)
+                try:
+                    self._iterate()
+                    self.degraded = False
+                except Exception as exc:  # one bad iteration must not end serving
+                    self._recover(exc)
         except BaseException as exc:  # the loop must not die silently
             self.error = exc
             raise

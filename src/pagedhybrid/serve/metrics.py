@@ -9,18 +9,29 @@ caching ``prefix_cache_cached_pages`` / ``prefix_cache_cached_checkpoints``. Cou
 ``prefix_cache_evictions_total{kind=page|checkpoint}``. Histograms (seconds):
 ``time_to_first_token_seconds``, ``inter_token_latency_seconds``,
 ``e2e_request_latency_seconds``. Every metric carries ``model_name``; each server has its own
-registry, exposed in the text format at ``GET /metrics``.
+registry, exposed in the text format at ``GET /metrics``. Every series exists from the start
+(counters at 0, one ``request_success_total`` per finish reason, one eviction series per kind),
+and there are no ``*_created`` series.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 
 from pagedhybrid.engine import Engine, RequestOutput
 
 P = "pagedhybrid:"
+FINISH_REASONS = ("stop", "length", "abort", "error")
+disable_created_metrics()
 LATENCY = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -56,6 +67,15 @@ class ServerMetrics:
         self.ttft = hist("time_to_first_token_seconds", "Time to first token")
         self.itl = hist("inter_token_latency_seconds", "Time between output tokens")
         self.e2e = hist("e2e_request_latency_seconds", "Request latency, arrival to finish")
+        for metric in (self.running, self.waiting, self.kv_usage, self.slot_usage,
+                       self.cached_pages, self.cached_checkpoints, self.prompt_tokens,
+                       self.generation_tokens, self.preemptions, self.prefix_queries,
+                       self.prefix_hits, self.ttft, self.itl, self.e2e):
+            metric.labels(model_name=model_name)  # the series exists (0) from the start
+        for reason in FINISH_REASONS:
+            self.success.labels(model_name=model_name, finished_reason=reason)
+        for kind in ("page", "checkpoint"):
+            self.evictions.labels(model_name=model_name, kind=kind)
         self._seen = {"preemptions": 0, "queries": 0, "hits": 0, "page": 0, "checkpoint": 0}
 
     def _inc(self, metric: Counter, key: str, now: int, **labels: str) -> None:

@@ -1,19 +1,26 @@
-"""OpenAI request bodies (pydantic) and the OpenAI error object.
+"""OpenAI request bodies (pydantic, one typed model per endpoint) and the OpenAI error object.
 
 ``CompletionRequest`` (``POST /v1/completions``) and ``ChatCompletionRequest``
-(``POST /v1/chat/completions``) take OpenAI's fields plus vLLM's extras in the body (``top_k``,
-``ignore_eos``, ``min_tokens``, ``stop_token_ids``); unknown fields are ignored, as OpenAI's own
-server does. ``ApiError`` is every refusal: an HTTP status and OpenAI's error object
+(``POST /v1/chat/completions``) take OpenAI's fields plus vLLM's extras in the body. Every field
+is typed and range-checked here (integers in their ranges, int64 seeds, floats finite, text valid
+Unicode); what needs the model (token ids inside the vocabulary, ``top_k`` up to the vocabulary,
+prompt + ``max_tokens`` within ``max_model_len``) is checked by the handler against it. A field
+is either implemented or refused: unknown fields, and known OpenAI fields this server does not
+implement yet (``tools``, a non-text ``response_format``, ``suffix``), are a 400 naming the
+field. ``ApiError`` is every refusal: an HTTP status and OpenAI's error object
 ``{"error": {"message", "type", "param", "code"}}``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-MAX_LOGPROBS = 20
+from pagedhybrid.engine.sampling import INT64, MAX_LOGIT_BIAS, MAX_PENALTY
+
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit; also logprobs / prompt_logprobs here
+MAX_N = 128  # OpenAI's limit for n (and best_of here)
 
 
 class ApiError(Exception):
@@ -30,66 +37,219 @@ class ApiError(Exception):
                           "code": self.code}}
 
 
+def _valid_unicode(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"is not valid Unicode text (a lone surrogate at character "
+                         f"{exc.start})") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_valid_unicode)]
+Int64 = Annotated[int, Field(strict=True, ge=INT64[0], le=INT64[1])]
+Count = Annotated[int, Field(strict=True, ge=0, le=INT64[1])]
+TokenId = Annotated[int, Field(strict=True, ge=0, le=INT64[1])]
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+Penalty = Annotated[float, Field(allow_inf_nan=False, ge=-MAX_PENALTY, le=MAX_PENALTY)]
+LogprobCount = Annotated[int, Field(strict=True, ge=0, le=MAX_LOGPROBS)]
+
+
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage in every chunk
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag", "grammar", "regex"]
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """The fields both endpoints share."""
 
-    model: str
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
+    model_config = ConfigDict(extra="forbid")
+
+    model: Text
+    temperature: Annotated[float, Field(allow_inf_nan=False, ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(allow_inf_nan=False, gt=0.0, le=1.0)] | None = None
+    n: Annotated[int, Field(strict=True, ge=1, le=MAX_N)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    user: str | None = None
+    stop: NonEmptyText | list[NonEmptyText] | None = None
+    seed: Int64 | None = None
+    presence_penalty: Penalty | None = 0.0
+    frequency_penalty: Penalty | None = 0.0
+    logit_bias: dict[Text, Annotated[float, Field(allow_inf_nan=False, ge=-MAX_LOGIT_BIAS,
+                                                  le=MAX_LOGIT_BIAS)]] | None = None
+    user: Text | None = None
+    response_format: ResponseFormat | None = None
     # vLLM extras
-    top_k: int | None = None
+    top_k: Annotated[int, Field(strict=True, ge=-1, le=INT64[1])] | None = None
+    min_p: Annotated[float, Field(allow_inf_nan=False, ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Field(allow_inf_nan=False, gt=0.0)] | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    min_tokens: Count = 0
+    stop_token_ids: list[TokenId] | None = None
+    bad_words: list[NonEmptyText] | None = None
+    prompt_logprobs: LogprobCount | None = None
+
+    @model_validator(mode="after")
+    def _shared_rules(self) -> _Sampling:
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(400, "stream_options is only allowed with stream=true",
+                           "stream_options")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise ApiError(400, f"response_format type {self.response_format.type!r} is not "
+                           "supported yet (structured outputs); only 'text'", "response_format")
+        return self
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    def logit_bias_ids(self) -> dict[int, float]:
+        """``logit_bias`` with its keys (token ids written as strings) as ints."""
+        out = {}
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                tid = int(key)
+            except ValueError:
+                raise ApiError(400, "logit_bias keys must be token ids (integers written as "
+                               "strings)", "logit_bias") from None
+            if not 0 <= tid <= INT64[1]:
+                raise ApiError(400, "logit_bias keys must be token ids >= 0", "logit_bias")
+            out[tid] = value
+        return out
+
+
+Prompt = (NonEmptyText | Annotated[list[TokenId], Field(min_length=1)]
+          | Annotated[list[NonEmptyText], Field(min_length=1)]
+          | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
+
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: Prompt
+    max_tokens: Count | None = 16
+    logprobs: LogprobCount | None = None
     echo: bool = False
+    best_of: Annotated[int, Field(strict=True, ge=1, le=MAX_N)] | None = None
+    suffix: Text | None = None
+
+    @model_validator(mode="after")
+    def _completion_rules(self) -> CompletionRequest:
+        if self.suffix:
+            raise ApiError(400, "suffix is not supported: this model has no fill-in-the-middle "
+                           "mode", "suffix")
+        if self.best_of is not None:
+            if self.best_of < self.n:
+                raise ApiError(400, "best_of must be >= n", "best_of")
+            if self.stream and self.best_of > self.n:
+                raise ApiError(400, "best_of > n cannot be streamed", "best_of")
+        if self.max_tokens == 0 and not self.echo:
+            raise ApiError(400, "max_tokens must be >= 1 (0 only with echo: the prompt's "
+                           "logprobs alone)", "max_tokens")
+        return self
+
+    def prompts(self) -> tuple[list[str], list[list[int]] | None]:
+        """(texts, token-id prompts): texts when the prompt is text, else the id lists."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p], None
+        if isinstance(p[0], str):
+            return list(p), None  # type: ignore[arg-type]
+        if isinstance(p[0], list):
+            return [], [list(x) for x in p]  # type: ignore[union-attr]
+        return [], [list(p)]  # type: ignore[arg-type]
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: Text
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: Text | None = None
+
+    @model_validator(mode="after")
+    def _no_tools_yet(self) -> ChatMessage:
+        if self.role == "tool" or self.tool_calls is not None or self.tool_call_id is not None:
+            raise ApiError(400, "tool messages and tool_calls are not supported yet (tool "
+                           "calling)", "messages")
+        return self
 
     def text(self) -> str:
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text":
-                raise ApiError(400, f"content part type {part.get('type')!r} is not supported; "
-                               "this model reads text", "messages")
-            parts.append(str(part.get("text", "")))
-        return "".join(parts)
+        return "".join(part.text for part in self.content)
+
+    def for_template(self) -> dict[str, str]:
+        msg = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            msg["name"] = self.name
+        return msg
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(default_factory=list)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(strict=True, ge=1, le=INT64[1])] | None = None
+    max_completion_tokens: Annotated[int, Field(strict=True, ge=1, le=INT64[1])] | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: LogprobCount | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Text | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    add_generation_prompt: bool = True  # vLLM extra
+
+    @model_validator(mode="after")
+    def _chat_rules(self) -> ChatCompletionRequest:
+        for name in ("tools", "parallel_tool_calls"):
+            if getattr(self, name):
+                raise ApiError(400, f"{name} is not supported yet (tool calling)", name)
+        if self.tool_choice not in (None, "none"):
+            raise ApiError(400, "tool_choice is not supported yet (tool calling); only "
+                           "'none'", "tool_choice")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+        return self
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's ``POST /tokenize``: a prompt, or chat messages rendered by the template."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: Text | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ApiError(400, "give exactly one of prompt or messages", "prompt")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: Text | None = None
+    tokens: list[TokenId]
