@@ -1,0 +1,115 @@
+"""A faulty step never stops the engine: its requests fail with reason ``error``, the pools are
+checked (rebuilt when they do not add up), and every other request is served exactly as alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedhybrid.engine import LLM, SamplingParams
+
+G = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(None, max_num_seqs=4, max_num_batched_tokens=64)
+
+
+def alone(llm: LLM, prompt: str) -> tuple[int, ...]:
+    return llm.generate([prompt], G, use_progress=False)[0].token_ids
+
+
+def drain(llm: LLM) -> dict[str, object]:
+    final = {}
+    for out in llm.engine.stream():
+        llm.engine.check_invariants()
+        if out.finished:
+            final[out.request_id] = out
+    return final
+
+
+def test_a_step_that_raises_fails_its_requests_and_the_next_ones_are_served(
+        llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    want = alone(llm, "And God said")
+    eng = llm.engine
+    real = eng.model.forward_packed
+    calls = {"n": 0}
+
+    def flaky(*a: object, **k: object) -> object:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("boom")
+        return real(*a, **k)
+
+    monkeypatch.setattr(eng.model, "forward_packed", flaky)
+    eng.add_request("a", "In the beginning", G)
+    eng.add_request("b", "And the earth", G)
+    final = drain(llm)
+    assert {o.finish_reason for o in final.values()} == {"error"}
+    assert all("boom" in (o.error or "") for o in final.values())
+    assert eng.stats.step_failures >= 1
+    assert eng.blocks.num_free == eng.blocks.capacity and eng.states.num_free == \
+        eng.states.capacity
+    assert alone(llm, "And God said") == want
+
+
+def test_scheduling_that_raises_fails_the_running_requests(
+        llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    eng = llm.engine
+    want = alone(llm, "And God said")
+    eng.add_request("c", "In the beginning", G)
+    eng.step()  # running now
+    real = eng.scheduler.schedule
+    monkeypatch.setattr(eng.scheduler, "schedule",
+                        lambda: (_ for _ in ()).throw(KeyError("sched")))
+    outs = eng.step()
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("c", "error")]
+    monkeypatch.setattr(eng.scheduler, "schedule", real)
+    eng.check_invariants()
+    assert alone(llm, "And God said") == want
+
+
+def test_pools_that_do_not_add_up_after_a_fault_are_rebuilt(
+        llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    eng = llm.engine
+    want = alone(llm, "And God said")
+    eng.add_request("d", "In the beginning", G)
+    eng.add_request("e", "And the earth", SamplingParams(max_tokens=4))
+    eng.step()
+
+    def corrupt(*a: object, **k: object) -> object:
+        eng.states._free.clear()  # a bug that loses every free slot
+        raise RuntimeError("corrupting bug")
+
+    monkeypatch.setattr(eng.model, "forward_packed", corrupt)
+    outs = eng.step()
+    monkeypatch.undo()
+    assert {o.request_id for o in outs} == {"d", "e"}
+    assert {o.finish_reason for o in outs} == {"error"}
+    assert eng.stats.pool_rebuilds == 1
+    eng.check_invariants()
+    assert eng.states.num_free == eng.states.capacity
+    assert alone(llm, "And God said") == want
+
+
+def test_a_row_whose_sampling_raises_fails_alone(llm: LLM,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    import pagedhybrid.engine.engine as engine_mod
+
+    want = {p: alone(llm, p) for p in ("In the beginning", "And the earth")}
+    real = engine_mod.sample
+
+    def picky(logits, params, gens, history=None, banned=None):  # type: ignore[no-untyped-def]
+        if any(p.seed == 666 for p in params):
+            raise ValueError("bad row")
+        return real(logits, params, gens, history, banned)
+
+    monkeypatch.setattr(engine_mod, "sample", picky)
+    eng = llm.engine
+    eng.add_request("ok1", "In the beginning", G)
+    eng.add_request("bad", "Then Jesus", SamplingParams(max_tokens=6, seed=666))
+    eng.add_request("ok2", "And the earth", G)
+    final = drain(llm)
+    assert final["bad"].finish_reason == "error" and "bad row" in final["bad"].error
+    assert final["ok1"].token_ids == want["In the beginning"]
+    assert final["ok2"].token_ids == want["And the earth"]
