@@ -38,19 +38,19 @@ def test_refusals_are_typed_and_name_the_reason() -> None:
         registry.select("cuda")
     with pytest.raises(UnsupportedConfiguration, match=r"native.*float64"):
         registry.select("native", tiny_byte_config(), torch.float64)
-    odd = dataclasses.replace(tiny_byte_config(), head_dim=40, mrope_section=(3, 1, 1))
-    with pytest.raises(UnsupportedConfiguration, match="head_dim a multiple of 16"):
-        registry.select("native", odd)
-    sel = registry.select("auto", odd)  # auto says why it runs the torch kernels
-    assert sel.backend.name == "torch" and "head_dim a multiple of 16" in sel.reason
+    wide = dataclasses.replace(tiny_byte_config(), head_dim=272, mrope_section=(12, 11, 11))
+    with pytest.raises(UnsupportedConfiguration, match="head_dim <= 256"):
+        registry.select("native", wide)
+    sel = registry.select("auto", wide)  # auto says why it runs the torch kernels
+    assert sel.backend.name == "torch" and "head_dim <= 256" in sel.reason
 
 
 def test_engine_refuses_at_construction_and_reports_fallbacks(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    odd = _model(head_dim=40, mrope_section=(3, 1, 1))
+    wide = _model(head_dim=272, mrope_section=(12, 11, 11))
     with pytest.raises(UnsupportedConfiguration, match="head_dim"):
-        Engine(odd, EngineConfig(backend="native", num_blocks=8))
-    engine = Engine(odd, EngineConfig(backend="auto", num_blocks=8))
+        Engine(wide, EngineConfig(backend="native", num_blocks=8))
+    engine = Engine(wide, EngineConfig(backend="auto", num_blocks=8))
     assert engine.model.backend.name == "torch"
     assert "torch kernels (auto; passed over: native: native attention needs head_dim" in \
         capsys.readouterr().err

@@ -3,9 +3,14 @@ float references, which they must also approximate).
 
 * ``linear_invariant``: a row's output is the same for every row count, offset and thread count,
   and close to ``F.linear`` (torch's GEMM rows drift with the batch: shown too);
+* ``silu`` / ``sigmoid``: an element's bits do not depend on the tensor's size, its place in it or
+  the thread count (torch's do: its scalar tail rounds otherwise -- shown too);
 * ``gated_delta_varlen`` / ``causal_conv_varlen``: one call over a whole chunk equals, bit for
-  bit, the decode kernel run token after token, and approximates the chunked / stream forms;
+  bit, the decode kernel run token after token, and approximates the chunked / stream forms; a
+  sequence's rows do not depend on its place in the packed stream or its state slot;
 * the native paged attention: a row of a prefill chunk equals the same row computed as a decode.
+
+Head dims and widths are drawn beyond multiples of 16 (the vector width): their tails too.
 """
 
 from __future__ import annotations
@@ -72,6 +77,47 @@ def test_torch_linear_rows_do_drift_with_the_batch() -> None:
     assert any(not torch.equal(F.linear(x[:m], w), full[:m]) for m in (1, 2, 16, 64))
 
 
+WIDTHS = [4, 8, 12, 20, 24, 100]  # Dv (or hd) per token row: most are not whole vectors
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_silu_and_sigmoid_rows_do_not_depend_on_the_batch(width: int) -> None:
+    from pagedhybrid.kernels.native.invariant import sigmoid, silu
+
+    gen = torch.Generator().manual_seed(width)
+    x = torch.randn(700, 4, width, generator=gen) * 6  # [T, heads, width], > 32768 elements
+    threads = torch.get_num_threads()
+    try:
+        for fn, ref in ((silu, F.silu), (sigmoid, torch.sigmoid)):
+            full = fn(x)
+            for m, off, nt in ((1, 0, 1), (1, 699, 2), (3, 517, 2), (37, 40, 1), (400, 3, 2)):
+                torch.set_num_threads(nt)
+                assert torch.equal(fn(x[off:off + m]), full[off:off + m]), (fn, m, off, nt)
+            torch.set_num_threads(threads)
+            want = ref(x.double())
+            assert ((full.double() - want).abs() <= 4e-7 * want.abs() + 1e-30).all()
+            xb = x.bfloat16()  # bf16 in, fp32 math, one rounding to bf16 out
+            assert fn(xb).dtype == torch.bfloat16
+            assert (fn(xb).float() - ref(xb.float())).abs().max() <= 2 ** -7 * x.abs().max()
+    finally:
+        torch.set_num_threads(threads)
+    edge = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 50.0, -50.0, 100.0, -100.0, 1e4, -1e4,
+                         float("inf"), float("nan")])
+    assert torch.allclose(silu(edge), F.silu(edge), rtol=1e-6, atol=0, equal_nan=True)
+    assert torch.allclose(sigmoid(edge), torch.sigmoid(edge), rtol=1e-6, atol=0,
+                          equal_nan=True)
+
+
+def test_torch_silu_rows_do_drift_with_the_batch() -> None:
+    """Why the mode needs its own SiLU: a value head of 4 dims x 4 heads is 16 elements per
+    token, so a token alone -- or the last of an odd count -- runs torch's scalar tail, the same
+    token elsewhere its vector loop, and the two round differently."""
+    gen = torch.Generator().manual_seed(0)
+    z = torch.randn(33, 4, 4, generator=gen) * 6
+    full = F.silu(z)
+    assert any(not torch.equal(F.silu(z[t:t + 1]), full[t:t + 1]) for t in range(33))
+
+
 def _gdn_inputs(t: int, b: int = 2, hk: int = 2, hv: int = 4, dk: int = 16, dv: int = 8,
                 seed: int = 0) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
@@ -83,11 +129,12 @@ def _gdn_inputs(t: int, b: int = 2, hk: int = 2, hv: int = 4, dk: int = 16, dv: 
             "dt_bias": torch.randn(hv, generator=gen)}
 
 
-def test_recurrent_prefill_equals_decode_token_by_token() -> None:
+@pytest.mark.parametrize(("dk", "dv"), [(16, 8), (4, 24), (24, 4), (7, 12), (128, 100)])
+def test_recurrent_prefill_equals_decode_token_by_token(dk: int, dv: int) -> None:
     lens = [7, 1, 12]
     n = sum(lens)
-    x = _gdn_inputs(n)
-    hv, dv, dk = 4, 8, 16
+    x = _gdn_inputs(n, dk=dk, dv=dv)
+    hv = 4
     cu = torch.tensor([0, 7, 8, 20], dtype=torch.int32)
     pool = torch.randn(5, hv, dv, dk)
     slots = torch.tensor([3, 0, 4])
@@ -119,6 +166,35 @@ def test_recurrent_prefill_equals_decode_token_by_token() -> None:
     assert (ref - out).abs().max() < 1e-5 and (final - a_pool[slots]).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize(("dk", "dv"), [(16, 16), (4, 24), (24, 4), (9, 20)])
+def test_recurrent_rows_do_not_depend_on_their_place(dk: int, dv: int) -> None:
+    """A sequence's outputs and final state are the same bits at any offset of the packed stream
+    and in any state slot (rows and state rows of odd widths sit at other alignments)."""
+    hv, length = 4, 5
+    x = _gdn_inputs(length, dk=dk, dv=dv, seed=2)
+    init = torch.randn(hv, dv, dk, generator=torch.Generator().manual_seed(3))
+
+    def run(off: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(off)
+        # another sequence's `off` tokens first
+        t = {k: torch.cat([torch.randn(off, *v.shape[1:], generator=gen), v])
+             for k, v in x.items() if k in ("q", "k", "v", "a", "b")}
+        pool = torch.randn(8, hv, dv, dk, generator=gen)
+        pool[slot] = init
+        out = torch.empty(off + length, hv, dv)
+        lib().gated_delta_varlen(t["q"], t["k"], t["v"], t["a"], t["b"], x["a_log"], x["dt_bias"],
+                                 pool, torch.tensor([(slot + 1) % 8, slot]),
+                                 torch.tensor([False, False]),
+                                 torch.tensor([0, off, off + length], dtype=torch.int32), out,
+                                 dk ** -0.5)
+        return out[off:], pool[slot]
+
+    out0, state0 = run(0, 0)
+    for off, slot in ((1, 3), (2, 6), (3, 1), (5, 7)):
+        out, state = run(off, slot)
+        assert torch.equal(out, out0) and torch.equal(state, state0), (off, slot)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_conv_prefill_equals_decode_token_by_token(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(1)
@@ -142,12 +218,15 @@ def test_conv_prefill_equals_decode_token_by_token(dtype: torch.dtype) -> None:
     assert torch.equal(y, y2) and torch.equal(a_pool, b_pool)
 
 
-def test_attention_row_of_a_prefill_chunk_equals_its_decode() -> None:
+@pytest.mark.parametrize(("d", "dtype"), [(64, torch.float32), (24, torch.float32),
+                                          (7, torch.float32), (40, torch.bfloat16),
+                                          (100, torch.float32)])
+def test_attention_row_of_a_prefill_chunk_equals_its_decode(d: int, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(3)
-    hq, hkv, d, bs, total = 8, 2, 64, 16, KV_SPLIT + 90  # crosses a KV split
+    hq, hkv, bs, total = 8, 2, 16, KV_SPLIT + 90  # crosses a KV split
     pages = -(-total // bs)
-    kc = torch.randn(pages + 2, bs, hkv, d, generator=gen)
-    vc = torch.randn(pages + 2, bs, hkv, d, generator=gen)
+    kc = torch.randn(pages + 2, bs, hkv, d, generator=gen).to(dtype)
+    vc = torch.randn(pages + 2, bs, hkv, d, generator=gen).to(dtype)
     table = torch.randperm(pages + 2, generator=gen)[:pages].to(torch.int32)[None]
     q = torch.randn(40, hq, d, generator=gen)  # the last 40 positions as one chunk
     out = torch.empty(40, hq, d)
@@ -161,3 +240,13 @@ def test_attention_row_of_a_prefill_chunk_equals_its_decode() -> None:
                               torch.tensor([total - 40 + i], dtype=torch.int32),
                               torch.tensor([0], dtype=torch.int32), one, d ** -0.5, KV_SPLIT)
         assert torch.equal(one[0], out[i]), i
+    # and the rows are attention over keys 0..p (any head dim: the tail dims count too)
+    keys = kc[table[0].long()].reshape(-1, hkv, d)[:total].double()  # [total, Hkv, D]
+    vals = vc[table[0].long()].reshape(-1, hkv, d)[:total].double()
+    for i in (0, 39):
+        p = total - 40 + i
+        kh = keys[:p + 1].repeat_interleave(hq // hkv, dim=1)  # [p+1, Hq, D]
+        vh = vals[:p + 1].repeat_interleave(hq // hkv, dim=1)
+        w = torch.softmax(torch.einsum("hd,khd->hk", q[i].double(), kh) * d ** -0.5, dim=-1)
+        want = torch.einsum("hk,khd->hd", w, vh)
+        assert (out[i].double() - want).abs().max() < 1e-5, i

@@ -80,6 +80,21 @@ def _decode_case(b: int = 3, hk: int = 2, hv: int = 4, d: int = 16) -> tuple[lis
     return ins, {"gate_activation": "qwen", "beta_activation": "sigmoid", "scale": 0.25}
 
 
+@pytest.mark.parametrize("head_size", [8, 24, 40])
+@pytest.mark.parametrize("name", ["page_boundaries_15_16_17", "mixed_gqa4_block64",
+                                  "int8_per_channel", "fp8_per_tensor"])
+def test_paged_attention_head_sizes_beyond_whole_vectors(name: str, head_size: int) -> None:
+    """Head sizes that are not whole 16-lane vectors run natively (their last chunk loaded
+    zero-filled) and agree with the reference."""
+    recipe = _recipe(name)
+    recipe = {**recipe, "dims": {**recipe["dims"], "head_size": head_size}}
+    for dtype in (torch.float32, torch.bfloat16):
+        inputs, attrs = pa_ref.make_inputs(recipe, dtype, seed=5)
+        _run("paged_attention", pa_ref.paged_attention, contract.paged_attention, inputs, attrs,
+             dtype)
+        assert contract.last_path("paged_attention") == "native", (name, head_size, dtype)
+
+
 def test_model_form_runs_natively_and_the_rest_is_declared() -> None:
     ins, attrs = _decode_case()
     _run("gated_delta_net", gdn_ref.gated_delta_net, contract.gated_delta_net, ins, attrs,

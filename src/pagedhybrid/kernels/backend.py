@@ -5,7 +5,8 @@ A ``Backend`` bundles, for one implementation family:
 * the model's step seam -- ``attention``, ``causal_conv``, ``gated_delta``: one layer's operator
   on a validated ``StepMetadata``, with KV pages and conv / recurrent state pools updated in place
   (see ``kernels/cpu/step.py`` for the signatures), and ``linear`` (every projection and the LM
-  head; None = ``torch.nn.functional.linear``);
+  head; None = ``torch.nn.functional.linear``) and ``pointwise`` (the layers' elementwise
+  nonlinearities, silu and sigmoid: torch's by default);
 * the three operator contracts with the signatures of ``pagedhybrid.ops`` (``ops``), each
   validating its call fully (contract entry points);
 * what it declares: its ``capability`` (an ``AttentionBackendCapability``: dtypes, head dims,
@@ -39,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from pagedhybrid.attention.capability import AttentionBackendCapability
 from pagedhybrid.dtypes import cli_name, logical_name
@@ -60,6 +62,16 @@ class ContractOps(NamedTuple):
     gated_delta_net: Callable[..., tuple[Any, ...]]
 
 
+class Pointwise(NamedTuple):
+    """The elementwise nonlinearities the layers apply (same shape and dtype out as in)."""
+
+    silu: Callable[[torch.Tensor], torch.Tensor]
+    sigmoid: Callable[[torch.Tensor], torch.Tensor]
+
+
+TORCH_POINTWISE = Pointwise(F.silu, torch.sigmoid)
+
+
 @dataclass(frozen=True)
 class Backend:
     name: str
@@ -73,6 +85,7 @@ class Backend:
     requirement: Callable[[Any, torch.dtype], str | None]
     capability: AttentionBackendCapability
     linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    pointwise: Pointwise = TORCH_POINTWISE
 
     @property
     def batch_invariant(self) -> bool:
@@ -120,8 +133,8 @@ def _native_requirement(config: Any, dtype: torch.dtype) -> str | None:
     st = status()
     if not st.available:
         return st.reason
-    if config is not None and (config.head_dim % 16 or config.head_dim > 256):
-        return f"native attention needs head_dim a multiple of 16 and <= 256 ({config.head_dim})"
+    if config is not None and config.head_dim > 256:
+        return f"native attention needs head_dim <= 256 ({config.head_dim})"
     return None
 
 
@@ -172,7 +185,8 @@ def _make(name: str) -> Backend:
                        ContractOps(contract.paged_attention, contract.varlen_causal_conv,
                                    contract.gated_delta_net), _native_requirement,
                        _capability(name, inv.DTYPES, "production", True,
-                                   "the C++ kernels in batch-invariant forms"), inv.linear)
+                                   "the C++ kernels in batch-invariant forms"), inv.linear,
+                       Pointwise(inv.silu, inv.sigmoid))
     raise UnsupportedConfiguration(
         f"unknown kernel backend {name!r}; choose one of auto, {', '.join(BACKENDS)}")
 

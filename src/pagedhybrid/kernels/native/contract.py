@@ -41,7 +41,7 @@ CAPABILITIES: dict[str, KernelCapability] = {
                               "(GEMM-shaped, compute-bound)",
                    "softcap/local_window_size/head_sink/is_causal=0": "not in the native tile",
                    "qk_norm/do_rotary/slot_mapping": "the model does these outside the op",
-                   "head_size % 16 != 0 or > 256": "the tile is 16 lanes wide",
+                   "head_size > 256": "the tile holds at most 256 dims",
                    "float64": "verification dtype only"},
         paths={"native": "pages read in place, online softmax, GQA group per kv head, fixed "
                          f"KV splits of {KV_SPLIT} tokens merged in split order; int8 / fp8 "
@@ -91,7 +91,7 @@ def paged_attention(
     a = dims.attrs
     quant = is_quantized(dims.cache_dtype)
     native = ((dims.dtype == dims.cache_dtype or quant) and dims.dtype in NATIVE_DTYPES
-              and dims.head_size % 16 == 0 and dims.head_size <= 256
+              and dims.head_size <= 256
               and dims.max_query_len <= MAX_NATIVE_QUERY and a["softcap"] == 0
               and a["local_window_size"] == -1 and a["is_causal"] == 1 and not a["do_rotary"]
               and not dims.has_slot_mapping and not dims.has_head_sink and not dims.has_qk_norm)

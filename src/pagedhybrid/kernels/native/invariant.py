@@ -22,10 +22,17 @@ output element:
   (``gated_delta_varlen`` / ``causal_conv_varlen`` run each token through the very function the
   decode kernels use); state checkpoints inside a chunk are taken between segments (the
   recurrence) or copied from the inputs (the conv window), so a prefix-cache hit restores the
-  bits the recurrence had there.
+  bits the recurrence had there;
+* ``silu`` / ``sigmoid`` -- the MLP's and the gated norm's SiLU and the attention output gate
+  (``pointwise.cpp``): torch's kernels for these run Sleef vectors over the tensor and libm on
+  the scalar tail (of the tensor and of each thread's chunk), which round differently, so the
+  last token of a step whose row width is not a multiple of the vector loop (Hv*Dv = 4*4, 2*8,
+  4*20, ... in the gated norm) got other bits than the same token elsewhere; here every element
+  runs the same lane code, the tail loaded zero-filled into a full vector.
 
-What stays on torch is row-wise or element-wise (norms, RoPE, SiLU, residuals, the per-row
-log-softmax of sampling), which does not mix rows; the tests check the whole model bitwise.
+What stays on torch is row-wise or element-wise with exactly rounded arithmetic (norms,
+RoPE, residuals, the per-row log-softmax of sampling), which does not mix rows; the tests check
+the whole model bitwise, head dims and value / key head dims of any size included.
 Speed (``benchmarks/engine.py --batch-invariant``, 2 cores): the fp32 linear kernel runs at the
 FMA peak. On a Xeon that is torch's fp32 GEMM speed for decode batches, 0.85x for prefill, so
 the fp32 mode cost nothing measurable (1.00x); on an AMD EPYC, where torch's fp32 GEMM is slower
@@ -70,6 +77,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if m:
         library().linear_invariant(x2, weight.contiguous(), out)  # type: ignore[attr-defined]
     return out.to(x.dtype).view(*lead, n)
+
+
+def _pointwise(op: str, x: torch.Tensor) -> torch.Tensor:
+    xf = x.float().contiguous()
+    out = torch.empty_like(xf)
+    getattr(library(), op)(xf, out)
+    return out.to(x.dtype)
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """``x * sigmoid(x)`` elementwise (fp32 math, ``x``'s dtype), every element alike."""
+    return _pointwise("silu_invariant", x)
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """``1 / (1 + exp(-x))`` elementwise (fp32 math, ``x``'s dtype), every element alike."""
+    return _pointwise("sigmoid_invariant", x)
 
 
 # every sequence on the native kernel, whatever its query length

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedhybrid.kernels.backend import Backend
+from pagedhybrid.kernels.backend import TORCH_POINTWISE, Backend, Pointwise
 from pagedhybrid.kernels.step import StepMetadata
 from pagedhybrid.kvquant import KVScales
 from pagedhybrid.models.qwen35.config import Qwen35Config
@@ -30,6 +30,8 @@ from pagedhybrid.models.qwen35.rope import apply_rope
 
 
 class FullAttention(nn.Module):
+    pointwise: Pointwise = TORCH_POINTWISE  # the backend's sigmoid (set with the model's backend)
+
     def __init__(self, config: Qwen35Config, dtype: torch.dtype) -> None:
         super().__init__()
         h, hkv, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
@@ -54,7 +56,7 @@ class FullAttention(nn.Module):
         return q, k, v, gate
 
     def output(self, attn: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return self.o_proj(attn * torch.sigmoid(gate))  # [T, hidden]
+        return self.o_proj(attn * self.pointwise.sigmoid(gate))  # [T, hidden]
 
     def forward_dense(
         self,

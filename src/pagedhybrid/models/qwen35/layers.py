@@ -8,6 +8,8 @@
 * ``MLP``: ``down(silu(gate(x)) * up(x))``.
 * ``Linear``: a bias-free projection whose product is the kernel bundle's (``matmul``, set from
   ``Backend.linear`` when the model's backend is set; None = ``F.linear``).
+* SiLU and sigmoid are the kernel bundle's too (``pointwise``, set from ``Backend.pointwise``;
+  torch's by default): the batch-invariant bundle's compute every element alike.
 
 Parameter names equal HF's so ``state_dict()`` keys are the checkpoint keys.
 """
@@ -19,6 +21,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pagedhybrid.kernels.backend import TORCH_POINTWISE, Pointwise
 
 Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -36,6 +40,8 @@ class OffsetRMSNorm(nn.Module):
 
 
 class GatedRMSNorm(nn.Module):
+    pointwise: Pointwise = TORCH_POINTWISE  # the backend's silu (set with the model's backend)
+
     def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
         self.eps = eps
@@ -44,7 +50,7 @@ class GatedRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        y = y * self.weight.float() * F.silu(gate.float())
+        y = y * self.weight.float() * self.pointwise.silu(gate.float())
         return y.to(x.dtype)
 
 
@@ -69,6 +75,8 @@ def linear(in_features: int, out_features: int, dtype: torch.dtype) -> Linear:
 
 
 class MLP(nn.Module):
+    pointwise: Pointwise = TORCH_POINTWISE  # the backend's silu (set with the model's backend)
+
     def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.gate_proj = linear(hidden, intermediate, dtype)
@@ -76,4 +84,4 @@ class MLP(nn.Module):
         self.down_proj = linear(intermediate, hidden, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.pointwise.silu(self.gate_proj(x)) * self.up_proj(x))

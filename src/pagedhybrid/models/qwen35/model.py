@@ -121,12 +121,14 @@ class Qwen35ForCausalLM(nn.Module):
 
     @backend.setter
     def backend(self, value: Backend) -> None:
-        """The kernel bundle of every layer: its step seam, and its ``linear`` for every
-        projection and the LM head."""
+        """The kernel bundle of every layer: its step seam, its ``linear`` for every
+        projection and the LM head, and its ``pointwise`` silu / sigmoid."""
         self._backend = value
         for m in self.modules():
             if hasattr(m, "matmul"):
                 m.matmul = value.linear
+            if hasattr(m, "pointwise"):
+                m.pointwise = value.pointwise
 
     # -- weights ----------------------------------------------------------------------------------
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:

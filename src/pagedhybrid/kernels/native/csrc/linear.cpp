@@ -26,13 +26,6 @@ constexpr int kBlockCols = 4;  // weight rows per register block
 constexpr int64_t kRowsPerTask = 64;  // rows of x per task (cache block)
 constexpr int64_t kColsPerTask = 32;  // weight rows per task
 
-template <typename T>
-inline VF load_tail(const T* p, int n) {  // n < kLanes elements, zero-filled
-  alignas(64) float tmp[kLanes] = {};
-  for (int i = 0; i < n; ++i) tmp[i] = to_float(p[i]);
-  return load(tmp);
-}
-
 template <typename T, int R, int C>
 inline void block(const T* x, const T* w, int64_t k, int64_t ldx, int64_t ldw, float* out,
                   int64_t ldo) {
@@ -51,9 +44,9 @@ inline void block(const T* x, const T* w, int64_t k, int64_t ldx, int64_t ldw, f
   if (e < k) {
     const int n = static_cast<int>(k - e);
     VF wv[C];
-    for (int c = 0; c < C; ++c) wv[c] = load_tail(w + c * ldw + e, n);
+    for (int c = 0; c < C; ++c) wv[c] = load_first(w + c * ldw + e, n);
     for (int r = 0; r < R; ++r) {
-      const VF xv = load_tail(x + r * ldx + e, n);
+      const VF xv = load_first(x + r * ldx + e, n);
       for (int c = 0; c < C; ++c) acc[r][c] = fma(xv, wv[c], acc[r][c]);
     }
   }

@@ -24,6 +24,11 @@
 // 16-lane FMAs over D, exp is vectorised, and the V tile is accumulated into fp32 rows. Each
 // item leaves (acc, m, l) partials; a second pass merges the splits of each (b, kv head) in
 // ascending split order (deterministic) and writes out = acc / l.
+//
+// Any head size D in [1, 256]: one that is not whole vectors has its last K/V chunk loaded
+// zero-filled (nothing past a row is read), scores run over the D dims, and V rows and the
+// accumulators are D rounded up to whole vectors wide (the zero lanes are never written out) --
+// a row's arithmetic still depends on D alone, not on the batch.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -51,6 +56,7 @@ struct Geometry {
   int hq, hkv, d, bs, group, max_pages;
   float scale;
   int bs_log2;
+  int dp;  // d rounded up to whole vectors: the row stride of the tiles' V rows and of acc
 };
 
 // Per item: all rows (q_len x G) of sequence b / kv head h over keys [k0, k1), kLanes keys per
@@ -200,7 +206,7 @@ inline void pv_pairs_rows(const Tile& t, int k, int n, int d, float* acc) {
 // Scores, online-softmax update and P.V for NR rows (row k sees keys <= limit[k]).
 template <int NR, bool Pairs>
 inline void tile_rows_n(const float* const* qrow, const uint32_t* const* qpair, const int* limit,
-                        int t0, int n, int d, float scale, Tile& t, float* acc, float* m,
+                        int t0, int n, int d, int dp, float scale, Tile& t, float* acc, float* m,
                         float* l) {
   VF sc[NR];
   scores<NR, Pairs>(qrow, qpair, d, t, sc);
@@ -225,22 +231,22 @@ inline void tile_rows_n(const float* const* qrow, const uint32_t* const* qpair, 
   }
   int k = 0;
   if constexpr (Pairs) {
-    for (; k + 2 <= NR; k += 2) pv_pairs_rows<2>(t, k, n, d, acc);
-    if (k < NR) pv_pairs_rows<1>(t, k, n, d, acc);
+    for (; k + 2 <= NR; k += 2) pv_pairs_rows<2>(t, k, n, dp, acc);
+    if (k < NR) pv_pairs_rows<1>(t, k, n, dp, acc);
   } else {
-    for (; k + 2 <= NR; k += 2) pv_rows<2>(t, k, n, d, acc);
-    if (k < NR) pv_rows<1>(t, k, n, d, acc);
+    for (; k + 2 <= NR; k += 2) pv_rows<2>(t, k, n, dp, acc);
+    if (k < NR) pv_rows<1>(t, k, n, dp, acc);
   }
 }
 
 template <bool Pairs>
 inline void tile_rows(int nr, const float* const* qrow, const uint32_t* const* qpair,
-                      const int* limit, int t0, int n, int d, float scale, Tile& t, float* acc,
-                      float* m, float* l) {
+                      const int* limit, int t0, int n, int d, int dp, float scale, Tile& t,
+                      float* acc, float* m, float* l) {
   switch (nr) {
 #define PH_CASE(N) \
   case N:          \
-    return tile_rows_n<N, Pairs>(qrow, qpair, limit, t0, n, d, scale, t, acc, m, l);
+    return tile_rows_n<N, Pairs>(qrow, qpair, limit, t0, n, d, dp, scale, t, acc, m, l);
     PH_CASE(1) PH_CASE(2) PH_CASE(3) PH_CASE(4) PH_CASE(5) PH_CASE(6) PH_CASE(7) PH_CASE(8)
 #undef PH_CASE
     default:
@@ -272,14 +278,14 @@ void run_item(const Item& it, const float* q, const T* kc, const T* vc, const in
               float* l) {
   static_assert(!Pairs || pairs_path<T>(), "the pairs path is the bf16 cache's");
   const int q0 = cu[it.b], qlen = cu[it.b + 1] - cu[it.b], p = past[it.b];
-  const int rows = qlen * g.group, d = g.d;
+  const int rows = qlen * g.group, d = g.d, dp = g.dp;
   const int64_t tok_stride = static_cast<int64_t>(g.hkv) * d;            // one token, all heads
   const int64_t page_stride = static_cast<int64_t>(g.bs) * tok_stride;  // one page
   for (int r = 0; r < rows; ++r) {
     m[r] = kNegInf;
     l[r] = 0.f;
   }
-  std::fill(acc, acc + static_cast<int64_t>(rows) * d, 0.f);
+  std::fill(acc, acc + static_cast<int64_t>(rows) * dp, 0.f);
   Tile t;
   std::vector<uint32_t> qpairs;  // bf16 pairs of the rows' q (pairs path)
   std::vector<const float*> qrow_all(rows);
@@ -327,10 +333,13 @@ void run_item(const Item& it, const float* q, const T* kc, const T* vc, const in
         transpose(rk);
         for (int e = 0; e < kLanes; ++e) store(t.kt[c * kLanes + e], rk[e]);
       }
-    } else {
-      for (int c = 0; c < d / kLanes; ++c) {
+    } else {  // a head dim that is not whole vectors: its last chunk loads zero-filled
+      for (int c = 0; c < dp / kLanes; ++c) {
+        const int w = std::min(kLanes, d - c * kLanes);
         VF rk[kLanes];
-        for (int j = 0; j < kLanes; ++j) rk[j] = load(kc + offs[j] + c * kLanes);
+        for (int j = 0; j < kLanes; ++j)
+          rk[j] = w == kLanes ? load(kc + offs[j] + c * kLanes)
+                              : load_first(kc + offs[j] + c * kLanes, w);
         transpose(rk);
         for (int e = 0; e < kLanes; ++e) store(t.kt[c * kLanes + e], rk[e]);
       }
@@ -350,7 +359,9 @@ void run_item(const Item& it, const float* q, const T* kc, const T* vc, const in
       }
     } else {
       for (int j = 0; j < n; ++j)
-        for (int c = 0; c < d; c += kLanes) store(&t.vt[j][c], load(vc + offs[j] + c));
+        for (int c = 0; c < dp; c += kLanes)
+          store(&t.vt[j][c], c + kLanes <= d ? load(vc + offs[j] + c)
+                                             : load_first(vc + offs[j] + c, d - c));
     }
     for (int r0 = 0; r0 < rows; r0 += kRowBlock) {
       const int nr = std::min(kRowBlock, rows - r0);
@@ -358,7 +369,8 @@ void run_item(const Item& it, const float* q, const T* kc, const T* vc, const in
       for (int k = 0; k < nr; ++k) live |= t0 <= limit_all[r0 + k];
       if (!live) continue;
       tile_rows<Pairs>(nr, qrow_all.data() + r0, qpair_all.data() + r0, limit_all.data() + r0,
-                       t0, n, d, g.scale, t, acc + static_cast<int64_t>(r0) * d, m + r0, l + r0);
+                       t0, n, d, dp, g.scale, t, acc + static_cast<int64_t>(r0) * dp, m + r0,
+                       l + r0);
     }
   }
   if constexpr (Pairs) unpermute_pairs(acc, rows, d);
@@ -373,8 +385,9 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& kcache, const a
   const int32_t* seqs = seqs_t.data_ptr<int32_t>();
   Geometry g{static_cast<int>(q.size(1)), static_cast<int>(kcache.size(2)),
              static_cast<int>(q.size(2)), static_cast<int>(kcache.size(1)), 0,
-             static_cast<int>(table.size(1)), scale, 0};
+             static_cast<int>(table.size(1)), scale, 0, 0};
   g.group = g.hq / g.hkv;
+  g.dp = (g.d + kLanes - 1) / kLanes * kLanes;
   while ((1 << g.bs_log2) < g.bs) ++g.bs_log2;
   const int32_t* cu = cu_t.data_ptr<int32_t>();
   const int32_t* past = past_t.data_ptr<int32_t>();
@@ -393,7 +406,7 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& kcache, const a
   int max_rows = 0;
   for (int i = 0; i < batch; ++i)
     max_rows = std::max(max_rows, (cu[seqs[i] + 1] - cu[seqs[i]]) * g.group);
-  const int64_t row_floats = static_cast<int64_t>(max_rows) * g.d;
+  const int64_t row_floats = static_cast<int64_t>(max_rows) * g.dp;
   std::vector<float> acc(items.size() * row_floats), ms(items.size() * max_rows),
       ls(items.size() * max_rows);
   const float* qp = q.data_ptr<float>();
@@ -440,7 +453,7 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& kcache, const a
           if (mi == kNegInf) continue;
           const float w = std::exp(mi - mm);
           lsum += w * ls[(k0 + sp) * max_rows + r];
-          const float* src = acc.data() + (k0 + sp) * row_floats + static_cast<int64_t>(r) * g.d;
+          const float* src = acc.data() + (k0 + sp) * row_floats + static_cast<int64_t>(r) * g.dp;
           for (int e = 0; e < g.d; ++e) dst[e] += w * src[e];
         }
         const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
@@ -458,8 +471,7 @@ void paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && key_cache.is_contiguous() &&
                   value_cache.is_contiguous() && block_table.is_contiguous(),
               "tensors must be contiguous");
-  TORCH_CHECK(q.size(2) % 16 == 0 && q.size(2) <= kMaxHead,
-              "head size must be a multiple of 16 and at most 256");
+  TORCH_CHECK(q.size(2) > 0 && q.size(2) <= kMaxHead, "head size must be in [1, 256]");
   const int64_t bs = key_cache.size(1);
   TORCH_CHECK(bs > 0 && (bs & (bs - 1)) == 0, "block size must be a power of two");
   TORCH_CHECK(split > 0 && split % bs == 0, "split must be a multiple of the block size");

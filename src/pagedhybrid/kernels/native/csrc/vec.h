@@ -6,9 +6,13 @@
 //                   high half of an fp32: widen and shift left 16; fp16 through the hardware
 //                   converter; int8 sign-extended; e4m3fn through fp16: see fp8_to_half)
 //   fma(a, b, c)    a * b + c               bcast(x)  all lanes = x
+//   add/sub/mul/div lane-wise IEEE ops      neg_abs(x)  -|x|
+//   if_neg(x, a, b) a where x < 0, else b   keep_nan(x, r)  x where x is NaN, else r
 //   reduce_add/max  horizontal sum / max    exp(x)    Cody-Waite + degree-6 polynomial
 //                                                     (rel. error ~2e-7; -inf -> 0)
 //   first_n(x, n)   lanes >= n set to -inf  transpose(rows[kLanes])  in registers
+//   load_first(p, n) / store_first(p, v, n)  the first n < kLanes elements only (the other
+//                   lanes load as 0; nothing past p + n is read or written)
 #pragma once
 
 #include <immintrin.h>
@@ -65,6 +69,15 @@ inline VF zero() { return _mm512_setzero_ps(); }
 inline VF fma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
 inline VF mul(VF a, VF b) { return _mm512_mul_ps(a, b); }
 inline VF sub(VF a, VF b) { return _mm512_sub_ps(a, b); }
+inline VF add(VF a, VF b) { return _mm512_add_ps(a, b); }
+inline VF div(VF a, VF b) { return _mm512_div_ps(a, b); }
+inline VF neg_abs(VF x) { return _mm512_or_ps(x, _mm512_set1_ps(-0.f)); }
+inline VF if_neg(VF x, VF a, VF b) {
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), b, a);
+}
+inline VF keep_nan(VF x, VF r) {
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), r, x);
+}
 inline float reduce_add(VF v) { return _mm512_reduce_add_ps(v); }
 inline float reduce_max(VF v) { return _mm512_reduce_max_ps(v); }
 inline VF first_n(VF x, int n) {
@@ -146,6 +159,13 @@ inline VF zero() { return _mm256_setzero_ps(); }
 inline VF fma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
 inline VF mul(VF a, VF b) { return _mm256_mul_ps(a, b); }
 inline VF sub(VF a, VF b) { return _mm256_sub_ps(a, b); }
+inline VF add(VF a, VF b) { return _mm256_add_ps(a, b); }
+inline VF div(VF a, VF b) { return _mm256_div_ps(a, b); }
+inline VF neg_abs(VF x) { return _mm256_or_ps(x, _mm256_set1_ps(-0.f)); }
+inline VF if_neg(VF x, VF a, VF b) {
+  return _mm256_blendv_ps(b, a, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ));
+}
+inline VF keep_nan(VF x, VF r) { return _mm256_blendv_ps(r, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q)); }
 inline float reduce_add(VF v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -201,5 +221,17 @@ inline void transpose(VF (&m)[8]) {
 }
 
 #endif
+
+template <typename T>
+inline VF load_first(const T* p, int n) {
+  alignas(64) float tmp[kLanes] = {};
+  for (int i = 0; i < n; ++i) tmp[i] = to_float(p[i]);
+  return load(tmp);
+}
+inline void store_first(float* p, VF v, int n) {
+  alignas(64) float tmp[kLanes];
+  store(tmp, v);
+  for (int i = 0; i < n; ++i) p[i] = tmp[i];
+}
 
 }  // namespace pagedhybrid
