@@ -195,3 +195,22 @@ def test_engine_applies_the_controls(llm: LLM) -> None:
 
         assert all(score(tok_id) >= score(t) - 1e-5 for t in lps)
         assert score(tok_id) >= min(v.logprob for v in lps.values()) - 1e-5  # beats the rest
+
+
+def test_controls_stay_bitwise_in_batch_invariant_mode() -> None:
+    inv = LLM(None, max_num_seqs=8, batch_invariant=True)
+    p = SamplingParams(temperature=0.8, seed=11, max_tokens=10, logprobs=2, top_k=50,
+                       min_p=0.02, repetition_penalty=1.3, frequency_penalty=0.4,
+                       presence_penalty=0.3, logit_bias={100: 3.0}, bad_words=("the",),
+                       ignore_eos=True)
+    prompt = "And the LORD said unto Moses"
+    alone = inv.generate([prompt], p, use_progress=False)[0]
+    others = ["In the beginning", "Then Jesus went up", "And it came to pass, when"]
+    batched = inv.generate([others[0], prompt, *others[1:]],
+                           [SamplingParams(max_tokens=12, seed=i) for i in range(1)] + [p] + [
+                               SamplingParams(temperature=0.0, max_tokens=7,
+                                              repetition_penalty=1.1)] * 2,
+                           use_progress=False)[1]
+    assert batched.token_ids == alone.token_ids
+    assert [{t: lp.logprob for t, lp in d.items()} for d in batched.logprobs] == \
+        [{t: lp.logprob for t, lp in d.items()} for d in alone.logprobs]
