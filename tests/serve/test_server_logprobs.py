@@ -104,3 +104,15 @@ def test_streamed_completions_carry_the_same_logprobs(server: Server) -> None:
     want = whole["choices"][0]["logprobs"]
     assert tokens == want["tokens"] and lps == pytest.approx(want["token_logprobs"], abs=1e-6)
     assert len(tokens) == 10
+
+
+def test_add_special_tokens_false_tokenizes_text_without_bos(server: Server, llm: LLM) -> None:
+    tok = llm.engine.tokenizer
+    text = PAIRS[0][0]
+    for special in (True, False):
+        r = httpx.post(f"{server.url}/completions", timeout=60, json={
+            "model": server.model, "prompt": text, "max_tokens": 0, "echo": True,
+            "logprobs": 0, "add_special_tokens": special}).json()
+        assert r["usage"]["prompt_tokens"] == len(tok.encode(text, add_special_tokens=special))
+    assert len(tok.encode(text, add_special_tokens=True)) != len(
+        tok.encode(text, add_special_tokens=False))  # the check above can tell them apart

@@ -650,7 +650,8 @@ def create_app(state: ServerState) -> FastAPI:
         check_model(state, body.model)
         texts, id_prompts = body.prompts()
         prompts = id_prompts if id_prompts is not None else [
-            state.tokenizer.encode(t) for t in texts]
+            state.tokenizer.encode(t, add_special_tokens=body.add_special_tokens)
+            for t in texts]
         echo_only = body.echo and body.max_tokens == 0
         max_tokens = 1 if echo_only else (16 if body.max_tokens is None else body.max_tokens)
         for ids in prompts:

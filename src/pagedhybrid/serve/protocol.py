@@ -140,6 +140,7 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     best_of: Annotated[int, Field(strict=True, ge=1, le=MAX_N)] | None = None
     suffix: Text | None = None
+    add_special_tokens: bool = True  # vLLM extra: the tokenizer's BOS etc. on text prompts
 
     @model_validator(mode="after")
     def _completion_rules(self) -> CompletionRequest:
