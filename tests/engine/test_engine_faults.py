@@ -94,7 +94,7 @@ def test_pools_that_do_not_add_up_after_a_fault_are_rebuilt(
 
 def test_a_row_whose_sampling_raises_fails_alone(llm: LLM,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    import pagedhybrid.engine.engine as engine_mod
+    import pagedhybrid.engine.runner as engine_mod
 
     want = {p: alone(llm, p) for p in ("In the beginning", "And the earth")}
     real = engine_mod.sample

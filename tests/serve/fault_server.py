@@ -19,7 +19,8 @@ class InjectedFault(RuntimeError):
 
 
 def install() -> None:
-    import pagedhybrid.engine.engine as engine_mod
+    import pagedhybrid.engine.runner as runner_mod
+    from pagedhybrid.engine import Engine
     from pagedhybrid.engine.request import Request
     from pagedhybrid.engine.scheduler import HybridAllocator
     from pagedhybrid.models.qwen35 import Qwen35ForCausalLM
@@ -29,13 +30,13 @@ def install() -> None:
     def patch(owner: object, name: str, wrap):  # type: ignore[no-untyped-def]
         setattr(owner, name, wrap(getattr(owner, name)))
 
-    patch(engine_mod.Engine, "add_request", lambda f: lambda self, rid, prompt, params=None: (
+    patch(Engine, "add_request", lambda f: lambda self, rid, prompt, params=None: (
         _raise("intake") if INTAKE in prompt else f(self, rid, prompt, params)))
     patch(HybridAllocator, "admit", lambda f: lambda self, req, budget: (
         _raise("admission") if SCHED in req.prompt_token_ids else f(self, req, budget)))
     patch(Qwen35ForCausalLM, "forward_packed", lambda f: lambda self, batch, *a, **k: (
         _raise("step") if bool((batch.input_ids == STEP).any()) else f(self, batch, *a, **k)))
-    patch(engine_mod, "sample", lambda f: lambda logits, params, gens, history=None,
+    patch(runner_mod, "sample", lambda f: lambda logits, params, gens, history=None,
           banned=None: (_raise("sampling") if history is not None and any(
               SAMPLE in h.prompt_token_ids for h in history)
               else f(logits, params, gens, history, banned)))

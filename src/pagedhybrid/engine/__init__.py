@@ -9,17 +9,22 @@
   stop ids / EOS, ``logprobs``.
 * ``EngineConfig`` (``config.py``) -- pool sizes and batching limits; ``size_pools`` turns a
   memory budget into pages, slots and checkpoints.
-* ``Engine`` (``engine.py``) -- ``add_request`` / ``abort_request`` / ``step`` / ``stream``
-  driving ``Qwen35ForCausalLM.forward_packed``; ``LLM`` (``llm.py``) -- offline ``generate``.
+* ``ModelRunner`` (``runner.py``) -- owns the model, its kernel bundle and the cache; runs one
+  scheduled step (prepare -> model -> sampler) and ``score`` (the training-side recompute).
+* ``IncrementalDetokenizer`` (``detokenizer.py``) -- each request's text, O(new tokens) a step;
+  the server reads it.
+* ``Engine`` (``engine.py``) -- ``add_request`` / ``abort_request`` / ``step`` (schedule ->
+  runner -> update) / ``stream``; ``LLM`` (``llm.py``) -- offline ``generate``.
 """
 
 from __future__ import annotations
 
 from pagedhybrid.engine.config import EngineConfig
-from pagedhybrid.engine.engine import Engine, EngineStats, build_batch
+from pagedhybrid.engine.engine import Engine
 from pagedhybrid.engine.llm import LLM, Throughput, load_engine
 from pagedhybrid.engine.pages import BlockPool
 from pagedhybrid.engine.request import FinishReason, InvalidRequest, Request, RequestOutput
+from pagedhybrid.engine.runner import ModelRunner, build_batch
 from pagedhybrid.engine.sampling import GREEDY, Logprob, SampledToken, SamplingParams, sample
 from pagedhybrid.engine.scheduler import (
     HybridAllocator,
@@ -29,6 +34,7 @@ from pagedhybrid.engine.scheduler import (
     SchedulerOutput,
 )
 from pagedhybrid.engine.states import StatePool
+from pagedhybrid.engine.stats import EngineStats
 
 __all__ = [
     "GREEDY",
@@ -41,6 +47,7 @@ __all__ = [
     "HybridAllocator",
     "InvalidRequest",
     "Logprob",
+    "ModelRunner",
     "Request",
     "RequestOutput",
     "SampledToken",

@@ -1,28 +1,23 @@
 """The request-level engine: add / abort / step / stream over one Qwen3.5 model.
 
-One ``step()``:
+One ``step()`` is schedule -> run -> update:
 
 1. ``Scheduler.schedule()`` picks this step's chunks (decodes and prefill chunks mixed) under
    the token budget, admitting into KV pages and state slots atomically, preempting by recompute
-   when pages run out.
-2. ``build_batch`` packs them into the model's ``PackedBatch`` -- exactly the packed ABI
-   (``input_ids[N]``, ``position_ids[3, N]``, ``cu_seqlens[B+1]``, ``past_seqlens[B]``,
-   ``block_table[B, M]`` (``-1`` padded), ``state_slots[B]``, ``attention_metadata[3]``) -- and
-   the logits rows: the last row of every chunk that reaches its request's last known token,
-   and, for requests that asked for ``prompt_logprobs``, the rows of the prompt positions in the
-   chunk that predict a prompt token.
-3. ``model.forward_packed`` writes the KV pages and state slots in place and returns those rows'
-   logits. A sequence with ``past_seqlens == 0`` (first admission, or re-admission after
-   preemption) starts from zero conv/recurrent state whatever its slot holds; pages are never
-   zeroed (attention reads only ``past + new`` positions of a sequence's own table).
-4. ``sample`` picks the tokens (per-request generators); a row with non-finite logits finishes
-   its request with reason ``error`` and leaves the others alone; ``Scheduler.update`` advances
-   cursors, appends tokens and finishes requests on stop token / EOS / max_tokens /
-   max_model_len, returning their pages and slots at once.
+   when pages run out; its ``SchedulerOutput`` is the one contract with the runner.
+2. ``ModelRunner.run`` (``runner.py``) builds the step's packed batch once, runs the model over
+   the cache in place and samples: sampled tokens by request, and requests that failed (non-finite
+   logits, a sampling error) -- those fail alone.
+3. ``Scheduler.update`` advances cursors, appends tokens and finishes requests on stop token /
+   EOS / max_tokens / max_model_len, returning their pages and slots at once; each reported
+   request's text grows through its ``IncrementalDetokenizer``.
 
 ``step`` returns one ``RequestOutput`` per request that got a token or finished (aborts are
-reported by the next ``step``). ``stats`` splits wall time into scheduling, batch building,
-forward, sampling and bookkeeping.
+reported by the next ``step``). A step that raises (a bug, never a request's input) does not
+stop the engine: that step's requests finish with reason ``error``, the pools are checked (and
+rebuilt if they do not add up) and the next step serves the others; a request that breaks
+admission, bookkeeping or detokenisation fails alone. ``stats`` splits wall time into
+scheduling, batch building, forward, sampling and bookkeeping.
 """
 
 from __future__ import annotations
@@ -31,128 +26,21 @@ import sys
 import time
 import traceback
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 
 from pagedhybrid.engine.config import EngineConfig, size_pools, slot_bytes
+from pagedhybrid.engine.detokenizer import IncrementalDetokenizer
 from pagedhybrid.engine.pages import BlockPool
 from pagedhybrid.engine.request import InvalidRequest, Request, RequestOutput, RequestStatus
-from pagedhybrid.engine.sampling import (
-    SampledToken,
-    SamplingParams,
-    bad_word_bans,
-    bad_words_token_ids,
-    logprob_dicts,
-    sample,
-)
+from pagedhybrid.engine.runner import ModelRunner, StepResult
+from pagedhybrid.engine.sampling import SamplingParams, bad_words_token_ids
 from pagedhybrid.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedhybrid.engine.states import CheckpointPool, StatePool
-from pagedhybrid.errors import ContractViolation, UnsupportedConfiguration
-from pagedhybrid.kernels.backend import Selection, select
-from pagedhybrid.kernels.step import StepMetadata
-from pagedhybrid.kvquant import (
-    KVScales,
-    default_scales_path,
-    dtype_name,
-    is_quantized,
-    load_scales,
-)
-from pagedhybrid.models.qwen35 import PackedBatch, PagedHybridCache, Qwen35ForCausalLM
-
-
-@dataclass
-class EngineStats:
-    """Cumulative counters; times in seconds."""
-
-    steps: int = 0
-    schedule_s: float = 0.0
-    build_s: float = 0.0
-    forward_s: float = 0.0
-    sample_s: float = 0.0
-    update_s: float = 0.0
-    prompt_tokens: int = 0  # prompt tokens of requests that finished
-    generated_tokens: int = 0
-    computed_tokens: int = 0  # tokens fed to the model (prefill chunks, recompute, decodes)
-    preemptions: int = 0
-    step_failures: int = 0  # steps that raised (their requests failed, serving went on)
-    pool_rebuilds: int = 0  # of those, the ones whose pools had to be rebuilt
-    peak_running: int = 0
-    peak_blocks: int = 0
-    # per step: (sequences, tokens, scheduling + batch building s, whole step s)
-    step_log: list[tuple[int, int, float, float]] = field(default_factory=list)
-
-    @property
-    def total_s(self) -> float:
-        return self.schedule_s + self.build_s + self.forward_s + self.sample_s + self.update_s
-
-    @property
-    def overhead_fraction(self) -> float:
-        """(scheduling + batch building) / step time."""
-        return (self.schedule_s + self.build_s) / self.total_s if self.total_s else 0.0
-
-    def overhead_at(self, min_seqs: int) -> tuple[float, int]:
-        """Overhead fraction over the steps that ran at least ``min_seqs`` sequences, and how
-        many such steps there were."""
-        rows = [(o, t) for n, _, o, t in self.step_log if n >= min_seqs]
-        total = sum(t for _, t in rows)
-        return (sum(o for o, _ in rows) / total if total else 0.0), len(rows)
-
-
-class PromptSpan(NamedTuple):
-    """Logits rows ``[row, row + count)`` score prompt tokens ``first + 1 ... first + count`` of
-    sequence ``seq`` of the step."""
-
-    seq: int
-    first: int
-    row: int
-    count: int
-
-
-class StepBatch(NamedTuple):
-    """A scheduled step as the model sees it, and what its logits rows are for."""
-
-    batch: PackedBatch
-    meta: StepMetadata  # validated once here; every layer's kernels read it
-    rows: torch.Tensor  # int64 [R]: token rows whose logits are computed
-    sampling: list[int]  # sequences that sample this step
-    sample_rows: list[int]  # their positions in ``rows``
-    prompt_spans: list[PromptSpan]  # prompt-logprob rows
-
-
-def build_batch(output: SchedulerOutput, cache: PagedHybridCache, device: str = "cpu"
-                ) -> StepBatch:
-    """The packed ABI batch of a scheduled step, its step metadata and its logits rows."""
-    seqs = output.sequences
-    tables = [s.block_table for s in seqs]
-    batch = PackedBatch.from_sequences(
-        [s.request.token_ids[s.start:s.start + s.num_new_tokens] for s in seqs],
-        [s.start for s in seqs], tables, [s.slot for s in seqs], device=device)
-    meta = StepMetadata.build([s.num_new_tokens for s in seqs], [s.start for s in seqs],
-                              batch.block_table, [s.slot for s in seqs],
-                              block_size=cache.block_size, num_pages=cache.num_pages,
-                              num_slots=cache.num_slots, device=device,
-                              checkpoints=[(i, off, row) for i, s in enumerate(seqs)
-                                           for off, row in s.checkpoints],
-                              num_checkpoints=cache.num_checkpoints)
-    rows: list[int] = []
-    sampling, sample_rows, spans = [], [], []
-    offset = 0
-    for i, s in enumerate(seqs):
-        req = s.request
-        if req.params.prompt_logprobs is not None and not req.prompt_logprobs_done:
-            hi = min(s.start + s.num_new_tokens, req.num_prompt_tokens - 1)  # last scored + 1
-            if hi > s.start:
-                spans.append(PromptSpan(i, s.start, len(rows), hi - s.start))
-                rows.extend(range(offset, offset + hi - s.start))
-        if s.samples:
-            sampling.append(i)
-            sample_rows.append(len(rows))
-            rows.append(offset + s.num_new_tokens - 1)
-        offset += s.num_new_tokens
-    return StepBatch(batch, meta, torch.tensor(rows, dtype=torch.int64, device=device),
-                     sampling, sample_rows, spans)
+from pagedhybrid.engine.stats import EngineStats
+from pagedhybrid.errors import ContractViolation
+from pagedhybrid.kernels.backend import Selection
+from pagedhybrid.models.qwen35 import PagedHybridCache, Qwen35ForCausalLM
 
 
 class Engine:
@@ -160,38 +48,30 @@ class Engine:
 
     def __init__(self, model: Qwen35ForCausalLM, config: EngineConfig | None = None,
                  tokenizer: object | None = None) -> None:
-        self.model = model
         self.config = config or EngineConfig()
         self.tokenizer = tokenizer
-        mc = model.config
-        self.kernels: Selection = select(self.config.backend, mc, model.dtype,
-                                         batch_invariant=self.config.batch_invariant)
-        model.backend = self.kernels.backend
-        if self.kernels.backend.name not in ("native", "native_batch_invariant") and \
-                self.config.backend == "auto":
-            print(f"pagedhybrid: {self.kernels.reason}", file=sys.stderr)
-        sizes = size_pools(mc, self.config, model.dtype)
-        self.sizes = sizes
-        gen = torch.Generator().manual_seed(self.config.seed)
-        if self.config.enable_prefix_caching and \
-                "state_checkpoints" not in self.kernels.backend.features:
-            raise UnsupportedConfiguration(
-                f"EngineConfig.enable_prefix_caching: the {self.kernels.backend.name!r} kernels "
-                "cannot emit the linear layers' intermediate states (state checkpoints); use "
-                "backend native or torch, or enable_prefix_caching=False")
-        kvd = self.config.page_dtype(model.dtype)
-        self.cache = PagedHybridCache.allocate(
-            mc, num_pages=sizes.num_blocks, block_size=self.config.block_size,
-            num_slots=sizes.num_slots, dtype=model.dtype, device=self.config.device,
-            fill=self.config.cache_fill, generator=gen, num_checkpoints=sizes.num_checkpoints,
-            kv_dtype=kvd, kv_scales=self._kv_scales(kvd) if is_quantized(kvd) else None)
-        self.eos_token_ids = tuple(mc.eos_token_id) or tuple(
+        self.sizes = size_pools(model.config, self.config, model.dtype)
+        self.stats = EngineStats()
+        self.eos_token_ids = tuple(model.config.eos_token_id) or tuple(
             getattr(tokenizer, "eos_token_ids", ()) or ())
+        self.runner = ModelRunner(model, self.config, self.sizes, self.stats,
+                                  self.eos_token_ids)
         self._make_pools()
         self._generator = torch.Generator().manual_seed(self.config.seed)
         self._arrivals = 0
         self._pending: list[RequestOutput] = []
-        self.stats = EngineStats()
+
+    @property
+    def model(self) -> Qwen35ForCausalLM:
+        return self.runner.model
+
+    @property
+    def cache(self) -> PagedHybridCache:
+        return self.runner.cache
+
+    @property
+    def kernels(self) -> Selection:
+        return self.runner.kernels
 
     def _make_pools(self) -> None:
         """Fresh page, slot and checkpoint pools and a scheduler over them."""
@@ -205,38 +85,40 @@ class Engine:
             self.blocks, self.states, self.eos_token_ids, self.checkpoints,
             self.config.checkpoint_interval, self.config.prefix_cache_key)
 
-    def _kv_scales(self, kvd: torch.dtype) -> dict[int, KVScales]:
-        cfg, mc = self.config, self.model.config
-        path = cfg.kv_scales
-        if path is None:
-            src = self.model.source_dir
-            default = None if src is None else default_scales_path(src, kvd, cfg.kv_quant)
-            if default is None or not default.is_file():
-                raise ContractViolation(
-                    "EngineConfig", "kv_scales",
-                    f"is required for kv_cache_dtype={cfg.kv_cache_dtype!r}: no scale file "
-                    f"given and none beside the checkpoint ({default}); run `pagedhybrid "
-                    f"calibrate-kv --dtype {dtype_name(kvd)} --quant {cfg.kv_quant}`", None)
-            path = str(default)
-        scales, _ = load_scales(path, mc.full_attention_layers, mc.num_key_value_heads,
-                                mc.head_dim, kvd, cfg.kv_quant)
-        return {i: KVScales(s.k.to(cfg.device), s.v.to(cfg.device)) for i, s in scales.items()}
-
     def score(self, prompts: Sequence[str | Sequence[int]],
               completions: Sequence[str | Sequence[int]]) -> list[list[float]]:
         """Each completion token's fp32 log-probability after its prompt, from one full forward
-        per sequence (``engine/score.py``): the training-side recompute."""
-        from pagedhybrid.engine.score import score
+        per sequence (``ModelRunner.score``): the training-side recompute."""
+        op = "LLM.score"
+        if isinstance(prompts, str) or isinstance(completions, str):
+            raise InvalidRequest(op, "prompts/completions", "must be lists (one entry per pair)")
+        if len(prompts) != len(completions):
+            raise InvalidRequest(op, "completions", "must have one entry per prompt",
+                                 (len(prompts), len(completions)))
 
-        return score(self, prompts, completions)
+        def ids(what: str, i: int, x: str | Sequence[int]) -> list[int]:
+            try:
+                return self._token_ids(f"{what}[{i}]", x)
+            except InvalidRequest as exc:
+                raise InvalidRequest(op, f"{what}[{i}]", exc.rule, exc.got) from None
+
+        pairs = [(ids("prompts", i, p), ids("completions", i, c))
+                 for i, (p, c) in enumerate(zip(prompts, completions, strict=True))]
+        limit = self.model.config.max_position_embeddings
+        for i, (p, c) in enumerate(pairs):
+            if len(p) + len(c) > limit:
+                raise InvalidRequest(op, f"prompts[{i}]", f"prompt + completion must fit "
+                                     f"max_position_embeddings = {limit}", len(p) + len(c))
+        return self.runner.score(pairs)
 
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Sequence[int],
                     params: SamplingParams | None = None) -> None:
         """Queue a request. ``prompt``: text (tokenised with the model's tokenizer) or token ids.
 
-        Raises ``InvalidRequest`` (empty prompt, bad token ids, duplicate id, text without a
-        tokenizer) or ``CapacityError`` (the prompt can never fit); nothing is queued then.
+        Raises ``InvalidRequest`` (empty prompt, bad token ids, ids or ``top_k`` outside the
+        vocabulary, duplicate id, text or bad words without a tokenizer) or ``CapacityError``
+        (the prompt can never fit); nothing is queued then.
         """
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequest(str(request_id), "request_id", "must be a non-empty str",
@@ -263,6 +145,8 @@ class Engine:
                else self._generator)
         req = Request(request_id, tuple(ids), params, self._arrivals, gen,
                       bad_word_ids=bad_words)
+        if self.tokenizer is not None:
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer)
         self.scheduler.add(req)  # CapacityError when it can never fit
         self._arrivals += 1
 
@@ -318,102 +202,48 @@ class Engine:
 
     # -- stepping --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One engine step (see the module docstring). A step that raises (a bug, never a
-        request's input) does not stop the engine: that step's requests finish with reason
-        ``error``, the pools are checked (and rebuilt if they do not add up) and the next
-        step serves the others."""
+        """schedule -> runner -> update (see the module docstring)."""
         outputs, self._pending = self._pending, []
         sched: SchedulerOutput | None = None
+        st = self.stats
         try:
             t0 = time.perf_counter()
             sched = self.scheduler.schedule()
-            self.stats.schedule_s += time.perf_counter() - t0
-            self.stats.preemptions += len(sched.preempted)
+            t_sched = time.perf_counter() - t0
+            st.schedule_s += t_sched
+            st.preemptions += len(sched.preempted)
             if sched.sequences:
-                self._run(sched, t0, outputs)
+                result = self.runner.run(sched)
+                t1 = time.perf_counter()
+                for req, why in result.failed:
+                    self.scheduler.finish(req, "error", why)
+                    if self.checkpoints is not None:  # never keep a failed computation's states
+                        seq = next(s for s in sched.sequences if s.request is req)
+                        self.checkpoints.discard(row for _, row in seq.checkpoints)
+                self.scheduler.update(sched, result.sampled)
+                outputs.extend(self._output(s.request) for s in sched.sequences
+                               if s.request.finished
+                               or s.request.num_output_tokens > s.request.num_emitted)
+                self._account(sched, result, t0, t_sched, t1)
         except Exception as exc:  # the engine must outlive a faulty step
             outputs.extend(self._fail_step(sched, exc))
         outputs.extend(self._output(r) for r in self.scheduler.take_failed())
         return outputs
 
-    def _run(self, sched: SchedulerOutput, t0: float, outputs: list[RequestOutput]) -> None:
+    def _account(self, sched: SchedulerOutput, result: StepResult, t0: float, t_sched: float,
+                 t1: float) -> None:
         st = self.stats
-        t1 = time.perf_counter()
-        step = build_batch(sched, self.cache, self.config.device)
-        for s in sched.sequences:  # prefix hits start from their checkpointed state
-            if s.restore is not None:
-                self.cache.restore_checkpoint(s.restore, s.slot)
         t2 = time.perf_counter()
-        logits = self.model.forward_packed(step.batch, self.cache, step.rows,
-                                           step.meta)  # [R, V]
-        t3 = time.perf_counter()
-        for span in step.prompt_spans:
-            req = sched.sequences[span.seq].request
-            targets = req.token_ids[span.first + 1:span.first + 1 + span.count]
-            req.record_prompt_logprobs(span.first, logprob_dicts(
-                logits[span.row:span.row + span.count], targets, req.params.prompt_logprobs or 0))
-        sampled: dict[str, SampledToken] = {}
-        failed: list[tuple[Request, str]] = []
-        if step.sampling:
-            seqs = [sched.sequences[i] for i in step.sampling]
-            logits = logits[step.sample_rows]  # [S, V]
-            finite = torch.isfinite(logits).all(dim=-1).tolist()  # [S]
-            ok = [j for j, f in enumerate(finite) if f]
-            failed = [(seqs[j].request, "non-finite logits") for j, f in enumerate(finite)
-                      if not f]
-            if ok:
-                sampled, errors = self._sample(logits[ok], [seqs[j].request for j in ok])
-                failed.extend(errors)
-        t4 = time.perf_counter()
-        for req, why in failed:
-            self.scheduler.finish(req, "error", why)
-            if self.checkpoints is not None:  # never keep states of a failed computation
-                seq = next(s for s in sched.sequences if s.request is req)
-                self.checkpoints.discard(row for _, row in seq.checkpoints)
-        self.scheduler.update(sched, sampled)
-        for s in sched.sequences:
-            req = s.request
-            if req.finished or req.num_output_tokens > req.num_emitted:
-                outputs.append(self._output(req))
-                if req.finished:
-                    st.prompt_tokens += req.num_prompt_tokens
         st.steps += 1
+        st.prompt_tokens += sum(s.request.num_prompt_tokens for s in sched.sequences
+                                if s.request.finished)
         st.computed_tokens += sched.num_batched_tokens
-        st.generated_tokens += len(sampled)
+        st.generated_tokens += len(result.sampled)
         st.peak_running = max(st.peak_running, len(sched.sequences))
         st.peak_blocks = max(st.peak_blocks, self.blocks.num_owned)
-        t5 = time.perf_counter()
-        st.step_log.append((len(sched.sequences), sched.num_batched_tokens, t2 - t0, t5 - t0))
-        st.build_s += t2 - t1
-        st.forward_s += t3 - t2
-        st.sample_s += t4 - t3
-        st.update_s += t5 - t4
-
-    def _sample(self, rows: torch.Tensor, reqs: list[Request]
-                ) -> tuple[dict[str, SampledToken], list[tuple[Request, str]]]:
-        """Tokens of ``reqs`` from their logits ``rows [S, V]``; a request whose sampling raises
-        fails alone (the rows are then sampled one by one)."""
-        vocab = rows.shape[1]
-        eos = [t for t in self.eos_token_ids if 0 <= t < vocab]
-        banned = [([*r.params.stop_token_ids, *(() if r.params.ignore_eos else eos)]
-                   if r.num_output_tokens < r.params.min_tokens else [])
-                  + (bad_word_bans(r.bad_word_ids, r.output_token_ids) if r.bad_word_ids
-                     else []) for r in reqs]
-        params = [r.params for r in reqs]
-        gens = [r.generator for r in reqs]
-        try:
-            toks = sample(rows, params, gens, reqs, banned if any(banned) else None)
-            return {r.request_id: t for r, t in zip(reqs, toks, strict=True)}, []
-        except Exception:  # find the row that fails, keep the others
-            sampled, failed = {}, []
-            for j, r in enumerate(reqs):
-                try:
-                    (tok,) = sample(rows[j:j + 1], params[j:j + 1], gens[j:j + 1], reqs[j:j + 1],
-                                    banned[j:j + 1])
-                    sampled[r.request_id] = tok
-                except Exception as exc:
-                    failed.append((r, f"sampling failed: {type(exc).__name__}: {exc}"))
-            return sampled, failed
+        st.update_s += t2 - t1
+        st.step_log.append((len(sched.sequences), sched.num_batched_tokens,
+                            t_sched + result.prepare_s, t2 - t0))
 
     def _fail_step(self, sched: SchedulerOutput | None, exc: Exception) -> list[RequestOutput]:
         """A step raised: fail its requests (all running ones when scheduling itself raised),
@@ -433,8 +263,7 @@ class Engine:
         except Exception as broken:
             print(f"pagedhybrid: pools inconsistent after the failed step ({broken}); "
                   "failing every request and rebuilding them", file=sys.stderr)
-            everyone = list(self.scheduler.requests.values())
-            for req in everyone:
+            for req in list(self.scheduler.requests.values()):
                 req.status, req.finish_reason, req.error = (RequestStatus.FINISHED, "error",
                                                             why)
                 outputs.append(self._output(req))
@@ -475,11 +304,20 @@ class Engine:
         new = out[req.num_emitted:]
         req.num_emitted = len(out)
         text = None
-        if self.tokenizer is not None:
+        detok = req.detokenizer
+        if detok is not None:
             try:
-                text = self.tokenizer.decode(out)  # type: ignore[attr-defined]
-            except Exception:  # text stays None; the token ids are reported all the same
-                text = None
+                detok.add(new)
+                if req.finished:
+                    detok.finish()
+                text = detok.text
+            except Exception as exc:  # this request fails alone
+                why = f"detokenisation failed: {type(exc).__name__}: {exc}"
+                if not req.finished:
+                    self.scheduler.finish(req, "error", why)
+                else:
+                    req.finish_reason, req.error = "error", why
+                req.detokenizer = None
         return RequestOutput(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,

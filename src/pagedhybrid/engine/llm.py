@@ -114,7 +114,7 @@ class LLM:
     def score(self, prompts: Sequence[Prompt], completions: Sequence[Prompt]
               ) -> list[list[float]]:
         """The training-side recompute: each completion token's fp32 log-probability after its
-        prompt (one full-sequence forward each; ``engine/score.py``). With
+        prompt (one full-sequence forward each; ``ModelRunner.score``). With
         ``batch_invariant=True`` they equal the engine's sampled-token logprobs bitwise."""
         return self.engine.score(prompts, completions)
 

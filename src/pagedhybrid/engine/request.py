@@ -21,6 +21,7 @@ from typing import Literal
 
 import torch
 
+from pagedhybrid.engine.detokenizer import IncrementalDetokenizer
 from pagedhybrid.engine.sampling import Logprob, SampledToken, SamplingParams
 from pagedhybrid.errors import PagedHybridError
 
@@ -66,6 +67,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     admitted: bool = False  # admitted at least once (num_cached_tokens is then final)
     bad_word_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token sequences
+    detokenizer: IncrementalDetokenizer | None = None  # the output's text, grown per step
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -331,7 +331,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
         raise ContractViolation("sample", "history", "is needed by penalized rows", None)
     raw = logits.float()  # [B, V]
     proc = process_logits(raw, params, history, banned)  # [B, V]
-    tokens = proc.argmax(dim=-1).tolist()  # greedy choice for every row first
+    tokens = proc.argmax(dim=-1)  # [B] greedy choice for every row first
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
         idx = torch.tensor(random_rows)
@@ -344,12 +344,13 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
             torch.tensor([p.min_p for p in sel], dtype=torch.float32),
         )  # [R, V]
         vocab = raw.shape[1]
-        for j, i in enumerate(random_rows):
-            noise = torch.empty(vocab, dtype=torch.float32).exponential_(generator=generators[i])
-            tokens[i] = int((probs[j] / noise).argmax())
+        noise = torch.stack([torch.empty(vocab, dtype=torch.float32).exponential_(
+            generator=generators[i]) for i in random_rows])  # [R, V], each from its own stream
+        tokens[idx] = (probs / noise).argmax(dim=-1)
+    ids = tokens.tolist()  # the step's one host copy of the tokens
     out = []
     for i, p in enumerate(params):
-        lps = (logprob_dicts(raw[i:i + 1], [tokens[i]], p.logprobs)[0]
+        lps = (logprob_dicts(raw[i:i + 1], [ids[i]], p.logprobs)[0]
                if p.logprobs is not None else None)
-        out.append(SampledToken(int(tokens[i]), lps))
+        out.append(SampledToken(ids[i], lps))
     return out

@@ -13,8 +13,9 @@ prompt + max_tokens over max_model_len: 400) and the sampling values against the
 (400), refuse when ``max_waiting`` is set and that many requests are queued (503; by default
 requests queue, each costing only its token list until admitted), then submit one engine request
 per choice (``n``, or ``best_of`` candidates of which the ``n`` with the best mean token logprob
-are returned; with a ``seed``, choice i samples with ``seed + i``). Outputs are detokenised
-incrementally; stop strings are found in the decoded text, cut (never returned) and the engine
+are returned; with a ``seed``, choice i samples with ``seed + i``). The text is the
+engine's (its incremental detokeniser, O(new tokens) a step); stop strings are found in the new
+text, cut (never returned) and the engine
 request aborted; while streaming, the tail that could still begin a stop string (or is an
 incomplete UTF-8 character) is held back.
 
@@ -123,8 +124,11 @@ class Choice:
             return "", False
         self.token_ids = list(out.token_ids)
         self.logprobs = out.logprobs or ()
-        text = self.tokenizer.decode(self.token_ids)
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        # the engine's incremental detokeniser already holds the text (O(new tokens) a step)
+        text = out.text if out.text is not None else self.tokenizer.decode(self.token_ids)
+        longest = max((len(s) for s in self.stops), default=0)
+        start = max(0, len(self.text) - longest + 1)  # earlier text was searched already
+        hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
         stopped = bool(hits)
         if stopped:
             text, self.finish_reason = text[:min(hits)], "stop"

@@ -1,0 +1,269 @@
+"""The model runner: owns the model, its kernel bundle and the cache, and runs one step.
+
+``ModelRunner.run(scheduled)`` is the whole step on the model side (nano-vllm's
+``ModelRunner.run``):
+
+1. prepare -- ``build_batch`` turns the ``SchedulerOutput`` into the step's packed ABI batch
+   (``input_ids[N]``, ``position_ids[3, N]``, ``cu_seqlens[B+1]``, ``past_seqlens[B]``,
+   ``block_table[B, M]`` (``-1`` padded), ``state_slots[B]``, ``attention_metadata[3]``), its
+   ``StepMetadata`` (validated once; every layer's kernels read it) and the logits rows: the last
+   row of every chunk that reaches its request's last known token, and, for requests that asked
+   for ``prompt_logprobs``, the rows of the prompt positions in the chunk that predict a prompt
+   token;
+2. prefix-cache hits start from their checkpointed state (``restore_checkpoint``);
+3. ``model.forward_packed`` writes the KV pages and state slots in place and returns those rows'
+   logits; a sequence with ``past_seqlens == 0`` starts from zero conv/recurrent state whatever
+   its slot holds (pages are never zeroed: attention reads only a sequence's own positions);
+4. prompt logprobs are recorded, and the sampler picks the tokens (tensor in, tensor out, one
+   host copy): a row with non-finite logits, or whose sampling raises, fails its request alone.
+
+It returns a ``StepResult`` (sampled tokens by request id, failed requests with a reason); the
+engine applies it to the scheduler. ``score(pairs)`` is the training-side recompute: each
+``prompt + completion`` as one whole sequence (packed back to back, each from zero state, no
+prefix reuse, no chunking, no scheduler) over transient buffers sized exactly for them --
+contiguous pages of the runner's block size and element type (and KV scales, so quantized pages
+are quantized alike) and one state row per sequence; the step's pools are not touched. Groups of
+up to ``SCORE_TOKENS`` tokens go in one forward. Completion token ``j`` is scored from the logits
+row of the token before it, with the very function the sampler uses for ``logprobs=0`` on a
+one-row slice, in float32; with ``batch_invariant=True`` these equal, bitwise, the logprobs the
+engine returned while generating the same tokens.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from pagedhybrid.engine.config import EngineConfig, PoolSizes
+from pagedhybrid.engine.request import Request
+from pagedhybrid.engine.sampling import SampledToken, bad_word_bans, logprob_dicts, sample
+from pagedhybrid.engine.scheduler import SchedulerOutput
+from pagedhybrid.engine.stats import EngineStats
+from pagedhybrid.errors import ContractViolation, UnsupportedConfiguration
+from pagedhybrid.kernels.backend import Selection, select
+from pagedhybrid.kernels.step import StepMetadata
+from pagedhybrid.kvquant import (
+    KVScales,
+    default_scales_path,
+    dtype_name,
+    is_quantized,
+    load_scales,
+)
+from pagedhybrid.models.qwen35 import PackedBatch, PagedHybridCache, Qwen35ForCausalLM
+
+SCORE_TOKENS = 8192  # tokens per scoring forward (whole sequences; a longer one goes alone)
+
+
+class PromptSpan(NamedTuple):
+    """Logits rows ``[row, row + count)`` score prompt tokens ``first + 1 ... first + count`` of
+    sequence ``seq`` of the step."""
+
+    seq: int
+    first: int
+    row: int
+    count: int
+
+
+class StepBatch(NamedTuple):
+    """A scheduled step as the model sees it, and what its logits rows are for."""
+
+    batch: PackedBatch
+    meta: StepMetadata  # validated once here; every layer's kernels read it
+    rows: torch.Tensor  # int64 [R]: token rows whose logits are computed
+    sampling: list[int]  # sequences that sample this step
+    sample_rows: list[int]  # their positions in ``rows``
+    prompt_spans: list[PromptSpan]  # prompt-logprob rows
+
+
+class StepResult(NamedTuple):
+    sampled: dict[str, SampledToken]
+    failed: list[tuple[Request, str]]  # requests that fail alone, with the reason
+    prepare_s: float  # batch building and checkpoint restores (host work before the model)
+
+
+def build_batch(output: SchedulerOutput, cache: PagedHybridCache, device: str = "cpu"
+                ) -> StepBatch:
+    """The packed ABI batch of a scheduled step, its step metadata and its logits rows."""
+    seqs = output.sequences
+    tables = [s.block_table for s in seqs]
+    batch = PackedBatch.from_sequences(
+        [s.request.token_ids[s.start:s.start + s.num_new_tokens] for s in seqs],
+        [s.start for s in seqs], tables, [s.slot for s in seqs], device=device)
+    meta = StepMetadata.build([s.num_new_tokens for s in seqs], [s.start for s in seqs],
+                              batch.block_table, [s.slot for s in seqs],
+                              block_size=cache.block_size, num_pages=cache.num_pages,
+                              num_slots=cache.num_slots, device=device,
+                              checkpoints=[(i, off, row) for i, s in enumerate(seqs)
+                                           for off, row in s.checkpoints],
+                              num_checkpoints=cache.num_checkpoints)
+    rows: list[int] = []
+    sampling, sample_rows, spans = [], [], []
+    offset = 0
+    for i, s in enumerate(seqs):
+        req = s.request
+        if req.params.prompt_logprobs is not None and not req.prompt_logprobs_done:
+            hi = min(s.start + s.num_new_tokens, req.num_prompt_tokens - 1)  # last scored + 1
+            if hi > s.start:
+                spans.append(PromptSpan(i, s.start, len(rows), hi - s.start))
+                rows.extend(range(offset, offset + hi - s.start))
+        if s.samples:
+            sampling.append(i)
+            sample_rows.append(len(rows))
+            rows.append(offset + s.num_new_tokens - 1)
+        offset += s.num_new_tokens
+    return StepBatch(batch, meta, torch.tensor(rows, dtype=torch.int64, device=device),
+                     sampling, sample_rows, spans)
+
+
+class ModelRunner:
+    """The model, its selected kernel bundle and the cache of KV pages, state slots and state
+    checkpoints (sized by ``sizes``); ``run`` one step, ``score`` whole sequences."""
+
+    def __init__(self, model: Qwen35ForCausalLM, config: EngineConfig, sizes: PoolSizes,
+                 stats: EngineStats, eos_token_ids: Sequence[int] = ()) -> None:
+        self.model, self.config, self.stats = model, config, stats
+        self.eos_token_ids = tuple(eos_token_ids)
+        mc = model.config
+        self.kernels: Selection = select(config.backend, mc, model.dtype,
+                                         batch_invariant=config.batch_invariant)
+        model.backend = self.kernels.backend
+        if self.kernels.backend.name not in ("native", "native_batch_invariant") and \
+                config.backend == "auto":
+            print(f"pagedhybrid: {self.kernels.reason}", file=sys.stderr)
+        if config.enable_prefix_caching and \
+                "state_checkpoints" not in self.kernels.backend.features:
+            raise UnsupportedConfiguration(
+                f"EngineConfig.enable_prefix_caching: the {self.kernels.backend.name!r} kernels "
+                "cannot emit the linear layers' intermediate states (state checkpoints); use "
+                "backend native or torch, or enable_prefix_caching=False")
+        kvd = config.page_dtype(model.dtype)
+        self.cache = PagedHybridCache.allocate(
+            mc, num_pages=sizes.num_blocks, block_size=config.block_size,
+            num_slots=sizes.num_slots, dtype=model.dtype, device=config.device,
+            fill=config.cache_fill, generator=torch.Generator().manual_seed(config.seed),
+            num_checkpoints=sizes.num_checkpoints, kv_dtype=kvd,
+            kv_scales=self._kv_scales(kvd) if is_quantized(kvd) else None)
+
+    def _kv_scales(self, kvd: torch.dtype) -> dict[int, KVScales]:
+        cfg, mc = self.config, self.model.config
+        path = cfg.kv_scales
+        if path is None:
+            src = self.model.source_dir
+            default = None if src is None else default_scales_path(src, kvd, cfg.kv_quant)
+            if default is None or not default.is_file():
+                raise ContractViolation(
+                    "EngineConfig", "kv_scales",
+                    f"is required for kv_cache_dtype={cfg.kv_cache_dtype!r}: no scale file "
+                    f"given and none in the checkpoint's kv_scales/ ({default}); run "
+                    f"`pagedhybrid calibrate-kv --dtype {dtype_name(kvd)} --quant "
+                    f"{cfg.kv_quant}`", None)
+            path = str(default)
+        scales, _ = load_scales(path, mc.full_attention_layers, mc.num_key_value_heads,
+                                mc.head_dim, kvd, cfg.kv_quant)
+        return {i: KVScales(s.k.to(cfg.device), s.v.to(cfg.device)) for i, s in scales.items()}
+
+    # -- one step ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def run(self, scheduled: SchedulerOutput) -> StepResult:
+        st = self.stats
+        t0 = time.perf_counter()
+        step = build_batch(scheduled, self.cache, self.config.device)
+        for s in scheduled.sequences:  # prefix hits start from their checkpointed state
+            if s.restore is not None:
+                self.cache.restore_checkpoint(s.restore, s.slot)
+        t1 = time.perf_counter()
+        logits = self.model.forward_packed(step.batch, self.cache, step.rows,
+                                           step.meta)  # [R, V]
+        t2 = time.perf_counter()
+        for span in step.prompt_spans:
+            req = scheduled.sequences[span.seq].request
+            targets = req.token_ids[span.first + 1:span.first + 1 + span.count]
+            req.record_prompt_logprobs(span.first, logprob_dicts(
+                logits[span.row:span.row + span.count], targets, req.params.prompt_logprobs or 0))
+        sampled: dict[str, SampledToken] = {}
+        failed: list[tuple[Request, str]] = []
+        if step.sampling:
+            reqs = [scheduled.sequences[i].request for i in step.sampling]
+            logits = logits[step.sample_rows]  # [S, V]
+            finite = torch.isfinite(logits).all(dim=-1).tolist()  # [S]
+            ok = [j for j, f in enumerate(finite) if f]
+            failed = [(reqs[j], "non-finite logits") for j, f in enumerate(finite) if not f]
+            if ok:
+                sampled, errors = self._sample(logits[ok], [reqs[j] for j in ok])
+                failed.extend(errors)
+        t3 = time.perf_counter()
+        st.build_s += t1 - t0
+        st.forward_s += t2 - t1
+        st.sample_s += t3 - t2
+        return StepResult(sampled, failed, t1 - t0)
+
+    def _sample(self, rows: torch.Tensor, reqs: list[Request]
+                ) -> tuple[dict[str, SampledToken], list[tuple[Request, str]]]:
+        """Tokens of ``reqs`` from their logits ``rows [S, V]``; a request whose sampling raises
+        fails alone (the rows are then sampled one by one)."""
+        vocab = rows.shape[1]
+        eos = [t for t in self.eos_token_ids if 0 <= t < vocab]
+        banned = [([*r.params.stop_token_ids, *(() if r.params.ignore_eos else eos)]
+                   if r.num_output_tokens < r.params.min_tokens else [])
+                  + (bad_word_bans(r.bad_word_ids, r.output_token_ids) if r.bad_word_ids
+                     else []) for r in reqs]
+        params = [r.params for r in reqs]
+        gens = [r.generator for r in reqs]
+        try:
+            toks = sample(rows, params, gens, reqs, banned if any(banned) else None)
+            return {r.request_id: t for r, t in zip(reqs, toks, strict=True)}, []
+        except Exception:  # find the row that fails, keep the others
+            sampled, failed = {}, []
+            for j, r in enumerate(reqs):
+                try:
+                    (tok,) = sample(rows[j:j + 1], params[j:j + 1], gens[j:j + 1], reqs[j:j + 1],
+                                    banned[j:j + 1])
+                    sampled[r.request_id] = tok
+                except Exception as exc:
+                    failed.append((r, f"sampling failed: {type(exc).__name__}: {exc}"))
+            return sampled, failed
+
+    # -- the training-side recompute ---------------------------------------------------------------
+    @torch.no_grad()
+    def score(self, pairs: Sequence[tuple[list[int], list[int]]]) -> list[list[float]]:
+        """Per (prompt ids, completion ids) pair, the completion tokens' log-probabilities."""
+        out: list[list[float]] = [[] for _ in pairs]
+        group: list[int] = []
+        tokens = 0
+        for i, (p, c) in enumerate(pairs):
+            if group and tokens + len(p) + len(c) > SCORE_TOKENS:
+                self._score_group(pairs, group, out)
+                group, tokens = [], 0
+            group.append(i)
+            tokens += len(p) + len(c)
+        if group:
+            self._score_group(pairs, group, out)
+        return out
+
+    def _score_group(self, pairs: Sequence[tuple[list[int], list[int]]], group: list[int],
+                     out: list[list[float]]) -> None:
+        cfg, bs = self.model.config, self.config.block_size
+        seqs = [pairs[i][0] + pairs[i][1] for i in group]
+        tables, first = [], 0
+        for n in (-(-len(s) // bs) for s in seqs):
+            tables.append(list(range(first, first + n)))
+            first += n
+        cache = PagedHybridCache.allocate(
+            cfg, num_pages=max(first, 1), block_size=bs, num_slots=len(seqs),
+            dtype=self.model.dtype, kv_dtype=self.cache.kv_dtype,
+            kv_scales=self.cache.kv_scales)
+        batch = PackedBatch.from_sequences(seqs, [0] * len(seqs), tables, list(range(len(seqs))))
+        rows, offset = [], 0
+        for i, s in zip(group, seqs, strict=True):
+            rows.extend(range(offset + len(pairs[i][0]) - 1, offset + len(s) - 1))
+            offset += len(s)
+        logits = self.model.forward_packed(batch, cache, torch.tensor(rows, dtype=torch.int64))
+        r = 0
+        for i in group:
+            for tok in pairs[i][1]:
+                out[i].append(logprob_dicts(logits[r:r + 1], [tok], 0)[0][tok].logprob)
+                r += 1

@@ -1,0 +1,43 @@
+"""The engine's cumulative counters (``Engine.stats``); the runner adds its step timings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineStats:
+    """Cumulative counters; times in seconds."""
+
+    steps: int = 0
+    schedule_s: float = 0.0
+    build_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+    update_s: float = 0.0
+    prompt_tokens: int = 0  # prompt tokens of requests that finished
+    generated_tokens: int = 0
+    computed_tokens: int = 0  # tokens fed to the model (prefill chunks, recompute, decodes)
+    preemptions: int = 0
+    step_failures: int = 0  # steps that raised (their requests failed, serving went on)
+    pool_rebuilds: int = 0  # of those, the ones whose pools had to be rebuilt
+    peak_running: int = 0
+    peak_blocks: int = 0
+    # per step: (sequences, tokens, scheduling + batch building s, whole step s)
+    step_log: list[tuple[int, int, float, float]] = field(default_factory=list)
+
+    @property
+    def total_s(self) -> float:
+        return self.schedule_s + self.build_s + self.forward_s + self.sample_s + self.update_s
+
+    @property
+    def overhead_fraction(self) -> float:
+        """(scheduling + batch building) / step time."""
+        return (self.schedule_s + self.build_s) / self.total_s if self.total_s else 0.0
+
+    def overhead_at(self, min_seqs: int) -> tuple[float, int]:
+        """Overhead fraction over the steps that ran at least ``min_seqs`` sequences, and how
+        many such steps there were."""
+        rows = [(o, t) for n, _, o, t in self.step_log if n >= min_seqs]
+        total = sum(t for _, t in rows)
+        return (sum(o for o, _ in rows) / total if total else 0.0), len(rows)
