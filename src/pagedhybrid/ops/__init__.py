@@ -4,8 +4,13 @@
 * ``varlen_causal_conv``   -- com.microsoft.VarlenCausalConvWithState
 * ``gated_delta_net``      -- com.microsoft.GatedDeltaNet
 
-Positional arguments follow ONNX Runtime's input order and keyword names its input and attribute
-names; outputs come back as a tuple in ONNX Runtime's output order.
+Each op's signature is written once, as its ``SPEC`` (``pagedhybrid.ops.spec.OpSpec``): inputs
+positional or by keyword in ONNX Runtime's order and names, attributes keyword-only with ORT's
+defaults (``SPEC.signature()``); outputs come back as a tuple in ONNX Runtime's output order.
+Every implementation (the references here, ``kernels.cpu``, ``kernels.native.contract``,
+``kernels.onnxruntime``, ``kernels.webgpu``) is a ``run(call)`` registered with
+``SPEC.implement(backend)``, which publishes that signature and hands ``run`` the ``BoundCall``
+of ``SPEC.bind``.
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@ The spec mirrors ONNX Runtime 1.32.0's schema (17 inputs, 3 outputs, 16 attribut
 ``validate`` applies every shape/value rule of ORT's ``paged_attention_helper.h`` plus the rules
 ORT leaves as undefined behaviour (block-table and slot ranges, repeated pages, under-estimated
 ``attention_metadata`` bounds), and returns the derived dimensions as a ``PagedAttentionDims`` so
-the reference, fast kernels and loaders validate once.
+the reference, fast kernels and loaders validate once. ``validate_call`` takes the
+``BoundCall`` every implementation receives (``SPEC.bind``); ``validate(inputs, attrs)`` is the
+same check for a call given as a list of inputs and a dict of attributes.
 
 Cache layout: ``key_cache``/``value_cache`` are ``[num_blocks, block_size, kv_num_heads,
 head_size]``; token ``i`` of sequence ``b`` lives at position ``p = past_seqlens[b] + i``, page
@@ -34,6 +36,7 @@ import torch
 from pagedhybrid.dtypes import describe
 from pagedhybrid.ops.spec import (
     Attribute,
+    BoundCall,
     OpSpec,
     Port,
     TypeConstraint,
@@ -149,8 +152,8 @@ class PagedAttentionDims(NamedTuple):
     attrs: dict[str, Any]  # resolved attributes (defaults filled in)
 
 
-def _resolve_attributes(given: Mapping[str, Any]) -> dict[str, Any]:
-    a = SPEC.resolve_attributes(given)
+def _check_attributes(a: dict[str, Any]) -> dict[str, Any]:
+    """The attribute rules beyond kind and allowed values (``a`` already resolved)."""
     chk = SPEC.check
     chk(a["num_heads"] > 0, "num_heads", "must be > 0", a["num_heads"])
     chk(a["kv_num_heads"] > 0, "kv_num_heads", "must be > 0", a["kv_num_heads"])
@@ -193,15 +196,21 @@ def _check_quant(kv: str, quant: str, scale: torch.Tensor | None, quantized: boo
 
 
 def validate(inputs: Sequence[torch.Tensor | None], attrs: Mapping[str, Any]) -> PagedAttentionDims:
-    """Check a call (17 positional inputs in ORT order, attributes by name); return its dims.
+    """``validate_call`` of the inputs in ORT order (trailing absent ones may be left out) and the
+    attributes by name."""
+    return validate_call(SPEC.bind(*inputs, **attrs))
+
+
+def validate_call(call: BoundCall) -> PagedAttentionDims:
+    """Check a bound call; return its dims.
 
     Raises ContractViolation naming the port/attribute and the rule, UnsupportedConfiguration for
     valid ORT configurations pagedhybrid does not implement (sub-byte caches, LATENT).
     """
-    a = _resolve_attributes(attrs)
-    SPEC.check_inputs(inputs)
+    a = _check_attributes(call.attrs)
+    SPEC.check_inputs(call.inputs)
     (query, key, value, key_cache, value_cache, cu, past, block_table, cos, sin, slot_mapping,
-     head_sink, q_norm, k_norm, k_scale, v_scale, meta) = inputs
+     head_sink, q_norm, k_norm, k_scale, v_scale, meta) = call.inputs
     chk, fail = SPEC.check, SPEC.fail
     hq, hkv = a["num_heads"], a["kv_num_heads"]
     assert query is not None and key_cache is not None  # required ports (checked above)

@@ -45,6 +45,10 @@ tests. The reference computes in float32 (float64 for double inputs) and casts t
 Unsupported (UnsupportedConfiguration): compact state updates (``state_update_capacity > 0``,
 ``capture_count``, ``state_update_active``). ``chunk_size`` is a tuning hint with no effect on
 results. Deviation: ``qk_l2_norm`` must be 0 or 1 (ORT treats any non-zero value as 1).
+
+Calling convention: ``gated_delta_net`` and ``validate`` take ``SPEC.signature()`` (the 11 inputs
+in ORT order, then the attributes keyword-only); ``validate_call`` works on the ``BoundCall`` that
+``SPEC.bind`` makes of it.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ from pagedhybrid.ops._gated_delta_net_recipes import (  # re-exported
 )
 from pagedhybrid.ops.spec import (
     Attribute,
+    BoundCall,
     OpSpec,
     Port,
     TypeConstraint,
@@ -71,7 +76,7 @@ from pagedhybrid.ops.spec import (
 )
 
 __all__ = ["SPEC", "GdnDims", "conformance_recipes", "gated_delta_net", "make_inputs",
-           "output_shapes", "recurrent", "validate"]
+           "output_shapes", "recurrent", "validate", "validate_call"]
 
 L2_NORM_EPS = 1e-12  # ORT CPU 1.32 (measured: x * rsqrt(sum x^2 + 1e-12))
 _T = ("float", "float16", "bfloat16")
@@ -148,17 +153,13 @@ class GdnDims(NamedTuple):
     attrs: dict[str, Any]  # resolved attributes
 
 
-def validate(query: torch.Tensor, key: torch.Tensor | None = None,
-             value: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
-             decay: torch.Tensor | None = None, beta: torch.Tensor | None = None,
-             initial_state: torch.Tensor | None = None, a_log: torch.Tensor | None = None,
-             dt_bias: torch.Tensor | None = None, capture_count: torch.Tensor | None = None,
-             state_update_active: torch.Tensor | None = None, **attrs: Any) -> GdnDims:
+def validate_call(call: BoundCall) -> GdnDims:
     """Check every port and attribute against ORT's rules and derive the dimensions."""
     chk = SPEC.check
-    SPEC.check_inputs([query, key, value, cu_seqlens, decay, beta, initial_state, a_log,
-                       dt_bias, capture_count, state_update_active])
-    a = SPEC.resolve_attributes(attrs)
+    SPEC.check_inputs(call.inputs)
+    (query, key, value, cu_seqlens, decay, beta, initial_state, a_log,
+     dt_bias) = call.inputs[:9]
+    a = call.attrs
     glb = a["gate_lower_bound"]
     chk(math.isfinite(glb) and glb < 0, "gate_lower_bound", "must be finite and negative", glb)
     chk(0 < a["chunk_size"] <= 2**31 - 1, "chunk_size", "must be positive and fit in int32",
@@ -274,6 +275,9 @@ def validate(query: torch.Tensor, key: torch.Tensor | None = None,
                    out_shape, query.dtype, state_dtype, state_dtype, scale, a)
 
 
+validate = SPEC.define(validate_call, "validate")  # the same check, called like the op
+
+
 def output_shapes(*inputs: torch.Tensor | None, **attrs: Any
                   ) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
     """(shape, dtype) of ``output`` and ``final_state``."""
@@ -344,23 +348,11 @@ def recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     return out, s.transpose(-1, -2).contiguous()
 
 
-def gated_delta_net(query: torch.Tensor, key: torch.Tensor | None = None,
-                    value: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
-                    decay: torch.Tensor | None = None, beta: torch.Tensor | None = None,
-                    initial_state: torch.Tensor | None = None, a_log: torch.Tensor | None = None,
-                    dt_bias: torch.Tensor | None = None,
-                    capture_count: torch.Tensor | None = None,
-                    state_update_active: torch.Tensor | None = None, *,
-                    update_rule: str = "gated_delta", gate_activation: str = "none",
-                    beta_activation: str = "none", qk_l2_norm: int = 0, scale: float = 0.0,
-                    gate_lower_bound: float = -5.0, chunk_size: int = 64,
-                    state_update_capacity: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+@SPEC.implement("reference")
+def gated_delta_net(call: BoundCall) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference ``GatedDeltaNet``: returns ``(output, final_state [B, Hv, Dv, Dk])``."""
-    d = validate(query, key, value, cu_seqlens, decay, beta, initial_state, a_log, dt_bias,
-                 capture_count, state_update_active, update_rule=update_rule,
-                 gate_activation=gate_activation, beta_activation=beta_activation,
-                 qk_l2_norm=qk_l2_norm, scale=scale, gate_lower_bound=gate_lower_bound,
-                 chunk_size=chunk_size, state_update_capacity=state_update_capacity)
+    d = validate_call(call)
+    query, key, value, _cu, decay, beta, initial_state, a_log, dt_bias = call.inputs[:9]
     ct, t = d.compute_dtype, d.total_tokens
     hq, hv, dk, dv = d.num_heads_qk, d.num_heads_v, d.head_size_qk, d.head_size_v
     if d.packed_qkv:
@@ -377,5 +369,5 @@ def gated_delta_net(query: torch.Tensor, key: torch.Tensor | None = None,
     g, b = _gates(d, decay, beta, a_log, dt_bias)
     s0 = (initial_state.to(ct) if initial_state is not None
           else torch.zeros(d.batch, hv, dv, dk, dtype=ct))
-    o, s = recurrent(q, k, v, g, b, s0, d.cu_seqlens, update_rule, d.scale)
+    o, s = recurrent(q, k, v, g, b, s0, d.cu_seqlens, d.attrs["update_rule"], d.scale)
     return o.reshape(d.output_shape).to(d.dtype), s.to(d.state_dtype)

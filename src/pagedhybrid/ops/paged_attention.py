@@ -44,6 +44,10 @@ ContractViolation) but never change the result.
 pagedhybrid extension: ``float`` (float32) and ``double`` inputs/caches are accepted besides
 ORT's float16/bfloat16. Sub-byte (int4 / float4e2m1) caches and ``kv_cache_layout='LATENT'``
 raise UnsupportedConfiguration.
+
+Calling convention: ``paged_attention`` takes ``SPEC.signature()`` (the 17 inputs in ORT order,
+then the 16 attributes keyword-only); it is the reference's entry point registered with
+``SPEC.implement``, so it runs ``reference`` on ``validate_call(SPEC.bind(...))``.
 """
 
 from __future__ import annotations
@@ -59,8 +63,10 @@ from pagedhybrid.ops._paged_attention_contract import (
     PagedAttentionDims,
     output_shapes,
     validate,
+    validate_call,
 )
 from pagedhybrid.ops._paged_attention_recipes import conformance_recipes, make_inputs
+from pagedhybrid.ops.spec import BoundCall
 
 __all__ = [
     "INPUT_NAMES",
@@ -72,62 +78,18 @@ __all__ = [
     "paged_attention",
     "reference",
     "validate",
+    "validate_call",
 ]
 
 
-def paged_attention(
-    query: torch.Tensor,
-    key: torch.Tensor | None,
-    value: torch.Tensor | None,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor | None,
-    cumulative_sequence_length: torch.Tensor,
-    past_seqlens: torch.Tensor,
-    block_table: torch.Tensor,
-    cos_cache: torch.Tensor | None = None,
-    sin_cache: torch.Tensor | None = None,
-    slot_mapping: torch.Tensor | None = None,
-    head_sink: torch.Tensor | None = None,
-    q_norm_weight: torch.Tensor | None = None,
-    k_norm_weight: torch.Tensor | None = None,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    attention_metadata: torch.Tensor | None = None,
-    *,
-    num_heads: int,
-    kv_num_heads: int,
-    scale: float = 0.0,
-    softcap: float = 0.0,
-    local_window_size: int = -1,
-    is_causal: int = 1,
-    do_rotary: int = 0,
-    rotary_interleaved: int = 0,
-    rotary_offset: int = 0,
-    qk_norm_epsilon: float = 1e-6,
-    kv_cache_layout: str = "SEPARATE",
-    k_quant_type: str = "NONE",
-    v_quant_type: str = "NONE",
-    k_cache_dtype: str = "",
-    v_cache_dtype: str = "",
-    v_head_size: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+@SPEC.implement("reference")
+def paged_attention(call: BoundCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Reference PagedAttention; returns ``(output, key_cache, value_cache)``.
 
     The caches are updated in place (the returned caches are the same tensors). Inputs may be
     float16/bfloat16 (ORT's types) or float32/float64 (pagedhybrid extension).
     """
-    inputs = [query, key, value, key_cache, value_cache, cumulative_sequence_length,
-              past_seqlens, block_table, cos_cache, sin_cache, slot_mapping, head_sink,
-              q_norm_weight, k_norm_weight, k_scale, v_scale, attention_metadata]
-    attrs = dict(num_heads=num_heads, kv_num_heads=kv_num_heads, scale=scale, softcap=softcap,
-                 local_window_size=local_window_size, is_causal=is_causal, do_rotary=do_rotary,
-                 rotary_interleaved=rotary_interleaved, rotary_offset=rotary_offset,
-                 qk_norm_epsilon=qk_norm_epsilon, kv_cache_layout=kv_cache_layout,
-                 k_quant_type=k_quant_type, v_quant_type=v_quant_type,
-                 k_cache_dtype=k_cache_dtype, v_cache_dtype=v_cache_dtype,
-                 v_head_size=v_head_size)
-    dims = validate(inputs, attrs)
-    return reference(inputs, dims)
+    return reference(call.inputs, validate_call(call))
 
 
 # -- reference ----------------------------------------------------------------------------------
@@ -158,7 +120,7 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torc
 
 def reference(inputs: Sequence[torch.Tensor | None],
               dims: PagedAttentionDims) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The reference on already-validated inputs (``dims = validate(inputs, attrs)``)."""
+    """The reference on already-validated inputs (``dims = validate_call(call)``)."""
     (query, key, value, key_cache, value_cache, _cu, _past, block_table, cos, sin, _slots,
      head_sink, q_norm, k_norm, k_scale, v_scale, _meta) = inputs
     assert query is not None and key_cache is not None and value_cache is not None

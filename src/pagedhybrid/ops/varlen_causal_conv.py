@@ -31,6 +31,10 @@ Contract decisions (ONNX Runtime 1.32, checked by running its CPU kernel):
 
 Types: T is float / float16 / bfloat16 (ORT); pagedhybrid also accepts ``double`` (extension, for
 tests). Arithmetic runs in float32 (float64 for double inputs); the output is cast back.
+
+Calling convention: ``varlen_causal_conv`` and ``validate`` take ``SPEC.signature()`` (the 8
+inputs in ORT order, then the attributes keyword-only); ``validate_call`` / ``reference`` work on
+the ``BoundCall`` that ``SPEC.bind`` makes of it.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import torch
 
 from pagedhybrid.ops.spec import (
     Attribute,
+    BoundCall,
     OpSpec,
     Port,
     TypeConstraint,
@@ -62,7 +67,7 @@ SPEC = OpSpec(
              doc="strictly increasing prefix sums (every sequence has >= 1 token)"),
         Port("bias", "T", optional=True, ranks=(1,), shape="[channels]"),
         Port("initial_state", "T", ranks=(3,), shape="[batch_size, channels, (K-1)*dilation]",
-             doc="required by ORT; None in Python means zeros"),
+             doc="required by ORT; None in Python means zeros", none_means="zeros"),
         Port("capture_count", "M", optional=True, ranks=(1,), shape="[batch_size]",
              supported=False),
         Port("kernel_delta", "T", optional=True, shape="[total_tokens, taps, channels/group]",
@@ -108,18 +113,11 @@ class ConvDims(NamedTuple):
     attrs: dict[str, Any]  # resolved attributes
 
 
-def validate(input: torch.Tensor, weight: torch.Tensor, cumulative_sequence_length: torch.Tensor,
-             bias: torch.Tensor | None = None, initial_state: torch.Tensor | None = None,
-             capture_count: torch.Tensor | None = None, kernel_delta: torch.Tensor | None = None,
-             previous_mask: torch.Tensor | None = None, **attrs: Any) -> ConvDims:
-    """Check every port and attribute; ``initial_state=None`` is accepted (zeros)."""
-    tensors = [input, weight, cumulative_sequence_length, bias, initial_state, capture_count,
-               kernel_delta, previous_mask]
-    if initial_state is None and isinstance(input, torch.Tensor):
-        # required by ORT; None means zeros here, so check a placeholder of the right type
-        tensors[4] = torch.zeros((0, 0, 0), dtype=input.dtype)
-    SPEC.check_inputs(tensors)
-    a = SPEC.resolve_attributes(attrs)
+def validate_call(call: BoundCall) -> ConvDims:
+    """Check every port and attribute; derive the dims (``initial_state=None`` means zeros)."""
+    SPEC.check_inputs(call.inputs)
+    input, weight, cumulative_sequence_length, bias, initial_state = call.inputs[:5]
+    a = call.attrs
     SPEC.check(a["dilation"] >= 1, "dilation", "must be >= 1", a["dilation"])
     SPEC.check(a["group_size"] == 1, "group_size",
                "must be 1 (values other than 1 need kernel_delta, CUDA dynamic mode)",
@@ -146,6 +144,9 @@ def validate(input: torch.Tensor, weight: torch.Tensor, cumulative_sequence_leng
     compute = torch.float64 if input.dtype == torch.float64 else torch.float32
     return ConvDims(total, channels, k, a["dilation"], state_len, batch, tuple(cu), input.dtype,
                     compute, a)
+
+
+validate = SPEC.define(validate_call, "validate")  # the same check, called like the op
 
 
 def output_shapes(*inputs: torch.Tensor | None, **attrs: Any
@@ -194,23 +195,14 @@ def reference(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return y.to(d.dtype), final.to(d.dtype)
 
 
-def varlen_causal_conv(input: torch.Tensor, weight: torch.Tensor,
-                       cumulative_sequence_length: torch.Tensor, bias: torch.Tensor | None = None,
-                       initial_state: torch.Tensor | None = None,
-                       capture_count: torch.Tensor | None = None,
-                       kernel_delta: torch.Tensor | None = None,
-                       previous_mask: torch.Tensor | None = None, *, activation: str = "none",
-                       dilation: int = 1, state_update_capacity: int = 0, group_size: int = 1,
-                       delta_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+@SPEC.implement("reference")
+def varlen_causal_conv(call: BoundCall) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference ``VarlenCausalConvWithState``: returns ``(output [T, C], final_state [B, C, L])``.
 
     ``initial_state=None`` means zeros (a Python convenience; ORT requires the input).
     """
-    d = validate(input, weight, cumulative_sequence_length, bias, initial_state, capture_count,
-                 kernel_delta, previous_mask, activation=activation, dilation=dilation,
-                 state_update_capacity=state_update_capacity, group_size=group_size,
-                 delta_offset=delta_offset)
-    return reference(input, weight, bias, initial_state, d)
+    input, weight, _cu, bias, initial_state = call.inputs[:5]
+    return reference(input, weight, bias, initial_state, validate_call(call))
 
 
 # -- conformance --------------------------------------------------------------------------------

@@ -7,8 +7,9 @@
 * ``varlen_causal_conv``  -- blocked shifted multiply-adds over the packed stream, explicit
   windows only for rows next to a sequence start.
 
-Each function has exactly the signature of its reference in ``pagedhybrid.ops`` and calls that
-module's ``validate``; ``CAPABILITIES`` says what each fast path covers (nothing is delegated
+Each function is registered against its op's ``SPEC`` (``SPEC.implement("torch")``): it takes the
+spec's one signature, receives the ``BoundCall`` and validates it with that op's
+``validate_call``; ``CAPABILITIES`` says what each fast path covers (nothing is delegated
 silently). ``step.py`` holds the model's step seam on these kernels (the ``torch`` backend of
 ``pagedhybrid.kernels.backend``).
 """

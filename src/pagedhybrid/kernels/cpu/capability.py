@@ -1,7 +1,7 @@
 """What a fast CPU kernel implements itself, and what it hands to the reference on purpose.
 
-Every kernel in ``pagedhybrid.kernels.cpu`` validates with its contract's own ``validate()`` and
-then runs a vectorised compute path. A feature the fast path does not cover is never a silent
+Every kernel in ``pagedhybrid.kernels.cpu`` validates with its contract's own ``validate_call()``
+and then runs a vectorised compute path. A feature the fast path does not cover is never a silent
 fallback: it is listed in ``delegated`` (feature -> reason), the kernel routes such calls to the
 reference explicitly, and ``supports(...)`` says so before a call is made.
 """

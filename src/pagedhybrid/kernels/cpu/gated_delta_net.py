@@ -1,6 +1,7 @@
 """Fast CPU ``com.microsoft.GatedDeltaNet``: chunked WY/UT prefill + blocked recurrent decode.
 
-Same contract, same validation (``pagedhybrid.ops.gated_delta_net.validate``), same gates
+Same contract, signature and validation (``gated_delta_net`` is the ``torch`` implementation
+registered with ``pagedhybrid.ops.gated_delta_net.SPEC``; ``validate_call``), same gates
 (the reference's fused softplus/qwen or sigmoid/kda gate and sigmoid beta, computed vectorised
 over all tokens), a different compute order. Everything runs in float32 (float64 for double
 inputs); outputs are cast back to the input type, the state stays float32.
@@ -47,12 +48,14 @@ from pagedhybrid.ops.gated_delta_net import (
     _DELTA,
     _GATED,
     L2_NORM_EPS,
+    SPEC,
     GdnDims,
     _gates,
-    validate,
+    validate_call,
 )
+from pagedhybrid.ops.spec import BoundCall
 
-__all__ = ["CAPABILITY", "forward", "gated_delta_net"]
+__all__ = ["CAPABILITY", "compute", "forward", "gated_delta_net"]
 
 CHUNK = 64
 CHUNK_PER_KEY = 16  # per-key decay materialises [C, C, Dk] decay tensors per head
@@ -98,28 +101,21 @@ def _prepare(d: GdnDims, query: torch.Tensor, key: torch.Tensor | None,
 
 
 # -- public API ----------------------------------------------------------------------------------
-def gated_delta_net(query: torch.Tensor, key: torch.Tensor | None = None,
-                    value: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
-                    decay: torch.Tensor | None = None, beta: torch.Tensor | None = None,
-                    initial_state: torch.Tensor | None = None, a_log: torch.Tensor | None = None,
-                    dt_bias: torch.Tensor | None = None,
-                    capture_count: torch.Tensor | None = None,
-                    state_update_active: torch.Tensor | None = None, *,
-                    update_rule: str = "gated_delta", gate_activation: str = "none",
-                    beta_activation: str = "none", qk_l2_norm: int = 0, scale: float = 0.0,
-                    gate_lower_bound: float = -5.0, chunk_size: int = 64,
-                    state_update_capacity: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+@SPEC.implement("torch")
+def gated_delta_net(call: BoundCall) -> tuple[torch.Tensor, torch.Tensor]:
     """Fast ``GatedDeltaNet``: returns ``(output, final_state [B, Hv, Dv, Dk])`` (new tensors)."""
-    d = validate(query, key, value, cu_seqlens, decay, beta, initial_state, a_log, dt_bias,
-                 capture_count, state_update_active, update_rule=update_rule,
-                 gate_activation=gate_activation, beta_activation=beta_activation,
-                 qk_l2_norm=qk_l2_norm, scale=scale, gate_lower_bound=gate_lower_bound,
-                 chunk_size=chunk_size, state_update_capacity=state_update_capacity)
+    return compute(call, validate_call(call))
+
+
+def compute(call: BoundCall, d: GdnDims) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fast path on a validated call (``d = validate_call(call)``)."""
+    query, key, value, _cu, decay, beta, initial_state, a_log, dt_bias = call.inputs[:9]
     q, k, v, g, b = _prepare(d, query, key, value, decay, beta, a_log, dt_bias)
     shape = (d.batch, d.num_heads_v, d.head_size_v, d.head_size_qk)
     state = (initial_state.to(d.compute_dtype, copy=True) if initial_state is not None
              else torch.zeros(shape, dtype=d.compute_dtype))  # [B, Hv, Dv, Dk] working copy
-    o = forward(q, k, v, g, b, state, d.cu_seqlens, update_rule, d.scale, chunk_size)
+    o = forward(q, k, v, g, b, state, d.cu_seqlens, d.attrs["update_rule"], d.scale,
+                d.attrs["chunk_size"])
     return o.reshape(d.output_shape).to(d.dtype), state.to(d.state_dtype)
 
 

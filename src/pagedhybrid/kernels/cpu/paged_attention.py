@@ -1,8 +1,10 @@
 """Fast CPU ``com.microsoft.PagedAttention`` (SEPARATE K/V pages): tiled page reads + SDPA.
 
-Same contract and validation as ``pagedhybrid.ops.paged_attention`` (``validate`` gives the
-derived dims); ``compute(inputs, dims)`` is the fast path on a validated call, so a caller that
-runs many layers over the same batch metadata can validate once per step.
+Same contract, signature and validation as ``pagedhybrid.ops.paged_attention``:
+``paged_attention`` is the ``torch`` implementation registered with ``SPEC.implement`` (it takes
+``SPEC.signature()`` and receives the ``BoundCall``; ``validate_call`` gives the derived dims);
+``compute(inputs, dims)`` is the fast path on a validated call, so a caller that runs many layers
+over the same batch metadata can validate once per step.
 
 Cache layout (the contract's): ``key_cache``/``value_cache`` ``[num_blocks, block_size,
 kv_num_heads, head_size]``; position ``p`` of sequence ``b`` is page ``block_table[b, p // bs]``,
@@ -56,7 +58,14 @@ import torch
 from pagedhybrid.kernels.cpu.capability import KernelCapability
 from pagedhybrid.kernels.lse import NEG_INF, fold_left, merge_states
 from pagedhybrid.kvquant import is_quantized, quantize, query_scales, scatter_rows
-from pagedhybrid.ops.paged_attention import PagedAttentionDims, _rms_norm, _rope, validate
+from pagedhybrid.ops.paged_attention import (
+    SPEC,
+    PagedAttentionDims,
+    _rms_norm,
+    _rope,
+    validate_call,
+)
+from pagedhybrid.ops.spec import BoundCall
 
 __all__ = ["CAPABILITY", "TileContext", "attend_decode", "attend_prefill", "compute",
            "paged_attention"]
@@ -81,59 +90,15 @@ CAPABILITY = KernelCapability(
 )
 
 
-def paged_attention(
-    query: torch.Tensor,
-    key: torch.Tensor | None,
-    value: torch.Tensor | None,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor | None,
-    cumulative_sequence_length: torch.Tensor,
-    past_seqlens: torch.Tensor,
-    block_table: torch.Tensor,
-    cos_cache: torch.Tensor | None = None,
-    sin_cache: torch.Tensor | None = None,
-    slot_mapping: torch.Tensor | None = None,
-    head_sink: torch.Tensor | None = None,
-    q_norm_weight: torch.Tensor | None = None,
-    k_norm_weight: torch.Tensor | None = None,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    attention_metadata: torch.Tensor | None = None,
-    *,
-    num_heads: int,
-    kv_num_heads: int,
-    scale: float = 0.0,
-    softcap: float = 0.0,
-    local_window_size: int = -1,
-    is_causal: int = 1,
-    do_rotary: int = 0,
-    rotary_interleaved: int = 0,
-    rotary_offset: int = 0,
-    qk_norm_epsilon: float = 1e-6,
-    kv_cache_layout: str = "SEPARATE",
-    k_quant_type: str = "NONE",
-    v_quant_type: str = "NONE",
-    k_cache_dtype: str = "",
-    v_cache_dtype: str = "",
-    v_head_size: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+@SPEC.implement("torch")
+def paged_attention(call: BoundCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fast PagedAttention; returns ``(output, key_cache, value_cache)`` (caches in place)."""
-    inputs = [query, key, value, key_cache, value_cache, cumulative_sequence_length,
-              past_seqlens, block_table, cos_cache, sin_cache, slot_mapping, head_sink,
-              q_norm_weight, k_norm_weight, k_scale, v_scale, attention_metadata]
-    attrs = dict(num_heads=num_heads, kv_num_heads=kv_num_heads, scale=scale, softcap=softcap,
-                 local_window_size=local_window_size, is_causal=is_causal, do_rotary=do_rotary,
-                 rotary_interleaved=rotary_interleaved, rotary_offset=rotary_offset,
-                 qk_norm_epsilon=qk_norm_epsilon, kv_cache_layout=kv_cache_layout,
-                 k_quant_type=k_quant_type, v_quant_type=v_quant_type,
-                 k_cache_dtype=k_cache_dtype, v_cache_dtype=v_cache_dtype,
-                 v_head_size=v_head_size)
-    return compute(inputs, validate(inputs, attrs))
+    return compute(call.inputs, validate_call(call))
 
 
 def compute(inputs: Sequence[torch.Tensor | None], dims: PagedAttentionDims
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The fast path on already-validated inputs (``dims = validate(inputs, attrs)``)."""
+    """The fast path on already-validated inputs (``dims = validate_call(call)``)."""
     (query, key, value, key_cache, value_cache, _cu, _past, block_table, cos, sin, _slots,
      head_sink, q_norm, k_norm, k_scale, v_scale, _meta) = inputs
     assert query is not None and key_cache is not None and value_cache is not None

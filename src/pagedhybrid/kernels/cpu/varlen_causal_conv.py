@@ -1,7 +1,8 @@
 """Fast CPU ``com.microsoft.VarlenCausalConvWithState``: shifted multiply-adds over the stream.
 
-Same contract and validation as ``pagedhybrid.ops.varlen_causal_conv`` (``validate``); a
-different compute order. State layout: ``[B, C, L]`` channels-first, ``L = (K-1)*dilation``.
+Same contract, signature and validation as ``pagedhybrid.ops.varlen_causal_conv`` (the ``torch``
+implementation registered with ``SPEC.implement``; ``validate_call``); a different compute order.
+State layout: ``[B, C, L]`` channels-first, ``L = (K-1)*dilation``.
 
 Algorithm. The packed input ``x [T, C]`` is treated as ONE stream: for every row ``i`` and tap
 ``j`` the shifted row ``i - (K-1-j)*dilation`` is multiplied by ``weight[:, 0, j]`` and added
@@ -20,7 +21,8 @@ from __future__ import annotations
 import torch
 
 from pagedhybrid.kernels.cpu.capability import KernelCapability
-from pagedhybrid.ops.varlen_causal_conv import ConvDims, validate
+from pagedhybrid.ops.spec import BoundCall
+from pagedhybrid.ops.varlen_causal_conv import SPEC, ConvDims, validate_call
 
 __all__ = ["CAPABILITY", "compute", "varlen_causal_conv"]
 
@@ -38,26 +40,17 @@ CAPABILITY = KernelCapability(
 )
 
 
-def varlen_causal_conv(input: torch.Tensor, weight: torch.Tensor,
-                       cumulative_sequence_length: torch.Tensor, bias: torch.Tensor | None = None,
-                       initial_state: torch.Tensor | None = None,
-                       capture_count: torch.Tensor | None = None,
-                       kernel_delta: torch.Tensor | None = None,
-                       previous_mask: torch.Tensor | None = None, *, activation: str = "none",
-                       dilation: int = 1, state_update_capacity: int = 0, group_size: int = 1,
-                       delta_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+@SPEC.implement("torch")
+def varlen_causal_conv(call: BoundCall) -> tuple[torch.Tensor, torch.Tensor]:
     """Fast ``VarlenCausalConvWithState``: ``(output [T, C], final_state [B, C, L])``."""
-    d = validate(input, weight, cumulative_sequence_length, bias, initial_state, capture_count,
-                 kernel_delta, previous_mask, activation=activation, dilation=dilation,
-                 state_update_capacity=state_update_capacity, group_size=group_size,
-                 delta_offset=delta_offset)
-    return compute(input, weight, bias, initial_state, d)
+    input, weight, _cu, bias, initial_state = call.inputs[:5]
+    return compute(input, weight, bias, initial_state, validate_call(call))
 
 
 def compute(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             initial_state: torch.Tensor | None, d: ConvDims
             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The conv of a validated call (``d = validate(...)``)."""
+    """The conv of a validated call (``d = validate_call(call)``)."""
     ct, t, c, k, dil, sl = (d.compute_dtype, d.total_tokens, d.channels, d.kernel_size,
                             d.dilation, d.state_len)
     x = input if input.dtype == ct else input.to(ct)  # [T, C]

@@ -1,9 +1,11 @@
 """The three operator contracts on the native kernels, with the contracts' own validation.
 
-Same signatures as ``pagedhybrid.ops`` (positional = ONNX Runtime input order). Each call is
-validated by its contract's ``validate`` (a corrupted call raises ``ContractViolation`` naming
-the port), then runs natively when the native kernel implements every feature the call uses;
-otherwise it runs the torch kernel of ``pagedhybrid.kernels.cpu`` -- a declared delegation
+Each function is the ``native`` implementation registered with its op's ``SPEC.implement``, so it
+takes the spec's one signature (positional = ONNX Runtime input order, attributes keyword-only)
+and receives the ``BoundCall``. Each call is validated once by its contract's ``validate_call``
+(a corrupted call raises ``ContractViolation`` naming the port), then runs natively when the
+native kernel implements every feature the call uses; otherwise the validated call goes to the
+``compute`` of the torch kernel in ``pagedhybrid.kernels.cpu`` -- a declared delegation
 (``CAPABILITIES[op].delegated`` lists each feature and why), never a silent one.
 ``last_path()`` tells which path the latest call of an op took (for tests and reports).
 """
@@ -11,7 +13,6 @@ otherwise it runs the torch kernel of ``pagedhybrid.kernels.cpu`` -- a declared 
 from __future__ import annotations
 
 import importlib
-from typing import Any
 
 import torch
 
@@ -19,6 +20,7 @@ from pagedhybrid.kernels.cpu.capability import KernelCapability
 from pagedhybrid.kernels.native import KV_SPLIT, library
 from pagedhybrid.kernels.native.step import MAX_NATIVE_QUERY
 from pagedhybrid.kvquant import is_quantized, quantize, query_scales, scatter_rows
+from pagedhybrid.ops.spec import BoundCall
 
 cpu_gdn = importlib.import_module("pagedhybrid.kernels.cpu.gated_delta_net")
 cpu_pa = importlib.import_module("pagedhybrid.kernels.cpu.paged_attention")
@@ -72,22 +74,10 @@ def _note(op: str, path: str) -> None:
     _LAST[op] = path
 
 
-def paged_attention(
-    query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
-    key_cache: torch.Tensor, value_cache: torch.Tensor | None,
-    cumulative_sequence_length: torch.Tensor, past_seqlens: torch.Tensor,
-    block_table: torch.Tensor, cos_cache: torch.Tensor | None = None,
-    sin_cache: torch.Tensor | None = None, slot_mapping: torch.Tensor | None = None,
-    head_sink: torch.Tensor | None = None, q_norm_weight: torch.Tensor | None = None,
-    k_norm_weight: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None, attention_metadata: torch.Tensor | None = None,
-    **attrs: Any,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+@ref_pa.SPEC.implement("native")
+def paged_attention(call: BoundCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Native ``PagedAttention`` (attributes as ONNX Runtime's, keyword only)."""
-    args = [query, key, value, key_cache, value_cache, cumulative_sequence_length,
-            past_seqlens, block_table, cos_cache, sin_cache, slot_mapping, head_sink,
-            q_norm_weight, k_norm_weight, k_scale, v_scale, attention_metadata]
-    dims = ref_pa.validate(args, attrs)
+    dims = ref_pa.validate_call(call)
     a = dims.attrs
     quant = is_quantized(dims.cache_dtype)
     native = ((dims.dtype == dims.cache_dtype or quant) and dims.dtype in NATIVE_DTYPES
@@ -97,8 +87,8 @@ def paged_attention(
               and not dims.has_slot_mapping and not dims.has_head_sink and not dims.has_qk_norm)
     if not native or dims.num_tokens == 0:
         _note("paged_attention", "torch")
-        return cpu_pa.compute(args, dims)
-    query, key, value, key_cache, value_cache, cu, past, table = args[:8]
+        return cpu_pa.compute(call.inputs, dims)
+    query, key, value, key_cache, value_cache, cu, past, table = call.inputs[:8]
     n, hq, hkv, d = dims.num_tokens, dims.num_heads, dims.kv_num_heads, dims.head_size
     if dims.packed_qkv:
         q, k, v = query.split([hq * d, hkv * d, hkv * d], dim=1)
@@ -106,7 +96,7 @@ def paged_attention(
         q, k, v = query, key, value
     slots = torch.tensor(dims.write_slots, dtype=torch.int64)
     k, v, qf = k.reshape(n, hkv, d), v.reshape(n, hkv, d), q.reshape(n, hq, d).float()
-    k_scale, v_scale = args[14], args[15]
+    k_scale, v_scale = call["k_scale"], call["v_scale"]
     if quant:
         assert k_scale is not None and v_scale is not None
         k, v = quantize(k, k_scale, key_cache.dtype), quantize(v, v_scale, key_cache.dtype)
@@ -126,10 +116,11 @@ def paged_attention(
     return out.reshape(n, hq * d).to(query.dtype), key_cache, value_cache
 
 
-def gated_delta_net(*inputs: Any, **attrs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    d = ref_gdn.validate(*inputs, **attrs)
-    query, key, value, _cu, decay, beta, initial_state, a_log, dt_bias = (
-        list(inputs) + [None] * 9)[:9]
+@ref_gdn.SPEC.implement("native")
+def gated_delta_net(call: BoundCall) -> tuple[torch.Tensor, torch.Tensor]:
+    """Native ``GatedDeltaNet`` (decode in the model's form; the rest on the torch kernel)."""
+    d = ref_gdn.validate_call(call)
+    query, key, value, _cu, decay, beta, initial_state, a_log, dt_bias = call.inputs[:9]
     a = d.attrs
     native = (d.dtype in NATIVE_DTYPES and a["update_rule"] == "gated_delta"
               and a["gate_activation"] == "qwen" and a["beta_activation"] == "sigmoid"
@@ -138,7 +129,7 @@ def gated_delta_net(*inputs: Any, **attrs: Any) -> tuple[torch.Tensor, torch.Ten
               and all(d.cu_seqlens[i + 1] - d.cu_seqlens[i] == 1 for i in range(d.batch)))
     if not native:
         _note("gated_delta_net", "torch")
-        return cpu_gdn.gated_delta_net(*inputs, **attrs)
+        return cpu_gdn.compute(call, d)
     b = d.batch
     pool = (initial_state.to(torch.float32, copy=True) if initial_state is not None else
             torch.empty(b, d.num_heads_v, d.head_size_v, d.head_size_qk))
@@ -152,15 +143,17 @@ def gated_delta_net(*inputs: Any, **attrs: Any) -> tuple[torch.Tensor, torch.Ten
     return out.to(d.dtype), pool
 
 
-def varlen_causal_conv(*inputs: Any, **attrs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    d = ref_conv.validate(*inputs, **attrs)
-    x, weight, _cu, bias, initial_state = (list(inputs) + [None] * 5)[:5]
+@ref_conv.SPEC.implement("native")
+def varlen_causal_conv(call: BoundCall) -> tuple[torch.Tensor, torch.Tensor]:
+    """Native ``VarlenCausalConvWithState`` (decode; the rest on the torch kernel)."""
+    d = ref_conv.validate_call(call)
+    x, weight, _cu, bias, initial_state = call.inputs[:5]
     native = (d.dtype in NATIVE_DTYPES and d.dilation == 1 and d.total_tokens == d.batch
-              and d.batch > 0 and d.state_len > 0 and len(inputs) <= 5
+              and d.batch > 0 and d.state_len > 0
               and d.attrs["activation"] in ("none", "silu", "swish"))
     if not native:
         _note("varlen_causal_conv", "torch")
-        return cpu_conv.varlen_causal_conv(*inputs, **attrs)
+        return cpu_conv.compute(x, weight, bias, initial_state, d)
     b = d.batch
     pool = (initial_state.to(d.dtype, copy=True).contiguous() if initial_state is not None else
             torch.empty(b, d.channels, d.state_len, dtype=d.dtype))

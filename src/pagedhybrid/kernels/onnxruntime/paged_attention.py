@@ -3,8 +3,8 @@
 Runs a one-node model on the WebGPU plugin EP (``onnxruntime-ep-webgpu``; lavapipe on machines
 without a GPU) with the caches bound in place through IOBinding (input 3 <-> output 1, input 4
 <-> output 2), exactly as a serving runtime binds them. The caller's cache tensors are then
-updated in place from the device copy, so this function has the reference's signature and
-in-place semantics.
+updated in place from the device copy, so this function has the reference's signature (it is
+the ``onnxruntime`` implementation registered with ``SPEC.implement``) and in-place semantics.
 
 The call is validated by the pagedhybrid contract first (ORT leaves bad block tables and slots as
 undefined behaviour). Features the WebGPU kernel does not serve (measured with
@@ -25,13 +25,12 @@ query positions >= 8 (lavapipe, subgroup size 8), an ORT bug.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from pagedhybrid.errors import UnsupportedConfiguration
 from pagedhybrid.kernels.onnxruntime.session import run_single_node
-from pagedhybrid.ops.paged_attention import SPEC, PagedAttentionDims, validate
+from pagedhybrid.ops.paged_attention import SPEC, PagedAttentionDims, validate_call
+from pagedhybrid.ops.spec import BoundCall
 
 EP = "webgpu"
 DTYPES = (torch.float16,)
@@ -76,35 +75,14 @@ def unsupported_features(dims: PagedAttentionDims) -> list[str]:
     return found
 
 
-def paged_attention(
-    query: torch.Tensor,
-    key: torch.Tensor | None,
-    value: torch.Tensor | None,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor | None,
-    cumulative_sequence_length: torch.Tensor,
-    past_seqlens: torch.Tensor,
-    block_table: torch.Tensor,
-    cos_cache: torch.Tensor | None = None,
-    sin_cache: torch.Tensor | None = None,
-    slot_mapping: torch.Tensor | None = None,
-    head_sink: torch.Tensor | None = None,
-    q_norm_weight: torch.Tensor | None = None,
-    k_norm_weight: torch.Tensor | None = None,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    attention_metadata: torch.Tensor | None = None,
-    **attrs: Any,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+@SPEC.implement("onnxruntime")
+def paged_attention(call: BoundCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run ORT's WebGPU PagedAttention; returns ``(output, key_cache, value_cache)``.
 
-    Keyword attributes as in :func:`pagedhybrid.ops.paged_attention.paged_attention`; only those
-    given are put on the node (ORT applies its own defaults to the rest).
+    Attributes as in :func:`pagedhybrid.ops.paged_attention.paged_attention`; only those given
+    are put on the node (ORT applies its own defaults to the rest).
     """
-    inputs = [query, key, value, key_cache, value_cache, cumulative_sequence_length,
-              past_seqlens, block_table, cos_cache, sin_cache, slot_mapping, head_sink,
-              q_norm_weight, k_norm_weight, k_scale, v_scale, attention_metadata]
-    dims = validate(inputs, attrs)
+    dims = validate_call(call)
     if dims.cache_dtype in (torch.int8, torch.float8_e4m3fn):
         raise UnsupportedConfiguration(
             f"{SPEC.qualname} on onnxruntime/{EP}: quantized ({dims.cache_dtype}) caches: "
@@ -118,8 +96,8 @@ def paged_attention(
         raise UnsupportedConfiguration(
             f"{SPEC.qualname} on onnxruntime/{EP}: not implemented by ORT's WebGPU kernel: "
             + ", ".join(UNSUPPORTED[f] for f in bad))
-    assert value_cache is not None
-    out, kc, vc = run_single_node(SPEC, inputs, attrs, n_outputs=3, ep=EP,
+    key_cache, value_cache = call["key_cache"], call["value_cache"]
+    out, kc, vc = run_single_node(SPEC, call.inputs, call.given_attrs, n_outputs=3, ep=EP,
                                   inplace={3: 1, 4: 2})
     key_cache.copy_(kc)
     value_cache.copy_(vc)

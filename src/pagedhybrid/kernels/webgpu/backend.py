@@ -1,7 +1,9 @@
 """The WebGPU PagedAttention kernel as a backend of the PagedAttention contract.
 
-``paged_attention(...)`` has the signature of ``pagedhybrid.ops.paged_attention.paged_attention``
-(positional = ONNX Runtime input order, keyword = attribute names) and returns
+``paged_attention(...)`` is the ``webgpu`` implementation registered with the contract's
+``SPEC.implement``, so it takes the signature of ``pagedhybrid.ops.paged_attention`` (positional
+= ONNX Runtime input order, attributes keyword-only; the kernel gets the attributes the caller
+gave) and returns
 ``(output, key_cache, value_cache)`` as torch tensors; the caches are updated in place (float16
 CPU tensors: uploaded, updated on the device, written back). ``backend_capability()`` describes
 what it serves so a dispatch registry can route to it or reject with a reason; anything outside
@@ -21,11 +23,10 @@ from pagedhybrid.kernels.webgpu.manifest_gen import (
     SUPPORTED_VALUES,
     bind_key,
 )
+from pagedhybrid.ops.paged_attention import SPEC
+from pagedhybrid.ops.spec import BoundCall
 
-OP_ID = "com.microsoft.PagedAttention"
-_ORDER = ("query", "key", "value", "key_cache", "value_cache", "cumulative_sequence_length",
-          "past_seqlens", "block_table", "cos_cache", "sin_cache", "slot_mapping", "head_sink",
-          "q_norm_weight", "k_norm_weight", "k_scale", "v_scale", "attention_metadata")
+OP_ID = SPEC.qualname
 
 
 def backend_capability() -> dict[str, Any]:
@@ -48,19 +49,13 @@ def backend_capability() -> dict[str, Any]:
     }
 
 
-def paged_attention(*inputs: torch.Tensor | None, **attrs: Any
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+@SPEC.implement("webgpu")
+def paged_attention(call: BoundCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same call as the torch reference; runs the WebGPU package kernel."""
-    if len(inputs) > len(_ORDER):
-        raise TypeError(f"paged_attention takes at most {len(_ORDER)} positional inputs")
-    named = dict(zip(_ORDER, inputs, strict=False))
-    for name in _ORDER:
-        if name in attrs:  # inputs given by keyword
-            named[name] = attrs.pop(name)
     bound = {bind_key(n): t.detach().cpu() if isinstance(t, torch.Tensor) else t
-             for n, t in named.items() if t is not None}
-    kc, vc = named.get("key_cache"), named.get("value_cache")
-    result = get_kernel(OP_ID, version=1)(bound, attrs)
+             for n, t in call.named_inputs.items() if t is not None}
+    kc, vc = call["key_cache"], call["value_cache"]
+    result = get_kernel(OP_ID, version=1)(bound, call.given_attrs)
     out = torch.from_numpy(result["outputT"])
     # The bound caches share storage with the caller's tensors (detach/cpu of a CPU tensor), and
     # the loader writes the updated caches back into them: the update is in place.
