@@ -27,7 +27,7 @@ from pagedhybrid.attention.contract import (
     ReductionSpec,
     RoPESpec,
 )
-from pagedhybrid.attention.registry import AttentionDispatchError, KernelRegistry
+from pagedhybrid.attention.registry import AttentionDispatchError, AttentionRegistry
 from pagedhybrid.errors import UnsupportedConfiguration
 from pagedhybrid.ops.paged_attention import paged_attention
 from pagedhybrid.parallel import context_parallel_attention
@@ -85,7 +85,7 @@ def test_decode_falls_back_with_provenance_listing_every_prior_rejection() -> No
 
 
 def test_undeclared_backend_is_rejected_never_dispatched() -> None:
-    reg = KernelRegistry()
+    reg = AttentionRegistry()
     reg.register_attention_backend("legacy_sdpa", torch.nn.functional.scaled_dot_product_attention)
     with pytest.raises(AttentionDispatchError, match="no AttentionBackendCapability declared") as e:
         reg.get_attention_op(_prefill())
@@ -166,7 +166,7 @@ def test_rope_metadata_gates_dispatch() -> None:
                          output_dtype="fp32")
     assert reg.get_attention_op(_prefill(rope=unfused)).provenance.actual_backend in (
         "torch_varlen", "cpu_paged_attention", "webgpu_paged_attention")
-    bare = KernelRegistry()
+    bare = AttentionRegistry()
     bare.register_attention_backend("plain", torch_varlen_attention, AttentionBackendCapability(
         **{**TORCH_VARLEN.__dict__, "backend_id": "plain", "supports_rope_metadata": False}))
     with pytest.raises(AttentionDispatchError, match="RoPE/position metadata is unsupported"):

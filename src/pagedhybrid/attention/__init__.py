@@ -1,11 +1,15 @@
-"""Attention contract, capability registry and dispatch with provenance.
+"""Attention contract and contract-aware dispatch with provenance.
 
-* ``contract``  -- AttentionContract, ShardingSpec, ReductionSpec, KVCacheSpec, RoPESpec,
+* ``contract``   -- AttentionContract, ShardingSpec, ReductionSpec, KVCacheSpec, RoPESpec,
   AttentionBackendCapability (validated at construction, JSON round-trip)
-* ``lse``       -- attention-domain (out, lse) partial states and the pinned online-softmax merge
-* ``registry``  -- KernelRegistry: ``get_op(name)`` and ``get_attention_op(contract)``
-* ``backends``  -- the real backends with truthful capabilities; ``default_registry()``
-* ``cli``       -- ``pagedhybrid dispatch explain CONTRACT.json``
+* ``capability`` -- AttentionBackendCapability; ``from_bundle`` derives a kernel bundle's from
+  its ``BundleCapability`` (the one kernel registry, ``pagedhybrid.kernels.registry``)
+* ``lse``        -- attention-domain (out, lse) partial states and the pinned online-softmax merge
+* ``registry``   -- AttentionRegistry: ``get_op(name)`` and ``get_attention_op(contract)`` over
+  the kernel registry's bundles plus the attention-domain backends
+* ``backends``   -- the attention-domain backends with truthful capabilities;
+  ``default_registry()`` over ``kernels.backend.REGISTRY``
+* ``cli``        -- ``pagedhybrid dispatch explain CONTRACT.json``
 """
 
 from __future__ import annotations
@@ -21,13 +25,13 @@ from pagedhybrid.attention.contract import (
 )
 from pagedhybrid.attention.registry import (
     AttentionDispatchError,
+    AttentionRegistry,
     DispatchProvenance,
     DispatchResult,
-    KernelRegistry,
 )
 
 __all__ = [
     "AttentionBackendCapability", "AttentionContract", "AttentionContractError",
-    "AttentionDispatchError", "DispatchProvenance", "DispatchResult", "KVCacheSpec",
-    "KernelRegistry", "ReductionSpec", "RoPESpec", "ShardingSpec",
+    "AttentionDispatchError", "AttentionRegistry", "DispatchProvenance", "DispatchResult",
+    "KVCacheSpec", "ReductionSpec", "RoPESpec", "ShardingSpec",
 ]

@@ -1,22 +1,25 @@
-"""The real attention backends and their truthful capabilities; the default registry.
+"""The attention-contract backends and their truthful capabilities; the default registry.
 
-Registered in priority order (``default_registry()``):
+``build_default_registry(kernels=REGISTRY)`` registers, in priority order:
 
-* ``webgpu_paged_attention`` -- the WGSL PagedAttention kernel package (``kernels.webgpu``).
-* ``native_paged_attention`` / ``native_batch_invariant`` / ``cpu_paged_attention`` -- the
-  model's kernel bundles ``native`` / ``native_batch_invariant`` / ``torch`` of
-  ``pagedhybrid.kernels.backend`` (their contract op is their PagedAttention; their capability
-  is the bundle's own; ``select_step`` picks among them and ``paged_attention_reference`` for the
-  model). ORT's PagedAttention returns no LSE, so they declare ``exports_attention_lse=False``
-  and every strict (LSE-exporting) contract rejects them.
+* ``webgpu_paged_attention`` -- the WGSL PagedAttention kernel package (``kernels.webgpu``),
+  when its module imports (float16, causal, no rotary input; probed for an adapter).
+* the production kernel bundles of the one kernel registry (``kernels.backend.REGISTRY``:
+  ``native_paged_attention``, ``native_batch_invariant``, ``cpu_paged_attention``), the same
+  bundle objects the model runs (``AttentionRegistry.register_bundle``: contract op = the
+  bundle's PagedAttention, capability derived from its ``BundleCapability``). ORT's
+  PagedAttention returns no LSE, so every strict (LSE-exporting) contract rejects them.
 * ``torch_varlen`` -- ``torch_varlen_attention``: packed varlen prefill on one rank, matmul
   scores, fp32 math, exports attention-domain LSE, differentiable (role train).
 * ``deterministic_cp`` -- ``pagedhybrid.parallel.context_parallel_attention``: any CP degree,
   fixed global KV grid, ``(out, lse)`` partials merged in global block order; prefill and
   decode / chunked prefill over a paged cache; forward only.
-* ``paged_attention_reference`` -- the ``reference`` bundle: ``pagedhybrid.ops.paged_attention``
-  (the ORT-contract torch reference, ORT's positional signature): packed, paged, fused RoPE; no
-  LSE output.
+* the reference kernel bundles (``paged_attention_reference``: ``pagedhybrid.ops.paged_attention``,
+  the ORT-contract torch reference, ORT's positional signature): packed, paged, fused RoPE; no
+  LSE output. ``get_op("paged_attention")`` is that reference.
+
+No bundle name is spelled here: the bundles come from the kernel registry, production kinds
+before the attention-domain backends, references after them.
 
 ``torch_varlen_attention(query, key, value, *, contract, scale=None) -> (out, lse)`` takes
 ``query [L, Hq, D]``, ``key``/``value [L, Hkv, D]`` packed by the contract's sequence offsets;
@@ -35,9 +38,12 @@ from typing import Any
 import torch
 
 from pagedhybrid.attention.contract import AttentionBackendCapability, AttentionContract
-from pagedhybrid.attention.registry import KernelRegistry
+from pagedhybrid.attention.registry import AttentionRegistry
 from pagedhybrid.dtypes import to_torch
 from pagedhybrid.errors import ContractViolation, UnsupportedConfiguration
+from pagedhybrid.kernels.backend import REGISTRY
+from pagedhybrid.kernels.registry import KernelRegistry
+from pagedhybrid.ops.paged_attention import paged_attention
 
 OP = "pagedhybrid.attention.torch_varlen_attention"
 ALL_MODES = ("prefill", "chunked_prefill", "decode")
@@ -139,9 +145,9 @@ def _webgpu_available() -> str | None:
     return None
 
 
-def build_default_registry() -> KernelRegistry:
-    """A fresh registry with every real backend (see the module docstring)."""
-    reg = KernelRegistry()
+def build_default_registry(kernels: KernelRegistry = REGISTRY) -> AttentionRegistry:
+    """A fresh contract-dispatch registry over ``kernels`` (see the module docstring)."""
+    reg = AttentionRegistry()
     webgpu = _optional("pagedhybrid.kernels.webgpu", "paged_attention")
     if webgpu is not None:  # float16, is_causal=1 only, no rotary input (its manifest)
         reg.register_op("webgpu_paged_attention", webgpu)
@@ -150,8 +156,9 @@ def build_default_registry() -> KernelRegistry:
             _fast_capability("webgpu_paged_attention", ("fp16",), non_causal=False,
                              what="WGSL kernel package on wgpu"),
             platform="webgpu", available=_webgpu_available)
-    for name in ("native", "native_batch_invariant", "torch"):
-        _register_bundle(reg, name)
+    production = [b for b in kernels if b.capability.implementation_kind == "production"]
+    for bundle in production:
+        reg.register_bundle(bundle)
     reg.register_op("torch_varlen_attention", torch_varlen_attention)
     reg.register_attention_backend("torch_varlen", torch_varlen_attention, TORCH_VARLEN)
     reg.register_op("context_parallel_attention", _cp_op)
@@ -159,25 +166,17 @@ def build_default_registry() -> KernelRegistry:
         "deterministic_cp", _cp_op, DETERMINISTIC_CP, platform="cpu",
         communication="torch.distributed all_gather_object + all_gather + all_to_all_single "
                       "(gloo on CPU, nccl on CUDA); no float reductions")
-    reg.register_op("paged_attention", _register_bundle(reg, "reference").ops.paged_attention)
+    for bundle in kernels:
+        if bundle not in production:
+            reg.register_bundle(bundle)
+    reg.register_op("paged_attention", paged_attention)
     return reg
 
 
-def _register_bundle(reg: KernelRegistry, name: str) -> Any:
-    from pagedhybrid.kernels.backend import backend
-
-    b = backend(name)
-    cap = b.capability
-    reg.register_op(cap.backend_id, b.ops.paged_attention)
-    reg.register_attention_backend(
-        cap.backend_id, b.ops.paged_attention, cap, platform="cpu", step=b,
-        available=lambda: b.unsupported(None, torch.float32))
-    return b
-
-
 @functools.cache
-def default_registry() -> KernelRegistry:
-    """The process-wide registry (built once)."""
+def default_registry() -> AttentionRegistry:
+    """The process's contract-dispatch registry over ``kernels.backend.REGISTRY`` (built once:
+    the WebGPU module import and the entries' derived capabilities)."""
     return build_default_registry()
 
 

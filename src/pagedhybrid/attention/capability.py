@@ -3,10 +3,14 @@
 ``incompatibilities(contract)`` lists every reason a contract is out of the backend's reach
 (role, mode, dtype, head_dim, TP/CP degree, attention-domain LSE export, deterministic CP merge,
 packed varlen, KV-cache identity, non-causal, RoPE metadata, fused RoPE+Attention boundary,
-modes that need a cache, batch invariance); ``supports`` is "no reasons". ``step_gaps`` is the
-same check for the model's packed paged step (dtype, head_dim, batch invariance, packed varlen
-with a KV cache), which the one kernel registry uses to pick the model's kernels. Re-exported
-by ``pagedhybrid.attention.contract``.
+modes that need a cache, batch invariance); ``supports`` is "no reasons". Re-exported by
+``pagedhybrid.attention.contract``.
+
+A kernel bundle of the one kernel registry (``pagedhybrid.kernels.registry``) declares a
+``BundleCapability``; its attention-contract capability is derived from that here, in one
+place (``from_bundle``): the bundle's contract op is a PagedAttention over packed varlen
+queries and a paged KV cache (role ``infer``, every mode), with the bundle's dtypes, head-dim
+limit, LSE export, batch invariance, TP/CP degrees and RoPE support.
 
 ``batch_invariant``: every output row is bitwise the same whatever else is in the call, where
 the row sits in the packed stream, how the sequence's tokens were chunked over calls and which
@@ -18,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pagedhybrid import dtypes
 from pagedhybrid.attention.fields import (
     AttentionDType,
     AttentionMode,
@@ -29,6 +34,7 @@ from pagedhybrid.attention.fields import (
 
 if TYPE_CHECKING:
     from pagedhybrid.attention.contract import AttentionContract
+    from pagedhybrid.kernels.registry import Backend
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,7 @@ class AttentionBackendCapability(JsonObject):
     supports_rope_metadata: bool = False
     supports_fused_rope_attention: bool = False
     head_dims: tuple[int, ...] | None = None  # None: any head_dim
+    max_head_dim: int | None = None  # None: no upper bound
     supports_non_causal: bool = True
     kv_cache_modes: tuple[AttentionMode, ...] = ()  # modes in which K/V must come from a cache
     batch_invariant: bool = False
@@ -67,6 +74,9 @@ class AttentionBackendCapability(JsonObject):
             c.enum(AttentionMode, v, "kv_cache_modes") for v in self.kv_cache_modes))
         c.check(self.supports_kv_cache or not self.kv_cache_modes, "kv_cache_modes",
                 "requires supports_kv_cache", list(self.kv_cache_modes))
+        c.check(self.max_head_dim is None or (isinstance(self.max_head_dim, int)
+                                               and self.max_head_dim >= 1),
+                "max_head_dim", "must be None or an int >= 1", self.max_head_dim)
         for name in ("cp_world_sizes", "tp_world_sizes", "head_dims"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, c.ints(getattr(self, name), name, minimum=1))
@@ -122,16 +132,28 @@ class AttentionBackendCapability(JsonObject):
             r.append(f"dtype={dtype.value} is unsupported")
         if self.head_dims is not None and head_dim not in self.head_dims:
             r.append(f"head_dim={head_dim} is unsupported")
+        if self.max_head_dim is not None and head_dim > self.max_head_dim:
+            r.append(f"head_dim={head_dim} is unsupported (at most {self.max_head_dim})")
         if batch_invariant and not self.batch_invariant:
             r.append("batch-invariant reduction is unsupported (its rows depend on the batch: "
                      "GEMM kernels and K splits chosen by shape, chunked prefill forms)")
         return r
 
-    def step_gaps(self, dtype: AttentionDType | str, head_dim: int,
-                  batch_invariant: bool) -> tuple[str, ...]:
-        """Why this backend cannot run the model's packed paged step (empty when it can)."""
-        r = self._common_gaps(Checker("step").enum(AttentionDType, dtype, "dtype"), head_dim,
-                              batch_invariant)
-        if not (self.supports_packed_varlen and self.supports_kv_cache):
-            r.append("the packed paged step (packed varlen over a KV cache) is unsupported")
-        return tuple(r)
+    @classmethod
+    def from_bundle(cls, bundle: Backend) -> AttentionBackendCapability:
+        """The contract capability of a kernel bundle's PagedAttention (module docstring)."""
+        cap = bundle.capability
+        rope = cap.rope_in_op
+        return cls(
+            backend_id=bundle.contract_id, roles=("infer",),
+            modes=("prefill", "chunked_prefill", "decode"),
+            dtypes=tuple(dtypes.lookup(d).cli for d in cap.dtypes
+                         if dtypes.lookup(d).cli is not None),
+            cp_world_sizes=cap.cp_world_sizes, tp_world_sizes=cap.tp_world_sizes,
+            exports_attention_lse=cap.exports_lse, supports_packed_varlen=True,
+            supports_kv_cache=True, implementation_kind=cap.implementation_kind,
+            supports_rope_metadata=rope, supports_fused_rope_attention=rope,
+            max_head_dim=cap.max_head_dim, batch_invariant=cap.batch_invariant,
+            description=f"com.microsoft.PagedAttention and the model's step of the "
+                        f"{bundle.name!r} kernel bundle ({bundle.description})"
+                        + ("" if cap.exports_lse else "; no LSE"))

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedhybrid.attention.contract import AttentionContract
-from pagedhybrid.attention.registry import DispatchExplanation, KernelRegistry
+from pagedhybrid.attention.registry import AttentionRegistry, DispatchExplanation
 from pagedhybrid.errors import PagedHybridError
 
 
@@ -37,7 +37,7 @@ def register_subcommands(subparsers: Any) -> None:
 
 def explain_main(path: str, *, requested_backend: str | None = None,
                  platform: str | None = None, as_json: bool = False,
-                 registry: KernelRegistry | None = None) -> int:
+                 registry: AttentionRegistry | None = None) -> int:
     try:
         raw = json.loads(Path(path).read_text())
         if isinstance(raw, dict) and "contract" in raw:

@@ -1,15 +1,19 @@
-"""The one kernel registry: op lookups, the model's kernel bundles, and contract-aware attention
-dispatch with provenance.
+"""Attention-contract dispatch with provenance, over the one kernel registry's bundles.
 
-``select_step(name, config=..., dtype=..., batch_invariant=...)`` picks the model's kernel bundle
-(``kernels.backend.Backend``, registered on the attention backends that carry one): ``auto``
-walks them in registration priority and takes the first whose capability (``step_gaps``:
-dtype, head_dim, batch invariance, packed paged step) and requirements (the prebuilt extension,
-the model's shape) fit; a named bundle that does not fit is refused with its reasons.
+``AttentionRegistry`` holds the backends an ``AttentionContract`` can be dispatched to, each
+with an ``AttentionBackendCapability``:
 
-``KernelRegistry.get_op(name)`` is a plain name lookup. ``get_attention_op(contract)`` is a
-separate path, so a contract caller can never silently land on a backend with different
-reduction semantics:
+* the kernel bundles of the one kernel registry (``pagedhybrid.kernels.registry``), registered
+  with ``register_bundle(bundle)``: the entry holds the bundle object itself (``step``), its
+  contract op is the bundle's PagedAttention, its id is the bundle's ``contract_id``, its
+  capability is derived from the bundle's ``BundleCapability`` in one place
+  (``AttentionBackendCapability.from_bundle``) and its availability is the bundle's own probe;
+* attention-domain backends that are not kernel bundles (``register_attention_backend``): e.g.
+  ``torch_varlen`` and ``deterministic_cp`` (``pagedhybrid.attention.backends``).
+
+The model's bundle is chosen by the kernel registry itself (``kernels.backend.select``), not
+here. ``get_op(name)`` is a plain name lookup. ``get_attention_op(contract)`` never silently
+lands on a backend with different reduction semantics:
 
 1. ``requested_backend`` is a policy (``auto`` | ``production`` | ``reference``) or an exact
    backend id. ``"deterministic"`` is refused as a policy (determinism is requested through the
@@ -36,6 +40,7 @@ from typing import Any
 from pagedhybrid.attention.contract import AttentionBackendCapability, AttentionContract
 from pagedhybrid.attention.fields import ImplementationKind
 from pagedhybrid.errors import UnsupportedConfiguration
+from pagedhybrid.kernels.registry import Backend, format_rejections
 
 POLICIES = ("auto", "production", "reference")
 _POLICY_KINDS = {
@@ -63,7 +68,7 @@ class AttentionBackend:
     platform: str = "cpu"
     available: Callable[[], str | None] | None = None  # returns a reason when unavailable
     communication: str | None = None  # collectives it launches, for provenance
-    step: Any = None  # the model's kernel bundle behind this backend (kernels.backend.Backend)
+    step: Backend | None = None  # the kernel bundle behind this backend (the registry's object)
 
     def rejection_reasons(self, contract: AttentionContract,
                           platform: str | None) -> tuple[str, ...]:
@@ -148,7 +153,7 @@ class DispatchExplanation:
 
 
 @dataclass
-class KernelRegistry:
+class AttentionRegistry:
     ops: dict[str, Callable[..., Any]] = field(default_factory=dict)
     backends: list[AttentionBackend] = field(default_factory=list)
 
@@ -170,7 +175,24 @@ class KernelRegistry:
                                    platform: str = "cpu",
                                    available: Callable[[], str | None] | None = None,
                                    communication: str | None = None,
-                                   prepend: bool = False, step: Any = None) -> AttentionBackend:
+                                   prepend: bool = False) -> AttentionBackend:
+        """Register an attention backend that is not a kernel bundle (``capability=None``:
+        undeclared, never dispatched by contract)."""
+        return self._add(AttentionBackend(backend_id, op, capability, platform, available,
+                                          communication), prepend)
+
+    def register_bundle(self, bundle: Backend, *, prepend: bool = False) -> AttentionBackend:
+        """Register a kernel bundle of the kernel registry (module docstring); its contract op
+        is also ``get_op(bundle.contract_id)``."""
+        entry = self._add(AttentionBackend(
+            bundle.contract_id, bundle.ops.paged_attention,
+            AttentionBackendCapability.from_bundle(bundle), bundle.capability.platform,
+            bundle.available, None, bundle), prepend)
+        self.register_op(bundle.contract_id, bundle.ops.paged_attention)
+        return entry
+
+    def _add(self, backend: AttentionBackend, prepend: bool) -> AttentionBackend:
+        backend_id, capability = backend.backend_id, backend.capability
         if any(b.backend_id == backend_id for b in self.backends):
             raise ValueError(f"attention backend {backend_id!r} is already registered")
         if backend_id in POLICIES or backend_id == "deterministic":
@@ -178,8 +200,6 @@ class KernelRegistry:
         if capability is not None and capability.backend_id != backend_id:
             raise ValueError(f"capability.backend_id {capability.backend_id!r} must equal the "
                              f"registered id {backend_id!r}")
-        backend = AttentionBackend(backend_id, op, capability, platform, available,
-                                   communication, step)
         if prepend:
             self.backends.insert(0, backend)
         else:
@@ -231,7 +251,7 @@ class KernelRegistry:
                 platform=b.platform, communication_backend=b.communication,
                 production_ready=b.capability.implementation_kind is ImplementationKind.PRODUCTION,
                 fallback=fallback,
-                fallback_reason=(_format(prior) if fallback else None),
+                fallback_reason=(format_rejections(prior) if fallback else None),
                 prior_rejections=prior, policy_skipped=skipped, contract=contract.to_dict(),
                 capability=b.capability.to_dict())
             return DispatchExplanation(requested_backend, platform, b.backend_id, fallback, None,
@@ -244,47 +264,11 @@ class KernelRegistry:
             f"dtype={contract.dtype.value}, TP={sh.tp_world_size}, CP={sh.cp_world_size}, "
             f"packed={sh.is_packed}, kv_cache={contract.kv_cache is not None}, "
             f"rope={'none' if contract.rope is None else contract.rope.fusion_boundary.value}"
-            f" (requested_backend={requested_backend!r}). Rejections: {_format(prior) or 'none'}"
+            f" (requested_backend={requested_backend!r}). "
+            f"Rejections: {format_rejections(prior) or 'none'}"
             + (f". Skipped by policy: {list(skipped)}" if skipped else ""))
         return DispatchExplanation(requested_backend, platform, None, False, refusal, every,
                                    skipped, None)
-
-    # -- the model's kernel bundles ---------------------------------------------------------
-    def select_step(self, requested: str, *, config: Any, dtype: Any,
-                    batch_invariant: bool = False) -> Any:
-        """The model's kernel bundle (``kernels.backend.Selection``); see the module docstring."""
-        from pagedhybrid import dtypes
-        from pagedhybrid.kernels.backend import Selection
-
-        entries = [b for b in self.backends if b.step is not None]
-        by_name = {b.step.name: b for b in entries}
-        if requested != "auto" and requested not in by_name:
-            raise UnsupportedConfiguration(
-                f"unknown kernel backend {requested!r}; choose one of auto, "
-                f"{', '.join(by_name)}")
-        walk = entries if requested == "auto" else [by_name[requested]]
-        head_dim = int(getattr(config, "head_dim", 0) or 0)
-        rejections: dict[str, tuple[str, ...]] = {}
-        for b in walk:
-            assert b.capability is not None
-            reasons: list[str] = []
-            if dtype in (dtypes.to_torch(d) for d in ("fp32", "bf16", "fp16")):
-                reasons.extend(b.capability.step_gaps(dtypes.cli_name(dtype),
-                                                      head_dim or 16, batch_invariant))
-            if not reasons:
-                why = b.step.unsupported(config, dtype)
-                if why:
-                    reasons.append(why)
-            if reasons:
-                rejections[b.step.name] = tuple(reasons)
-                continue
-            how = "requested" if requested != "auto" else "auto"
-            passed = f"; passed over: {_format(rejections)}" if rejections else ""
-            return Selection(b.step, f"{b.step.name} kernels ({how}{passed})", rejections)
-        what = "batch-invariant " if batch_invariant else ""
-        raise UnsupportedConfiguration(
-            f"kernel backend {requested!r}: no {what}kernel bundle serves dtype {dtype} "
-            f"(head_dim {head_dim}): {_format(rejections)}")
 
     def get_attention_op(self, contract: AttentionContract, *, requested_backend: str = "auto",
                          platform: str | None = None) -> DispatchResult:
@@ -306,5 +290,3 @@ def _policy_refusal(contract: AttentionContract, requested: str) -> str | None:
     return None
 
 
-def _format(rejections: dict[str, tuple[str, ...]]) -> str:
-    return " | ".join(f"{k}: {'; '.join(v)}" for k, v in rejections.items())

@@ -43,8 +43,8 @@ from pagedhybrid.engine.request import Request
 from pagedhybrid.engine.sampling import SampledToken, bad_word_bans, logprob_dicts, sample
 from pagedhybrid.engine.scheduler import SchedulerOutput
 from pagedhybrid.engine.stats import EngineStats
-from pagedhybrid.errors import ContractViolation, UnsupportedConfiguration
-from pagedhybrid.kernels.backend import Selection, select
+from pagedhybrid.errors import ContractViolation
+from pagedhybrid.kernels.backend import Needs, Selection, select
 from pagedhybrid.kernels.step import StepMetadata
 from pagedhybrid.kvquant import (
     KVScales,
@@ -128,19 +128,17 @@ class ModelRunner:
         self.model, self.config, self.stats = model, config, stats
         self.eos_token_ids = tuple(eos_token_ids)
         mc = model.config
-        self.kernels: Selection = select(config.backend, mc, model.dtype,
-                                         batch_invariant=config.batch_invariant)
+        kvd = config.page_dtype(model.dtype)
+        # what the engine needs goes into the choice: auto never picks a bundle that cannot
+        # serve prefix caching, the KV page dtype or batch invariance, and says why
+        self.kernels: Selection = select(needs=Needs(
+            backend=config.backend, dtype=model.dtype, config=mc,
+            prefix_caching=config.enable_prefix_caching, kv_page_dtype=kvd,
+            batch_invariant=config.batch_invariant))
         model.backend = self.kernels.backend
         if self.kernels.backend.name not in ("native", "native_batch_invariant") and \
                 config.backend == "auto":
             print(f"pagedhybrid: {self.kernels.reason}", file=sys.stderr)
-        if config.enable_prefix_caching and \
-                "state_checkpoints" not in self.kernels.backend.features:
-            raise UnsupportedConfiguration(
-                f"EngineConfig.enable_prefix_caching: the {self.kernels.backend.name!r} kernels "
-                "cannot emit the linear layers' intermediate states (state checkpoints); use "
-                "backend native or torch, or enable_prefix_caching=False")
-        kvd = config.page_dtype(model.dtype)
         self.cache = PagedHybridCache.allocate(
             mc, num_pages=sizes.num_blocks, block_size=config.block_size,
             num_slots=sizes.num_slots, dtype=model.dtype, device=config.device,

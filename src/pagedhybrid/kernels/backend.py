@@ -1,211 +1,181 @@
-"""The model's kernel bundles and their selection through the one kernel registry.
+"""The model's kernel bundles, declared once, in the process's one kernel registry.
 
-A ``Backend`` bundles, for one implementation family:
-
-* the model's step seam -- ``attention``, ``causal_conv``, ``gated_delta``: one layer's operator
-  on a validated ``StepMetadata``, with KV pages and conv / recurrent state pools updated in place
-  (see ``kernels/cpu/step.py`` for the signatures), and ``linear`` (every projection and the LM
-  head; None = ``torch.nn.functional.linear``) and ``pointwise`` (the layers' elementwise
-  nonlinearities, silu and sigmoid: torch's by default);
-* the three operator contracts with the signatures of ``pagedhybrid.ops`` (``ops``), each
-  validating its call fully (contract entry points);
-* what it declares: its ``capability`` (an ``AttentionBackendCapability``: dtypes, head dims,
-  packed varlen over a KV cache, ``batch_invariant``), features (``in_place_state``: state rows
-  updated in their pool; ``paged_in_place``: attention reads pages without gathering the
-  context; ``state_checkpoints``: the linear layers emit intermediate states for prefix
-  caching), and ``unsupported(config, dtype)``, the reason it cannot run a model (None when it
-  can).
-
-Bundles (in the registry's priority order):
+Each bundle is a ``pagedhybrid.kernels.registry.Backend`` with its typed ``BundleCapability``
+(the registry's module docstring says what each field means and how selection walks them).
+Bundles, in priority order (``REGISTRY``):
 
 * ``native``    -- the C++ kernels (``kernels/native``) for decode / short queries and state
-  updates, the torch kernels for long prefill; needs the prebuilt extension;
+  updates, the torch kernels for long prefill; head_dim <= 256; available when the prebuilt
+  extension is present and current;
 * ``native_batch_invariant`` -- the C++ kernels for everything, linear layers included, in forms
   whose per-row arithmetic does not depend on the batch (``kernels/native/invariant.py``);
+  fp32 / bf16;
 * ``torch``     -- the vectorised torch kernels (``kernels/cpu``);
-* ``reference`` -- the op references (``pagedhybrid.ops``): the declared slow path, exact.
+* ``reference`` -- the op references (``pagedhybrid.ops``): the declared slow path, exact; it
+  emits no state checkpoints, so it cannot serve prefix caching.
 
-They are registered, with their capabilities, in the one kernel registry
-(``pagedhybrid.attention.backends.default_registry``), which also dispatches attention contracts.
-``select(name, config, dtype, batch_invariant=...)`` asks it for the model's bundle: ``"auto"``
-walks the bundles in priority order and takes the first whose capability and requirements fit,
-saying why each earlier one was passed over (never a silent fallback); a named bundle that does
-not fit raises ``UnsupportedConfiguration`` naming it and the missing property.
+All of them update state rows in their pools and read / write KV pages of the activation dtype
+or quantized (int8 / fp8 e4m3). None exports attention-domain LSE; none runs context
+parallelism; any TP degree (the step runs on the rank's local heads).
+
+``select(needs=Needs(...))`` asks ``REGISTRY`` for the bundle (``Selection``: the bundle, why,
+and every bundle passed over with its reasons). The older call form
+``select(name, config, dtype, batch_invariant=...)`` builds the same ``Needs`` (without prefix
+caching or a KV page dtype) and is kept until every caller passes ``needs``. ``backend(name)``
+is ``REGISTRY.bundle(name)``. The attention layer's contract dispatch registers these same
+objects (``pagedhybrid.attention.backends``).
+
+``pagedhybrid kernels select [--dtype bf16 --kv-cache-dtype int8 --batch-invariant ...]``
+(``select_main``) prints every bundle's capability, the choice for those needs and every
+rejection (exit 1 when nothing serves them).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+import json
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from pagedhybrid.attention.capability import AttentionBackendCapability
-from pagedhybrid.dtypes import cli_name, logical_name
+from pagedhybrid import ops
+from pagedhybrid.dtypes import to_torch
 from pagedhybrid.errors import UnsupportedConfiguration
+from pagedhybrid.kernels import cpu, native, step_reference
+from pagedhybrid.kernels.cpu import step as cpu_step
+from pagedhybrid.kernels.native import contract as native_contract
+from pagedhybrid.kernels.native import invariant as native_invariant
+from pagedhybrid.kernels.native import step as native_step
+from pagedhybrid.kernels.registry import (
+    AUTO,
+    TORCH_POINTWISE,
+    Backend,
+    BundleCapability,
+    ContractOps,
+    KernelRegistry,
+    Needs,
+    Pointwise,
+    Selection,
+)
+from pagedhybrid.kvquant import KV_DTYPES
 
-BACKENDS = ("native", "native_batch_invariant", "torch", "reference")
-REGISTRY_IDS = {"native": "native_paged_attention",
-                "native_batch_invariant": "native_batch_invariant",
-                "torch": "cpu_paged_attention", "reference": "paged_attention_reference"}
-DEFAULT_BACKEND = "auto"
+DEFAULT_BACKEND = AUTO
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_TORCH_DTYPES = (*_DTYPES, torch.float64)  # float64: verification only
+_QUANT = tuple(KV_DTYPES.values())
+NATIVE_MAX_HEAD_DIM = 256  # the native attention tile holds at most 256 dims
 
 
-class ContractOps(NamedTuple):
-    """The three operator contracts (signatures of ``pagedhybrid.ops``)."""
-
-    paged_attention: Callable[..., tuple[Any, ...]]
-    varlen_causal_conv: Callable[..., tuple[Any, ...]]
-    gated_delta_net: Callable[..., tuple[Any, ...]]
+def _native_available() -> str | None:
+    st = native.status()  # looked up on the module at call time (tests replace it)
+    return None if st.available else st.reason
 
 
-class Pointwise(NamedTuple):
-    """The elementwise nonlinearities the layers apply (same shape and dtype out as in)."""
-
-    silu: Callable[[torch.Tensor], torch.Tensor]
-    sigmoid: Callable[[torch.Tensor], torch.Tensor]
-
-
-TORCH_POINTWISE = Pointwise(F.silu, torch.sigmoid)
-
-
-@dataclass(frozen=True)
-class Backend:
-    name: str
-    description: str
-    dtypes: tuple[torch.dtype, ...]
-    features: frozenset[str]
-    attention: Callable[..., torch.Tensor]
-    causal_conv: Callable[..., torch.Tensor]
-    gated_delta: Callable[..., torch.Tensor]
-    ops: ContractOps
-    requirement: Callable[[Any, torch.dtype], str | None]
-    capability: AttentionBackendCapability
-    linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-    pointwise: Pointwise = TORCH_POINTWISE
-
-    @property
-    def batch_invariant(self) -> bool:
-        return self.capability.batch_invariant
-
-    def unsupported(self, config: Any, dtype: torch.dtype) -> str | None:
-        """Why this backend cannot run a model of ``config`` in ``dtype`` (None: it can)."""
-        if dtype not in self.dtypes:
-            return f"{self.name} kernels do not serve {dtype} (they serve {list(self.dtypes)})"
-        return self.requirement(config, dtype)
-
-    def describe(self) -> dict[str, object]:
-        return {"name": self.name, "description": self.description,
-                "dtypes": [logical_name(d) for d in self.dtypes],
-                "features": sorted(self.features), "batch_invariant": self.batch_invariant}
+def _declare() -> KernelRegistry:
+    native_ops = ContractOps(native_contract.paged_attention, native_contract.varlen_causal_conv,
+                             native_contract.gated_delta_net)
+    native_pages = (*native_contract.NATIVE_DTYPES, *native_contract.QUANT_CACHES)
+    return KernelRegistry((
+        Backend(
+            "native", "C++ kernels (kernels/native): paged decode / short-query attention, "
+            "in-place state updates; torch kernels for long prefill", "native_paged_attention",
+            BundleCapability(_DTYPES, native_pages, max_head_dim=NATIVE_MAX_HEAD_DIM,
+                             in_place_state=True, paged_in_place=True, state_checkpoints=True),
+            native_step.attention, native_step.causal_conv, native_step.gated_delta,
+            native_ops, _native_available),
+        Backend(
+            "native_batch_invariant", "C++ kernels for every token and projection in "
+            "batch-invariant forms (kernels/native/invariant.py)", "native_batch_invariant",
+            BundleCapability(native_invariant.DTYPES, native_pages,
+                             max_head_dim=NATIVE_MAX_HEAD_DIM, in_place_state=True,
+                             paged_in_place=True, state_checkpoints=True, batch_invariant=True),
+            native_invariant.attention, native_invariant.causal_conv,
+            native_invariant.gated_delta, native_ops, _native_available,
+            native_invariant.linear, Pointwise(native_invariant.silu, native_invariant.sigmoid)),
+        Backend(
+            "torch", "vectorised torch kernels (kernels/cpu)", "cpu_paged_attention",
+            BundleCapability(_TORCH_DTYPES, (*_TORCH_DTYPES, *_QUANT), in_place_state=True,
+                             state_checkpoints=True),
+            cpu_step.attention, cpu_step.causal_conv, cpu_step.gated_delta,
+            ContractOps(cpu.paged_attention, cpu.varlen_causal_conv, cpu.gated_delta_net)),
+        Backend(
+            "reference", "op references (pagedhybrid.ops), exact, slow",
+            "paged_attention_reference",
+            BundleCapability(_TORCH_DTYPES, (*_TORCH_DTYPES, *_QUANT), rope_in_op=True,
+                             implementation_kind="reference"),
+            step_reference.attention, step_reference.causal_conv, step_reference.gated_delta,
+            ContractOps(ops.paged_attention, ops.varlen_causal_conv, ops.gated_delta_net)),
+    ))
 
 
-class Selection(NamedTuple):
-    backend: Backend
-    reason: str  # why this backend runs (and why a preferred one does not)
-    rejections: dict[str, tuple[str, ...]]  # bundles passed over, with their reasons
-
-
-def _capability(name: str, dtypes: tuple[torch.dtype, ...], kind: str, invariant: bool,
-                what: str, rope: bool = False) -> AttentionBackendCapability:
-    """Conservative: a bundle never claims more than it is known to do (``rope``: its contract
-    op rotates q/k itself through cos/sin caches)."""
-    return AttentionBackendCapability(
-        backend_id=REGISTRY_IDS[name], roles=("infer",),
-        modes=("prefill", "chunked_prefill", "decode"),
-        dtypes=tuple(cli_name(d) for d in dtypes if d != torch.float64),
-        cp_world_sizes=(1,), exports_attention_lse=False, supports_packed_varlen=True,
-        supports_kv_cache=True, implementation_kind=kind, supports_rope_metadata=rope,
-        supports_fused_rope_attention=rope, batch_invariant=invariant,
-        description=f"com.microsoft.PagedAttention and the model's step on {what}; no LSE")
-
-
-def _always(config: Any, dtype: torch.dtype) -> str | None:
-    return None
-
-
-def _native_requirement(config: Any, dtype: torch.dtype) -> str | None:
-    from pagedhybrid.kernels.native import status
-
-    st = status()
-    if not st.available:
-        return st.reason
-    if config is not None and config.head_dim > 256:
-        return f"native attention needs head_dim <= 256 ({config.head_dim})"
-    return None
-
-
-def _make(name: str) -> Backend:
-    if name == "reference":
-        from pagedhybrid import ops
-        from pagedhybrid.kernels import step_reference as step
-
-        return Backend("reference", "op references (pagedhybrid.ops), exact, slow",
-                       (*_DTYPES, torch.float64), frozenset(), step.attention, step.causal_conv,
-                       step.gated_delta, ContractOps(ops.paged_attention, ops.varlen_causal_conv,
-                                                     ops.gated_delta_net), _always,
-                       _capability(name, _DTYPES, "reference", False, "the op references",
-                                   rope=True))
-    if name == "torch":
-        from pagedhybrid.kernels import cpu
-        from pagedhybrid.kernels.cpu import step
-
-        return Backend("torch", "vectorised torch kernels (kernels/cpu)",
-                       (*_DTYPES, torch.float64), frozenset({"in_place_state",
-                                                             "state_checkpoints"}),
-                       step.attention,
-                       step.causal_conv, step.gated_delta,
-                       ContractOps(cpu.paged_attention, cpu.varlen_causal_conv,
-                                   cpu.gated_delta_net), _always,
-                       _capability(name, _DTYPES, "production", False,
-                                   "vectorised torch kernels"))
-    if name == "native":
-        from pagedhybrid.kernels.native import contract
-        from pagedhybrid.kernels.native import step as nstep
-
-        return Backend("native", "C++ kernels (kernels/native): paged decode / short-query "
-                       "attention, in-place state updates; torch kernels for long prefill",
-                       _DTYPES, frozenset({"in_place_state", "paged_in_place",
-                                           "state_checkpoints"}),
-                       nstep.attention, nstep.causal_conv, nstep.gated_delta,
-                       ContractOps(contract.paged_attention, contract.varlen_causal_conv,
-                                   contract.gated_delta_net), _native_requirement,
-                       _capability(name, _DTYPES, "production", False, "the C++ kernels"))
-    if name == "native_batch_invariant":
-        from pagedhybrid.kernels.native import contract
-        from pagedhybrid.kernels.native import invariant as inv
-
-        return Backend("native_batch_invariant", "C++ kernels for every token and projection "
-                       "in batch-invariant forms (kernels/native/invariant.py)", inv.DTYPES,
-                       frozenset({"in_place_state", "paged_in_place", "state_checkpoints"}),
-                       inv.attention, inv.causal_conv, inv.gated_delta,
-                       ContractOps(contract.paged_attention, contract.varlen_causal_conv,
-                                   contract.gated_delta_net), _native_requirement,
-                       _capability(name, inv.DTYPES, "production", True,
-                                   "the C++ kernels in batch-invariant forms"), inv.linear,
-                       Pointwise(inv.silu, inv.sigmoid))
-    raise UnsupportedConfiguration(
-        f"unknown kernel backend {name!r}; choose one of auto, {', '.join(BACKENDS)}")
-
-
-_CACHE: dict[str, Backend] = {}
+REGISTRY: KernelRegistry = _declare()
+BACKENDS: tuple[str, ...] = REGISTRY.names
 
 
 def backend(name: str) -> Backend:
     """The kernel bundle ``name`` (one of ``BACKENDS``)."""
-    if name not in _CACHE:
-        _CACHE[name] = _make(name)
-    return _CACHE[name]
+    return REGISTRY.bundle(name)
 
 
 def select(name: str = DEFAULT_BACKEND, config: Any = None,
-           dtype: torch.dtype = torch.float32, *, batch_invariant: bool = False) -> Selection:
-    """The bundle to run a model of ``config`` in ``dtype`` on, from the one kernel registry
-    (see the module docstring)."""
-    from pagedhybrid.attention.backends import default_registry
+           dtype: torch.dtype = torch.float32, *, batch_invariant: bool = False,
+           needs: Needs | None = None) -> Selection:
+    """The bundle for ``needs`` from ``REGISTRY`` (see the module docstring).
 
-    return default_registry().select_step(name, config=config, dtype=dtype,
-                                          batch_invariant=batch_invariant)
+    ``select(needs=Needs(...))`` is the call form; ``select(name, config, dtype,
+    batch_invariant=...)`` is the older one (same as ``Needs(name, dtype, config,
+    batch_invariant=...)``)."""
+    if needs is None:
+        needs = Needs(name, dtype, config, batch_invariant=batch_invariant)
+    elif (name, config, dtype, batch_invariant) != (DEFAULT_BACKEND, None, torch.float32, False):
+        raise TypeError("select: pass either needs=Needs(...) or the older positional form")
+    return REGISTRY.select(needs)
+
+
+def add_select_arguments(p: Any) -> None:
+    """The ``kernels select`` options (an argparse parser): the fields of ``Needs``."""
+    p.add_argument("--backend", default=DEFAULT_BACKEND,
+                   help=f"auto or one bundle: {', '.join(BACKENDS)}")
+    p.add_argument("--dtype", default="fp32", help="activation dtype: fp32 | bf16 | fp16")
+    p.add_argument("--head-dim", type=int, default=None, help="the model's head_dim")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="prefix caching off (on by default, as in the engine)")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help=f"KV pages: auto (= dtype) | {' | '.join(KV_DTYPES)}")
+    p.add_argument("--batch-invariant", action="store_true")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+
+def select_main(args: Any) -> int:
+    """``pagedhybrid kernels select``: the choice for the given needs and every reason."""
+    dtype = to_torch(args.dtype)
+    needs = Needs(args.backend, dtype, head_dim=args.head_dim,
+                  prefix_caching=args.prefix_caching,
+                  kv_page_dtype=None if args.kv_cache_dtype == "auto" else
+                  KV_DTYPES[{"fp8": "fp8_e4m3"}.get(args.kv_cache_dtype, args.kv_cache_dtype)],
+                  batch_invariant=args.batch_invariant, tp_world_size=args.tp)
+    try:
+        sel: Selection | None = REGISTRY.select(needs)
+        refusal = None
+    except UnsupportedConfiguration as e:
+        sel, refusal = None, str(e)
+    every = REGISTRY.rejections(needs)
+    if args.json:
+        print(json.dumps({"needs": needs.describe(), "selected": sel and sel.backend.name,
+                          "reason": sel.reason if sel else refusal,
+                          "rejections": {k: list(v) for k, v in every.items()},
+                          "bundles": [b.describe() for b in REGISTRY]}, indent=2))
+    else:
+        print(f"needs: {needs.describe()} (backend {needs.backend})")
+        print(f"selected: {sel.reason}" if sel else f"REFUSED: {refusal}")
+        print("bundles (priority order):")
+        for b in REGISTRY:
+            mark = "selected" if sel and b is sel.backend else \
+                "; ".join(every[b.name]) or "serves (not reached)"
+            print(f"  {b.name}: {mark}")
+    return 0 if sel else 1
+
+
+__all__ = ["BACKENDS", "DEFAULT_BACKEND", "REGISTRY", "TORCH_POINTWISE", "Backend",
+           "BundleCapability", "ContractOps", "Needs", "Pointwise", "Selection", "backend",
+           "select", "select_main"]

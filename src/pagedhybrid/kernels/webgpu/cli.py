@@ -1,6 +1,7 @@
-"""``pagedhybrid kernels test | bench``: run a WebGPU kernel package's test.json / bench.json.
+"""``pagedhybrid kernels select | test | bench``: the kernel registry's choice for given needs
+(``kernels.backend.select_main``); run a WebGPU kernel package's test.json / bench.json.
 
-``register_subcommands(subparsers)`` adds the ``kernels`` command (with ``test`` and ``bench``)
+``register_subcommands(subparsers)`` adds the ``kernels`` command (``select``, ``test``, ``bench``)
 to the top-level parser; each sets ``func(args) -> int``. ``kernels_test`` and ``kernels_bench``
 are the plain-function entry points (exit codes: 0 ok, 1 failures, 2 no usable adapter).
 """
@@ -117,8 +118,15 @@ def kernels_bench(package_dir: str | None, json_out: str | None, *, with_ort: bo
 
 def register_subcommands(subparsers: Any) -> None:
     """Add ``kernels test`` and ``kernels bench`` under a ``kernels`` command."""
-    k = subparsers.add_parser("kernels", help="WebGPU kernel packages: test and benchmark")
+    k = subparsers.add_parser("kernels", help="the kernel registry's choice; WebGPU kernel "
+                              "packages: test and benchmark")
     ksub = k.add_subparsers(dest="kernels_command", required=True)
+    from pagedhybrid.kernels import backend
+
+    sel = ksub.add_parser("select", help="which kernel bundle serves these needs, and why not "
+                          "the others (the one kernel registry)")
+    backend.add_select_arguments(sel)
+    sel.set_defaults(func=backend.select_main)
     t = ksub.add_parser("test", help="run the package's test.json on the local WebGPU adapter")
     t.add_argument("--package", default=None,
                    help="package directory (default: kernels/webgpu/com.microsoft.PagedAttention)")
