@@ -1,9 +1,11 @@
-"""Per-rank body of the gloo TP test: the packed (and dense) Qwen3.5 forward, TP shard vs TP=1.
+"""Per-rank body of the gloo TP test: the packed (and dense) Qwen3.5 forward, TP rank vs TP=1.
 
-Every rank loads the same randomised default-shaped model, keeps the full model as the TP=1
-reference and its TP shard (``tensor_parallel_qwen35``), and runs a packed prefill of three
-sequences followed by a packed decode step (pages and state slots updated in place), plus a
-dense forward. It returns its logits and the TP=1 logits.
+Every rank loads the same randomised checkpoint twice: whole (the TP=1 reference) and as its TP
+rank (``load(path, parallel=ParallelConfig(rank, world))``: each parameter's weight loader keeps
+the rank's slice of the file), and runs a packed prefill of three sequences followed by a packed
+decode step (pages and state slots updated in place), plus a dense forward. It returns its logits
+and the TP=1 logits, for each checkpoint it is given (``tiny_byte_config`` and a variant with one
+KV head and one linear key head, replicated on both ranks).
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ from typing import Any
 
 import torch
 
-from pagedhybrid.models.qwen35 import PackedBatch, PagedHybridCache, build
+from pagedhybrid.models.qwen35 import PackedBatch, PagedHybridCache, build, load
 from pagedhybrid.models.qwen35.synthetic import random_weights, tiny_byte_config
-from pagedhybrid.parallel.tensor_parallel import attention_sharding, tensor_parallel_qwen35
+from pagedhybrid.parallel import ParallelConfig
 
 BLOCK = 16
 PROMPTS = ([5, 9, 200, 31, 7, 7, 64, 12, 3, 99, 150, 18, 4, 4, 4, 80, 81, 82, 11, 1],
@@ -36,13 +38,16 @@ def _steps(model: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-def tp_worker(rank: int, world: int) -> dict[str, Any]:
-    cfg = tiny_byte_config()
-    full = build(cfg, torch.float32, "cpu")
-    full.load_weights(random_weights(cfg, seed=7))
-    local = tensor_parallel_qwen35(full, sharding=attention_sharding(cfg, rank, world))
-    assert local.config.num_attention_heads == cfg.num_attention_heads // world
-    return {"tp": _steps(local), "tp1": _steps(full)}
+def tp_worker(rank: int, world: int, checkpoints: dict[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, path in checkpoints.items():
+        full = load(path)
+        local = load(path, parallel=ParallelConfig(tp_rank=rank, tp_world_size=world))
+        cfg = full.config
+        assert local.config.num_attention_heads == cfg.num_attention_heads // world
+        assert local.config.num_key_value_heads == max(1, cfg.num_key_value_heads // world)
+        out[name] = {"tp": _steps(local), "tp1": _steps(full)}
+    return out
 
 
 def tp_rollout_worker(rank: int, world: int) -> dict[str, Any]:
@@ -51,9 +56,9 @@ def tp_rollout_worker(rank: int, world: int) -> dict[str, Any]:
     from pagedhybrid.engine import Engine, EngineConfig, SamplingParams
 
     cfg = tiny_byte_config()
-    full = build(cfg, torch.float32, "cpu")
-    full.load_weights(random_weights(cfg, seed=7))
-    local = tensor_parallel_qwen35(full, sharding=attention_sharding(cfg, rank, world))
+    local = build(cfg, torch.float32, "cpu",
+                  parallel=ParallelConfig(tp_rank=rank, tp_world_size=world))
+    local.load_weights(random_weights(cfg, seed=7))
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
     out: dict[str, Any] = {}
     for invariant in (True, False):

@@ -2,8 +2,10 @@
 HF parity, packed paged forward for serving.
 
 * ``Qwen35Config`` (``config.py``) -- from an HF ``config.json`` (``qwen3_5_text`` / ``qwen3_5``).
-* ``load(model_dir, dtype)`` (``model.py``) -- memory-mapped safetensors (``weights.py``) into a
-  ``Qwen35ForCausalLM`` with ``forward_dense`` and ``forward_packed``.
+* ``load(model_dir, dtype, parallel=None)`` (``model.py``) -- memory-mapped safetensors
+  (``weights.py``) into a ``Qwen35ForCausalLM`` with ``forward_dense`` and ``forward_packed``;
+  with a ``pagedhybrid.parallel.ParallelConfig`` the model is one tensor-parallel rank, built
+  from parallel layers that load only their slice.
 * ``PackedBatch``, ``PagedHybridCache`` (``packed.py``) -- one serving step and the cache layout.
 * ``default_model_dir()`` (``default_model.py``) -- the trained built-in checkpoint;
   ``load_tokenizer`` (``tokenizer.py``); synthetic random checkpoints for tests and benchmarks

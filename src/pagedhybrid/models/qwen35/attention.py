@@ -14,6 +14,14 @@ Per token ``x[hidden]``:
    as the export does); the step's K/V are written into the pages in place (quantized by the
    contract's rule for int8 / float8 pages, with the layer's calibrated scales).
 5. ``o_proj(attn · sigmoid(gate))``.
+
+Tensor parallelism (``ParallelConfig``, world size ``W``): a rank owns contiguous query heads
+``[r·H/W, +H/W)`` -- ``q_proj`` column-parallel by head (each head's ``query | gate`` rows stay
+together) -- and the KV heads they read, ``k_proj`` / ``v_proj`` column-parallel by KV head
+(``[r·Hkv/W, +Hkv/W)``; when ``Hkv < W`` and ``W % Hkv == 0`` each rank holds the one KV head
+``r·Hkv // W`` its queries read, replicated). ``o_proj`` is row-parallel over the query heads
+(partial sums all-reduced). The layer's head counts (``num_heads``, ``num_kv_heads``) and its
+pages are the rank's; the GQA mapping ``kv = h // (H/Hkv)`` holds locally.
 """
 
 from __future__ import annotations
@@ -25,21 +33,34 @@ from pagedhybrid.kernels.backend import TORCH_POINTWISE, Backend, Pointwise
 from pagedhybrid.kernels.step import StepMetadata
 from pagedhybrid.kvquant import KVScales
 from pagedhybrid.models.qwen35.config import Qwen35Config
-from pagedhybrid.models.qwen35.layers import OffsetRMSNorm, linear
+from pagedhybrid.models.qwen35.layers import OffsetRMSNorm
 from pagedhybrid.models.qwen35.rope import apply_rope
+from pagedhybrid.parallel.linear import (
+    ColumnParallelLinear,
+    ParallelConfig,
+    RowParallelLinear,
+    Segment,
+)
 
 
 class FullAttention(nn.Module):
     pointwise: Pointwise = TORCH_POINTWISE  # the backend's sigmoid (set with the model's backend)
 
-    def __init__(self, config: Qwen35Config, dtype: torch.dtype) -> None:
+    def __init__(self, config: Qwen35Config, dtype: torch.dtype,
+                 parallel: ParallelConfig) -> None:
         super().__init__()
         h, hkv, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = h, hkv, hd
-        self.q_proj = linear(config.hidden_size, 2 * h * hd, dtype)
-        self.k_proj = linear(config.hidden_size, hkv * hd, dtype)
-        self.v_proj = linear(config.hidden_size, hkv * hd, dtype)
-        self.o_proj = linear(h * hd, config.hidden_size, dtype)
+        hidden = config.hidden_size
+        heads = Segment(h * hd, h, "num_attention_heads")
+        kv_heads = Segment(hkv * hd, hkv, "num_key_value_heads", shared=True)
+        self.num_heads = parallel.local(h, heads.field)
+        self.num_kv_heads = parallel.local(hkv, kv_heads.field, shared=True)
+        self.head_dim = hd
+        self.q_proj = ColumnParallelLinear(hidden, heads._replace(size=2 * h * hd), dtype,
+                                           parallel)  # per head [query | gate]
+        self.k_proj = ColumnParallelLinear(hidden, kv_heads, dtype, parallel)
+        self.v_proj = ColumnParallelLinear(hidden, kv_heads, dtype, parallel)
+        self.o_proj = RowParallelLinear(heads, hidden, dtype, parallel)
         self.q_norm = OffsetRMSNorm(hd, config.rms_norm_eps, dtype)
         self.k_norm = OffsetRMSNorm(hd, config.rms_norm_eps, dtype)
 

@@ -24,14 +24,18 @@ whose default does not fit) raises ``UnsupportedConfiguration`` with the reason.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedhybrid.errors import UnsupportedConfiguration
 from pagedhybrid.models.qwen35.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from pagedhybrid.parallel.linear import ParallelConfig
 
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
@@ -130,6 +134,25 @@ class Qwen35Config:
     @property
     def linear_attention_layers(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR_ATTENTION)
+
+    def rank_local(self, parallel: ParallelConfig) -> Qwen35Config:
+        """The config of one tensor-parallel rank: its query / value heads and MLP channels
+        (``/ W``) and the KV / linear key heads they read (``/ W``, or 1 replicated when
+        ``W`` is a multiple of them). Pages, state slots and kernels of the rank are sized by
+        it; a ``W`` that does not split a count raises ``UnsupportedConfiguration`` naming it."""
+        if parallel.tp_world_size == 1:
+            return self
+        return dataclasses.replace(
+            self,
+            num_attention_heads=parallel.local(self.num_attention_heads, "num_attention_heads"),
+            num_key_value_heads=parallel.local(self.num_key_value_heads, "num_key_value_heads",
+                                               shared=True),
+            linear_num_value_heads=parallel.local(self.linear_num_value_heads,
+                                                  "linear_num_value_heads"),
+            linear_num_key_heads=parallel.local(self.linear_num_key_heads,
+                                                "linear_num_key_heads", shared=True),
+            intermediate_size=parallel.local(self.intermediate_size, "intermediate_size"),
+        )
 
     # -- reading ----------------------------------------------------------------------------------
     @classmethod

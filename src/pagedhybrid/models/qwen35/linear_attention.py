@@ -19,6 +19,15 @@ Tokens come packed ``x[T, hidden]`` with ``cu_seqlens int32[B+1]`` (the dense pa
    fp32, ``A_log``/``dt_bias`` are fp32 parameters; the output is cast back to the model dtype.
 6. Gated RMSNorm per value head with the raw weight, ``silu(z)`` gate; ``out_proj``.
 
+Tensor parallelism (``ParallelConfig``, world size ``W``): a rank owns contiguous value heads
+``[r·Hv/W, +Hv/W)`` and the key heads they read, ``[r·Hk/W, +Hk/W)`` (when ``Hk < W`` and
+``W % Hk == 0``: the one key head ``r·Hk // W``, replicated), which keeps ``hv // (Hv/Hk)``
+locally. ``in_proj_qkv`` and the depthwise ``conv1d`` hold the rank's rows of each of the
+``[q | k | v]`` segments (a merged column-parallel split); ``in_proj_z``, ``in_proj_a``,
+``in_proj_b``, ``A_log`` and ``dt_bias`` the rank's value heads; ``out_proj`` is row-parallel
+over the value heads (partial sums all-reduced). The gated norm (per ``Dv``) is replicated. The
+layer's conv channels and recurrent heads, hence its state pools, are the rank's.
+
 Both operators run through the backend's step seam (``kernels.backend.Backend``: ``causal_conv``
 and ``gated_delta`` on the step's ``StepMetadata``), which read and write this layer's rows of
 the conv and recurrent state pools in place; there is no second copy of this math.
@@ -32,7 +41,14 @@ from torch import nn
 from pagedhybrid.kernels.backend import Backend
 from pagedhybrid.kernels.step import StepMetadata
 from pagedhybrid.models.qwen35.config import Qwen35Config
-from pagedhybrid.models.qwen35.layers import GatedRMSNorm, linear
+from pagedhybrid.models.qwen35.layers import GatedRMSNorm
+from pagedhybrid.parallel.linear import (
+    ColumnParallelLinear,
+    ParallelConfig,
+    RowParallelLinear,
+    Segment,
+    shard_weight,
+)
 
 QK_L2_NORM_EPS = 1e-6  # HF ``l2norm`` / flash-linear-attention
 
@@ -44,29 +60,38 @@ def l2_normalize(x: torch.Tensor) -> torch.Tensor:
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, config: Qwen35Config, dtype: torch.dtype) -> None:
+    def __init__(self, config: Qwen35Config, dtype: torch.dtype,
+                 parallel: ParallelConfig) -> None:
         super().__init__()
-        self.num_k_heads = config.linear_num_key_heads
-        self.num_v_heads = config.linear_num_value_heads
-        self.head_k_dim = config.linear_key_head_dim
-        self.head_v_dim = config.linear_value_head_dim
-        self.key_dim, self.value_dim = config.key_dim, config.value_dim
-        self.conv_dim, self.kernel = config.conv_dim, config.linear_conv_kernel_dim
+        dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+        hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
+        q = Segment(hk * dk, hk, "linear_num_key_heads", shared=True)  # also k
+        v = Segment(hv * dv, hv, "linear_num_value_heads")
+        per_head = Segment(hv, hv, v.field)  # one row per value head
+        self.num_k_heads = parallel.local(hk, q.field, shared=True)
+        self.num_v_heads = parallel.local(hv, v.field)
+        self.head_k_dim, self.head_v_dim = dk, dv
+        self.key_dim, self.value_dim = self.num_k_heads * dk, self.num_v_heads * dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.kernel = config.linear_conv_kernel_dim
         hidden = config.hidden_size
-        self.in_proj_qkv = linear(hidden, self.conv_dim, dtype)
-        self.in_proj_z = linear(hidden, self.value_dim, dtype)
-        self.in_proj_b = linear(hidden, self.num_v_heads, dtype)
-        self.in_proj_a = linear(hidden, self.num_v_heads, dtype)
+        self.in_proj_qkv = ColumnParallelLinear(hidden, (q, q, v), dtype, parallel)
+        self.in_proj_z = ColumnParallelLinear(hidden, v, dtype, parallel)
+        self.in_proj_b = ColumnParallelLinear(hidden, per_head, dtype, parallel)
+        self.in_proj_a = ColumnParallelLinear(hidden, per_head, dtype, parallel)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim,
                                 bias=False, padding=self.kernel - 1, dtype=dtype)
         self.conv1d.weight.requires_grad_(False)  # [conv_dim, 1, K], weight holder only
+        shard_weight(self.conv1d.weight, 0, (q, q, v), parallel)
         # Gate parameters stay fp32 whatever the model dtype (exp overflows in fp16).
-        self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads, dtype=torch.float32),
-                                    requires_grad=False)
-        self.A_log = nn.Parameter(torch.empty(self.num_v_heads, dtype=torch.float32),
-                                  requires_grad=False)
+        self.dt_bias = shard_weight(
+            nn.Parameter(torch.empty(self.num_v_heads, dtype=torch.float32),
+                         requires_grad=False), 0, (per_head,), parallel)
+        self.A_log = shard_weight(
+            nn.Parameter(torch.empty(self.num_v_heads, dtype=torch.float32),
+                         requires_grad=False), 0, (per_head,), parallel)
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps, dtype)
-        self.out_proj = linear(self.value_dim, hidden, dtype)
+        self.out_proj = RowParallelLinear(v, hidden, dtype, parallel)
 
     def forward(
         self,

@@ -15,20 +15,33 @@ Two forwards share every weight and every layer's math:
   copies of ``past``'s states (``past`` itself is never modified).
 * ``forward_packed(batch, cache, logits_rows, meta)`` -- the serving path over a ``PackedBatch``
   and a ``PagedHybridCache``: the step's ``StepMetadata`` (built and validated once, by the
-  engine's ``build_batch`` or here from the batch) is read by every layer; pages and state slots
+  runner's ``build_batch`` or here from the batch) is read by every layer; pages and state slots
   are updated in place.
 
-Kernels come from the one kernel registry (``pagedhybrid.kernels.backend.select``, which asks
-``pagedhybrid.attention.backends.default_registry``): ``select("auto")`` gives the native kernels
-when the prebuilt extension is present, else the torch kernels, with the reason; with
-``batch_invariant=True`` the bundle that declares the property. Setting ``model.backend`` gives
-every layer its step seam and every projection (``layers.Linear``) its ``linear``.
+Kernels come from the one kernel registry (``pagedhybrid.kernels.backend.REGISTRY``;
+``select(needs=Needs(...))``): ``auto`` gives the native kernels when the prebuilt extension is
+present and the model's needs fit (prefix caching, KV page dtype, batch invariance), else the
+next bundle that fits, with every rejection's reason. Setting ``model.backend`` gives
+every layer its step seam and every projection (``parallel.linear``'s layers) its ``linear``.
+
+Tensor parallelism is built in: ``build`` / ``load`` take a ``ParallelConfig`` (``tp_rank``,
+``tp_world_size``, process group) and every layer is made of the rank's column- / row-parallel
+projections (``pagedhybrid.parallel.linear``; the split rules are in ``attention.py``,
+``linear_attention.py`` and ``layers.py``); embeddings, norms and ``lm_head`` are replicated.
+Loading calls each parameter's ``weight_loader`` on the full checkpoint tensor, which keeps only
+the rank's slice (a view of the memory-mapped file where the slice is contiguous), so a rank
+never holds the whole model. ``model.config`` is the rank's config (``Qwen35Config.rank_local``:
+local head / channel counts, what its ``PagedHybridCache`` is allocated with);
+``model.checkpoint_config`` is the full one. Row-parallel projections all-reduce their partial
+sums, so activations and logits are replicated on every rank (equal to TP=1 within float
+rounding, not bitwise). At world size 1 (the default) the model is the plain model, bit for bit.
 
 Logits are returned as float32 (as the exported graph does).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,14 +54,22 @@ from pagedhybrid.kernels.step import StepMetadata
 from pagedhybrid.kvquant import is_quantized
 from pagedhybrid.models.qwen35.attention import FullAttention
 from pagedhybrid.models.qwen35.config import FULL_ATTENTION, Qwen35Config
-from pagedhybrid.models.qwen35.layers import MLP, OffsetRMSNorm, linear
+from pagedhybrid.models.qwen35.layers import MLP, OffsetRMSNorm
 from pagedhybrid.models.qwen35.linear_attention import GatedDeltaNet
 from pagedhybrid.models.qwen35.packed import OP, PackedBatch, PagedHybridCache
 from pagedhybrid.models.qwen35.rope import mrope_cos_sin
-from pagedhybrid.models.qwen35.weights import load_state_dict
+from pagedhybrid.models.qwen35.weights import read_tensors
+from pagedhybrid.parallel.linear import (
+    ParallelConfig,
+    ReplicatedLinear,
+    checkpoint_shape,
+    replicated_weight_loader,
+    weight_loader,
+)
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DENSE_OP = "pagedhybrid.Qwen35.forward_dense"
+LOAD_OP = "pagedhybrid.Qwen35.load_weights"
 
 
 @dataclass(frozen=True)
@@ -63,15 +84,16 @@ class DenseCache:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Qwen35Config, index: int, dtype: torch.dtype) -> None:
+    def __init__(self, config: Qwen35Config, index: int, dtype: torch.dtype,
+                 parallel: ParallelConfig) -> None:
         super().__init__()
         self.index = index
         self.is_full = config.layer_types[index] == FULL_ATTENTION
         if self.is_full:
-            self.self_attn = FullAttention(config, dtype)
+            self.self_attn = FullAttention(config, dtype, parallel)
         else:
-            self.linear_attn = GatedDeltaNet(config, dtype)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size, dtype)
+            self.linear_attn = GatedDeltaNet(config, dtype, parallel)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, dtype, parallel)
         self.input_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps,
                                                       dtype)
@@ -81,31 +103,36 @@ class DecoderLayer(nn.Module):
 
 
 class Qwen35TextModel(nn.Module):
-    def __init__(self, config: Qwen35Config, dtype: torch.dtype) -> None:
+    def __init__(self, config: Qwen35Config, dtype: torch.dtype,
+                 parallel: ParallelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, i, dtype, parallel) for i in range(config.num_hidden_layers)
         )
         self.norm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
 
 class Qwen35ForCausalLM(nn.Module):
-    """The Qwen3.5 text decoder. Build on the meta device and ``load``, or use ``load()``."""
+    """The Qwen3.5 text decoder (one TP rank of it when ``parallel`` says so). Build on the
+    meta device and ``load_weights``, or use ``load()``."""
 
     def __init__(self, config: Qwen35Config, dtype: torch.dtype = torch.float32,
-                 backend: Backend | None = None) -> None:
+                 backend: Backend | None = None, parallel: ParallelConfig | None = None
+                 ) -> None:
         super().__init__()
         if dtype not in SUPPORTED_DTYPES:
             raise UnsupportedConfiguration(
                 f"model dtype {dtype} is not served; use one of {list(SUPPORTED_DTYPES)}")
-        self.config = config
+        self.parallel = parallel if parallel is not None else ParallelConfig()
+        self.checkpoint_config = config  # the full model: checkpoint tensor shapes
+        self.config = config.rank_local(self.parallel)  # this rank's heads: caches, kernels
         self.dtype = dtype
         self._backend = backend
         self.source_dir: Path | None = None  # the checkpoint folder (set by ``load``)
-        self.model = Qwen35TextModel(config, dtype)
-        self.lm_head = linear(config.hidden_size, config.vocab_size, dtype)
+        self.model = Qwen35TextModel(config, dtype, self.parallel)
+        self.lm_head = ReplicatedLinear(config.hidden_size, config.vocab_size, dtype)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         if backend is not None:
@@ -132,22 +159,46 @@ class Qwen35ForCausalLM(nn.Module):
 
     # -- weights ----------------------------------------------------------------------------------
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Checkpoint tensor name -> shape (``lm_head.weight`` absent when tied)."""
-        shapes = {k: tuple(v.shape) for k, v in self.state_dict().items()}
+        """Checkpoint tensor name -> full (unsharded) shape (``lm_head.weight`` absent when
+        tied)."""
+        shapes = {k: checkpoint_shape(v) for k, v in self.state_dict(keep_vars=True).items()}
         if self.config.tie_word_embeddings:
             shapes.pop("lm_head.weight", None)
         return shapes
 
-    def parameter_dtype(self, name: str) -> torch.dtype:
-        return torch.float32 if name.endswith((".A_log", ".dt_bias")) else self.dtype
-
-    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
-        """Adopt the tensors (no copy) as parameters; re-tie ``lm_head`` when tied."""
-        self.load_state_dict(state, strict=not self.config.tie_word_embeddings, assign=True)
-        if self.config.tie_word_embeddings:
+    def load_weights(self, state: Mapping[str, torch.Tensor]
+                     | Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load full checkpoint tensors (HF name -> tensor, a mapping or a stream of pairs):
+        each parameter's ``weight_loader`` keeps this rank's slice in the parameter's dtype (the
+        tensor itself, no copy, at TP=1 when the dtype matches), adopted as the parameter.
+        ``lm_head`` is re-tied when tied (a tied checkpoint's ``lm_head.weight`` is ignored)."""
+        tied = self.config.tie_word_embeddings
+        expected = self.expected_shapes()
+        params = self.state_dict(keep_vars=True)
+        loaded: set[str] = set()
+        for name, full in state.items() if isinstance(state, Mapping) else state:
+            if name not in expected:
+                if tied and name == "lm_head.weight":
+                    continue
+                raise ContractViolation(LOAD_OP, name, "is not a parameter of this model",
+                                        tuple(full.shape))
+            if tuple(full.shape) != expected[name]:
+                raise ContractViolation(LOAD_OP, name, f"must have shape {list(expected[name])}",
+                                        list(full.shape))
+            old = params[name]
+            loader = weight_loader(old)
+            new = nn.Parameter(loader(old, full), requires_grad=False)
+            if loader is not replicated_weight_loader:
+                new.weight_loader = loader  # type: ignore[attr-defined]
+            owner, _, leaf = name.rpartition(".")
+            setattr(self.get_submodule(owner), leaf, new)
+            loaded.add(name)
+        missing = [n for n in expected if n not in loaded]
+        if missing:
+            raise ContractViolation(LOAD_OP, missing[0],
+                                    f"is missing ({len(missing)} missing in all)")
+        if tied:
             self.lm_head.weight = self.model.embed_tokens.weight
-        for p in self.parameters():
-            p.requires_grad_(False)
 
     # -- dense path -------------------------------------------------------------------------------
     def empty_dense_cache(self, batch: int, device: torch.device | str = "cpu") -> DenseCache:
@@ -289,20 +340,23 @@ class Qwen35ForCausalLM(nn.Module):
 
 
 def build(config: Qwen35Config, dtype: torch.dtype = torch.float32,
-          device: torch.device | str = "meta", backend: Backend | None = None
-          ) -> Qwen35ForCausalLM:
-    """An unloaded model; on the meta device no memory is allocated."""
+          device: torch.device | str = "meta", backend: Backend | None = None,
+          parallel: ParallelConfig | None = None) -> Qwen35ForCausalLM:
+    """An unloaded model (of TP rank ``parallel``); on the meta device no memory is
+    allocated."""
     with torch.device(device):
-        return Qwen35ForCausalLM(config, dtype, backend)
+        return Qwen35ForCausalLM(config, dtype, backend, parallel)
 
 
 def load(model_dir: str | Path, dtype: torch.dtype = torch.float32,
-         backend: Backend | None = None) -> Qwen35ForCausalLM:
-    """Load an HF Qwen3.5 checkpoint folder (config.json + safetensors), memory-mapped."""
+         backend: Backend | None = None, parallel: ParallelConfig | None = None
+         ) -> Qwen35ForCausalLM:
+    """Load an HF Qwen3.5 checkpoint folder (config.json + safetensors), memory-mapped; with
+    ``parallel`` the TP rank's slices only (each tensor is read, sliced and cast one at a
+    time)."""
     config = Qwen35Config.from_model_dir(model_dir)
-    model = build(config, dtype, "meta", backend)
-    state = load_state_dict(model_dir, model.expected_shapes(), model.parameter_dtype,
-                            optional=frozenset({"lm_head.weight"}))
-    model.load_weights(state)
+    model = build(config, dtype, "meta", backend, parallel)
+    model.load_weights(read_tensors(model_dir, model.expected_shapes(),
+                                    optional=frozenset({"lm_head.weight"})))
     model.source_dir = Path(model_dir)  # where calibrated KV scales are looked for
     return model.eval()

@@ -15,6 +15,9 @@ checkpoints' ``model.language_model.`` prefix is mapped to ``model.``; vision (`
 ``visual.``) and multi-token-prediction (``mtp.``) tensors are skipped. With tied embeddings
 ``lm_head.weight`` is not read (the model reuses ``model.embed_tokens.weight``).
 
+``read_tensors`` streams the checked views one at a time (the model's loader slices each to its
+TP rank's part before anything is converted); ``load_state_dict`` collects them in a serving dtype.
+
 A missing tensor, a tensor of the wrong shape or dtype, an unknown tensor, or a malformed file
 raises ``CheckpointError`` naming the tensor and file.
 """
@@ -177,26 +180,26 @@ def iter_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, str, Safetenso
         yield stored, name, file
 
 
-def load_state_dict(
+def read_tensors(
     model_dir: str | Path,
     expected: Mapping[str, tuple[int, ...]],
-    dtype_of: Callable[[str], torch.dtype],
     optional: frozenset[str] = frozenset(),
-) -> dict[str, torch.Tensor]:
-    """Read the tensors of ``expected`` (canonical name -> shape) from a checkpoint folder.
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream (canonical name, stored tensor) for every name of ``expected`` (name -> shape).
 
-    ``dtype_of(name)`` is the dtype each tensor is served in; a stored tensor of that dtype is a
-    zero-copy view of the memory-mapped file. Names in ``optional`` are ignored when present
-    (e.g. ``lm_head.weight`` of a tied checkpoint) and not required.
+    Each tensor is a zero-copy view of its memory-mapped file in the stored dtype, checked
+    (known name, stored once, shape, floating point) before it is yielded; a name missing at the
+    end raises. Names in ``optional`` are ignored when present (e.g. ``lm_head.weight`` of a tied
+    checkpoint) and not required. A consumer that keeps a slice (a TP rank) reads only that.
     """
-    state: dict[str, torch.Tensor] = {}
+    seen: set[str] = set()
     for stored, name, file in iter_checkpoint(model_dir):
         if name in optional and name not in expected:
             continue
         if name not in expected:
             raise CheckpointError(str(file.path), stored,
                                   "is not a tensor of a dense Qwen3.5 text model")
-        if name in state:
+        if name in seen:
             raise CheckpointError(str(file.path), stored, "is stored twice")
         shape = file.shape(stored)
         if tuple(shape) != tuple(expected[name]):
@@ -205,11 +208,24 @@ def load_state_dict(
         if file.dtype(stored) not in FLOAT_DTYPES:
             raise CheckpointError(str(file.path), stored, "must be a floating-point tensor",
                                   file.dtype(stored))
-        tensor = file.tensor(stored)
-        target = dtype_of(name)
-        state[name] = tensor if tensor.dtype == target else tensor.to(target)
-    missing = [n for n in expected if n not in state]
+        seen.add(name)
+        yield name, file.tensor(stored)
+    missing = [n for n in expected if n not in seen]
     if missing:
         raise CheckpointError(str(model_dir), missing[0],
                               f"is missing from the checkpoint ({len(missing)} missing in all)")
+
+
+def load_state_dict(
+    model_dir: str | Path,
+    expected: Mapping[str, tuple[int, ...]],
+    dtype_of: Callable[[str], torch.dtype],
+    optional: frozenset[str] = frozenset(),
+) -> dict[str, torch.Tensor]:
+    """Read the tensors of ``expected`` (``read_tensors``) in the dtype ``dtype_of(name)`` each
+    is served in; a stored tensor of that dtype is a zero-copy view of the mapped file."""
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in read_tensors(model_dir, expected, optional):
+        target = dtype_of(name)
+        state[name] = tensor if tensor.dtype == target else tensor.to(target)
     return state
