@@ -235,4 +235,4 @@ def test_bad_quantized_configurations_name_the_field(make_engine: Callable[..., 
     bad = dataclasses.replace(cache, key_cache={i: t.to(torch.int8) for i, t in
                                                 cache.key_cache.items()})
     with pytest.raises(ContractViolation, match="kv_scales"):
-        tiny_model._check_cache(bad)
+        tiny_model.check_cache(bad)

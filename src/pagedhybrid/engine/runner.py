@@ -145,6 +145,7 @@ class ModelRunner:
             fill=config.cache_fill, generator=torch.Generator().manual_seed(config.seed),
             num_checkpoints=sizes.num_checkpoints, kv_dtype=kvd,
             kv_scales=self._kv_scales(kvd) if is_quantized(kvd) else None)
+        model.check_cache(self.cache)  # once: steps pass their validated metadata
 
     def _kv_scales(self, kvd: torch.dtype) -> dict[int, KVScales]:
         cfg, mc = self.config, self.model.config

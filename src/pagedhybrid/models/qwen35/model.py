@@ -264,11 +264,12 @@ class Qwen35ForCausalLM(nn.Module):
         KV pages of the full layers and the state slots ``batch.state_slots`` of the linear
         layers are updated in place. ``logits_rows`` (int ``[R]``) selects token rows before the
         LM head, e.g. ``batch.last_token_rows()`` for pruned prefill. ``meta`` is the step's
-        validated metadata (the engine builds it with the batch); without it the batch is
-        validated and its metadata built here, once.
+        validated metadata (the runner builds it with the batch, over a cache it checked once
+        with ``check_cache``); without it the cache and the batch are validated and the
+        metadata is built here, once.
         """
-        self._check_cache(cache)
         if meta is None:
+            self.check_cache(cache)
             meta = batch.metadata(self.config, cache)
             n = batch.num_tokens
             if logits_rows is not None:
@@ -307,7 +308,9 @@ class Qwen35ForCausalLM(nn.Module):
                                         f"must be token ids in [0, {self.config.vocab_size})",
                                         (lo, hi))
 
-    def _check_cache(self, cache: PagedHybridCache) -> None:
+    def check_cache(self, cache: PagedHybridCache) -> None:
+        """Every pool the layers will touch exists with its shape and dtype (``ContractViolation``
+        naming the pool otherwise)."""
         cfg = self.config
 
         def need(pools: dict[int, torch.Tensor], layers: tuple[int, ...], name: str,
