@@ -89,17 +89,18 @@ def build_batch(output: SchedulerOutput, cache: PagedHybridCache, device: str = 
                 ) -> StepBatch:
     """The packed ABI batch of a scheduled step, its step metadata and its logits rows."""
     seqs = output.sequences
-    tables = [s.block_table for s in seqs]
-    batch = PackedBatch.from_sequences(
-        [s.request.token_ids[s.start:s.start + s.num_new_tokens] for s in seqs],
-        [s.start for s in seqs], tables, [s.slot for s in seqs], device=device)
+    # the step's metadata is built (and validated) once from the scheduler's lists; the packed
+    # ABI batch is a view of its tensors plus the token ids
     meta = StepMetadata.build([s.num_new_tokens for s in seqs], [s.start for s in seqs],
-                              batch.block_table, [s.slot for s in seqs],
+                              [s.block_table for s in seqs], [s.slot for s in seqs],
                               block_size=cache.block_size, num_pages=cache.num_pages,
                               num_slots=cache.num_slots, device=device,
                               checkpoints=[(i, off, row) for i, s in enumerate(seqs)
                                            for off, row in s.checkpoints],
                               num_checkpoints=cache.num_checkpoints)
+    batch = PackedBatch.from_metadata(
+        meta, [t for s in seqs for t in s.request.token_ids[s.start:s.start + s.num_new_tokens]],
+        device)
     rows: list[int] = []
     sampling, sample_rows, spans = [], [], []
     offset = 0

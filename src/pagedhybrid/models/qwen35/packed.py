@@ -93,6 +93,20 @@ class PackedBatch(NamedTuple):
         return self.cu_seqlens[1:].long() - 1
 
     @classmethod
+    def from_metadata(cls, meta: StepMetadata, input_ids: Sequence[int],
+                      device: torch.device | str = "cpu") -> PackedBatch:
+        """The ABI view of a validated step: every field but ``input_ids`` is a tensor of
+        ``meta`` (no second representation of lengths, positions, table or slots)."""
+        top = max(meta.total_lens, default=0)
+        return cls(
+            input_ids=torch.tensor(list(input_ids), dtype=torch.int64, device=device),
+            position_ids=meta.positions.view(1, -1).expand(3, -1),
+            cu_seqlens=meta.cu_seqlens_t, past_seqlens=meta.past_t,
+            block_table=meta.block_table, state_slots=meta.state_slots.to(torch.int32),
+            attention_metadata=torch.tensor([max(meta.q_lens, default=0), top, top],
+                                            dtype=torch.int32, device=device))
+
+    @classmethod
     def from_sequences(
         cls,
         new_tokens: Sequence[Sequence[int]],
