@@ -1,8 +1,9 @@
 """Start and stop real server processes for the benchmarks (127.0.0.1, a free port each).
 
 ``start`` runs the command with ``HF_HUB_OFFLINE=1`` / ``TRANSFORMERS_OFFLINE=1`` (nothing is
-downloaded) and 2 OpenMP threads, waits for ``GET /health`` to answer 200, and returns the
-process; ``stop`` sends SIGTERM, waits, and kills only if the process outlives the wait.
+downloaded) and 2 OpenMP threads (``env`` adds or overrides variables, e.g. ``PYTHONPATH`` to
+serve another checkout), waits for ``GET /health`` to answer 200, and returns the process;
+``stop`` sends SIGTERM, waits, and kills only if the process outlives the wait.
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start(cmd: list[str], port: int, log: Path, timeout: float = 300) -> subprocess.Popen[bytes]:
-    env = {**os.environ, **OFFLINE_ENV, "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+def start(cmd: list[str], port: int, log: Path, timeout: float = 300,
+          env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    full = {**os.environ, **OFFLINE_ENV, "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1",
+            **(env or {})}
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=full)
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
