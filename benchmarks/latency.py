@@ -51,15 +51,17 @@ that each returned one new token), the step wall time and the engine's own split
 batched run (``--batch-requests`` requests of ``--batch-tokens`` tokens queued at once,
 ``LLM.generate``) for the busy-core comparison.
 
-Host work share of a decode step at batch 1 (built-in model): two figures.
-``stats``: 1 - forward_s / step wall time (everything outside ``model.forward_packed``:
-scheduling, batch building, sampling, bookkeeping, detokenising); a lower bound, since the
-model's own Python (layer loop, dispatch) counts as forward. ``profiler``: 1 - (time inside torch
-ops: aten and the native ``pagedhybrid::`` kernels, their self CPU time summed under a
-``record_function`` around each decode ``forward_packed``, from torch.profiler) / the median step
-wall time measured WITHOUT the profiler. The profiler's per-op dispatcher cost counts as kernel
-time here, so this too flatters the kernels slightly; the rest of the forward (Python between
-ops) is host work.
+Host work share of a decode step at batch 1 (built-in model). ``stats``: 1 - forward_s / step
+wall time (everything outside ``model.forward_packed``: scheduling, batch building, sampling,
+bookkeeping, detokenising); a lower bound, since the model's own Python (layer loop, dispatch)
+counts as forward. ``profiler``: kernel time = the self CPU time of every torch op (aten and the
+native ``pagedhybrid::`` kernels) under a ``record_function`` around each decode
+``forward_packed`` (torch.profiler, CPU activity); the rest of the step, the Python between ops
+included, is host work. The op dispatcher's cost counts as kernel time, and the profiler's own
+per-op cost (a few us per op) lands in both terms, so the table shows two figures:
+1 - kernels / step of the same profiled run (``host(prof)``, an upper bound) and
+1 - kernels / median unprofiled step (``host(k/unprof)``, a lower bound when the box was equally
+quiet during both runs).
 
 ``--repeat N``: N offline rounds per system, the systems' order rotating each round; the round
 with the median batch-1 ITL p50 is shown (all are in the JSON). On a box shared with other work
@@ -174,12 +176,13 @@ def worker_pagedhybrid(spec: dict[str, Any]) -> dict[str, Any]:
     def params(n: int) -> Any:
         return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
-    prompts: list[list[int]] = spec["prompts"]
-    for p in prompts[:2]:  # warm-up (excluded)
+    prompts: list[list[int]] = spec["prompts"]  # batch-1, then batched, then 2 warm-up ones
+    n1, nb = spec["b1_requests"], spec["batch_requests"]
+    for p in prompts[-2:]:  # warm-up (excluded; no prefix-cache hits for the measured ones)
         list(llm.stream(p, params(8)))
     steps.clear()
     runs = []
-    for p in prompts[:spec["b1_requests"]]:
+    for p in prompts[:n1]:
         t0 = time.perf_counter()
         runs.append(_track(llm.stream(p, params(OUTPUT_TOKENS)), t0))
     decode = [s for s in steps if s.get("seqs") == 1 and s.get("tokens") == 1]
@@ -197,10 +200,10 @@ def worker_pagedhybrid(spec: dict[str, Any]) -> dict[str, Any]:
             "host_share_stats_sum": 1 - sum(s["forward_s"] for s in decode) / wall,
             "host_share_stats": pct([1 - s["forward_s"] / s["wall_s"] for s in decode], 0.5)}
     if spec.get("profile") and decode:
-        res["profile"] = _profile_decode(llm, engine, prompts[:2], params(32),
+        res["profile"] = _profile_decode(llm, engine, prompts[-2:], params(32),
                                          res["decode_step"]["wall_p50_s"], steps)
     # batched: every request queued at once (the busy-core comparison's second figure)
-    batch = prompts[:spec["batch_requests"]]
+    batch = prompts[n1:n1 + nb]
     t0 = time.perf_counter()
     outs = llm.generate(batch, params(spec["batch_tokens"]), use_progress=False)
     secs = time.perf_counter() - t0
@@ -287,12 +290,13 @@ def worker_vllm(spec: dict[str, Any]) -> dict[str, Any]:
 
         return _track(outputs(), t0)
 
-    prompts: list[list[int]] = spec["prompts"]
-    for i, p in enumerate(prompts[:2]):
+    prompts: list[list[int]] = spec["prompts"]  # batch-1, then batched, then 2 warm-up ones
+    n1, nb = spec["b1_requests"], spec["batch_requests"]
+    for i, p in enumerate(prompts[-2:]):
         one(f"w{i}", p, 8)
-    runs = [one(f"r{i}", p, OUTPUT_TOKENS) for i, p in enumerate(prompts[:spec["b1_requests"]])]
+    runs = [one(f"r{i}", p, OUTPUT_TOKENS) for i, p in enumerate(prompts[:n1])]
     res: dict[str, Any] = {"batch1": _latency_rows(runs)}
-    batch = [{"prompt_token_ids": p} for p in prompts[:spec["batch_requests"]]]
+    batch = [{"prompt_token_ids": p} for p in prompts[n1:n1 + nb]]
     t0 = time.perf_counter()
     outs = llm.generate(batch, params(spec["batch_tokens"]), use_tqdm=False)
     secs = time.perf_counter() - t0
@@ -622,10 +626,12 @@ def print_tables(report: dict[str, Any], systems: list[str]) -> None:
     print("\nhost work share of a batch-1 decode step, built-in model (goal <= 10%); medians "
           "in ms; kernels = time in torch ops per decode forward (profiled run), ops/fwd = ops "
           "called from Python per decode forward; host(stats) = 1 - forward / step, "
-          "host(prof) = 1 - kernels / step (profiled run)")
+          "host(prof) = 1 - kernels / step (both of the profiled run: the profiler's per-op "
+          "cost inflates it), host(k/unprof) = 1 - kernels / unprofiled step (deflates it; "
+          "meaningless when the box was busy during one of the two runs)")
     print(f"{'dtype':5s} {'system':9s} {'step':>7s} {'sched':>6s} {'build':>6s} "
           f"{'fwd':>6s} {'sample':>6s} {'update':>6s} {'kernels':>7s} {'ops/fwd':>7s} "
-          f"{'host(stats)':>11s} {'host(prof)':>10s}")
+          f"{'host(stats)':>11s} {'host(prof)':>10s} {'host(k/unprof)':>14s}")
     for key, cell in report["results"].items():
         model, dtype, system = key.split("/")
         off = cell.get("offline") or {}
@@ -638,7 +644,8 @@ def print_tables(report: dict[str, Any], systems: list[str]) -> None:
               + f" {1e3 * pr.get('kernel_p50_s', float('nan')):7.3f} "
                 f"{pr.get('ops_called_from_python_per_decode_forward', float('nan')):7.0f} "
                 f"{100 * ds['host_share_stats']:10.1f}% "
-                f"{100 * pr.get('host_share_profiler', float('nan')):9.1f}%")
+                f"{100 * pr.get('host_share_profiler', float('nan')):9.1f}% "
+                f"{100 * pr.get('host_share_vs_unprofiled_p50', float('nan')):13.1f}%")
     busy = [(k, c) for k, c in report["results"].items() if c.get("offline_busy")]
     if busy:
         print("\nbusy cores: offline beside 2 Python busy loops (goal: slowdown <= 2x)")
@@ -728,7 +735,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lock", default="/tmp/pagedhybrid-bench.lock",
                     help="lock file serialising timing runs ('' = none)")
     ap.add_argument("--out", default=str(REPO / "benchmarks/results/latency.json"))
+    ap.add_argument("--show", metavar="JSON", default=None,
+                    help="print the tables of a saved report and exit")
     a = ap.parse_args(argv)
+    if a.show:
+        saved = json.loads(Path(a.show).read_text())
+        print_tables(saved, saved["systems"])
+        return 0
     q = a.quick
     a.models = a.models or (["builtin"] if q else ["builtin", "small"])
     a.seconds = a.seconds or (6.0 if q else 10.0)
@@ -826,7 +839,7 @@ def run_cell(a: argparse.Namespace, report: dict[str, Any], systems: list[System
     if a.no_offline:
         return
     spec = {"model_dir": str(model_dir), "dtype": dtype,
-            "prompts": b1_prompts[:max(a.batch_requests, a.b1_requests) + 2],
+            "prompts": b1_prompts[:a.b1_requests + a.batch_requests + 2],
             "b1_requests": a.b1_requests, "batch_requests": a.batch_requests,
             "batch_tokens": a.batch_tokens, "profile": model == "builtin"}
     runs: dict[str, list[dict[str, Any]]] = {s.name: [] for s in here}
