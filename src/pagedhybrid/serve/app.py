@@ -54,7 +54,7 @@ from pagedhybrid import __version__
 from pagedhybrid.engine import RequestOutput, SamplingParams
 from pagedhybrid.engine.sampling import Logprob, wrap_seed
 from pagedhybrid.errors import ContractViolation, PagedHybridError
-from pagedhybrid.serve.loop import EngineLoop, EngineRefusal
+from pagedhybrid.serve.loop import Closing, EngineLoop, EngineRefusal
 from pagedhybrid.serve.metrics import ServerMetrics
 from pagedhybrid.serve.protocol import (
     ApiError,
@@ -290,6 +290,8 @@ async def _wait_all(request: Request, state: ServerState, sink: asyncio.Queue[An
 
 def _refusal(item: EngineRefusal) -> ApiError:
     exc = item.error
+    if isinstance(exc, Closing):
+        return _unavailable(str(exc))
     if isinstance(exc, PagedHybridError):
         param = getattr(exc, "what", None) or getattr(exc, "where", None) or "prompt"
         return ApiError(400, str(exc), str(param))
@@ -324,7 +326,13 @@ def _apply(state: ServerState, item: Any, choices: dict[str, Choice]) -> tuple[C
     return c, delta
 
 
-def _error_chunk(c: Choice) -> ApiError:
+def _unavailable(why: str) -> ApiError:
+    return ApiError(503, why, None, "service_unavailable", "server_error")
+
+
+def _error_chunk(state: ServerState, c: Choice) -> ApiError:
+    if state.loop.closing is not None and c.error == state.loop.closing:
+        return _unavailable(f"choice {c.index} was cut short: {c.error}")
     return ApiError(500, f"the computation of choice {c.index} failed: {c.error}", None,
                     "computation_failed", "server_error")
 
@@ -489,6 +497,8 @@ def create_app(state: ServerState) -> FastAPI:
         params = [sampling_params(state, body, job.max_tokens, engine_lp,
                                   max(prompt_k) if prompt_k else None, i)
                   for i in range(best_of)]
+        if state.loop.closing is not None:
+            raise _unavailable(state.loop.closing)
         if state.max_waiting is not None and \
                 state.loop.num_waiting() + len(job.prompts) * best_of > state.max_waiting:
             raise ApiError(503, f"the server has {state.max_waiting} requests waiting; retry "
@@ -540,7 +550,7 @@ def create_app(state: ServerState) -> FastAPI:
                 cleanup()
             failed = [c for c in choices.values() if c.error]
             if failed:
-                raise _error_chunk(failed[0])
+                raise _error_chunk(state, failed[0])
             picked: list[Choice] = []
             for p_i in range(len(job.prompts)):
                 group = [c for c in choices.values() if c.index // best_of == p_i]
@@ -616,7 +626,7 @@ def create_app(state: ServerState) -> FastAPI:
                                      "finish_reason": "error"} if job.chat else
                                     {"index": c.index, "text": "", "logprobs": None,
                                      "finish_reason": "error"})
-                        yield _sse(_error_chunk(c).body())
+                        yield _sse(_error_chunk(state, c).body())
                         yield "data: [DONE]\n\n"
                         return
                     lp = None

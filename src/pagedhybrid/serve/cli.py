@@ -4,7 +4,8 @@
 Loads the model (the built-in one by default) into an ``Engine``, runs it on its own thread
 (``EngineLoop``) and serves the OpenAI API with uvicorn on loopback by default. SIGTERM /
 SIGINT stop accepting connections, let in-flight requests finish for up to
-``--shutdown-timeout`` seconds (then abort them), stop the engine thread and exit 0. The API key
+``--shutdown-timeout`` seconds (then fail them: each client gets a last answer -- 503, or a
+streamed error chunk -- never a cut connection), stop the engine thread and exit 0. The API key
 can also come from ``PAGEDHYBRID_API_KEY``.
 """
 
@@ -13,6 +14,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -78,24 +81,39 @@ def serve_main(args: argparse.Namespace) -> int:
     print(f"pagedhybrid serve: {state.model_name} on http://{args.host}:{args.port} "
           f"(max_model_len {state.max_model_len}; kernels: {state.loop.engine.kernels.reason})",
           file=sys.stderr, flush=True)
+    # uvicorn cancels what still runs at its own deadline (a traceback per connection), so the
+    # engine fails the in-flight requests at ``--shutdown-timeout`` and the handlers get a
+    # moment after it to send those last answers
     config = uvicorn.Config(create_app(state), host=args.host, port=args.port,
                             log_level=args.log_level,
-                            timeout_graceful_shutdown=args.shutdown_timeout)
-    _GracefulServer(config).run()
+                            timeout_graceful_shutdown=args.shutdown_timeout + _ANSWER_GRACE_S)
+    _GracefulServer(config, lambda: state.loop.close(
+        f"the server is shutting down (the {args.shutdown_timeout:g} s allowed to finish "
+        "passed)"), args.shutdown_timeout).run()
     print("pagedhybrid serve: stopped", file=sys.stderr)
     return 0
 
 
-class _GracefulServer:
-    """uvicorn's server, but a SIGTERM/SIGINT shutdown is a normal exit (status 0): uvicorn
-    re-raises the captured signal after its graceful shutdown, which would kill the process."""
+_ANSWER_GRACE_S = 5.0
 
-    def __new__(cls, config: Any) -> Any:
+
+class _GracefulServer:
+    """uvicorn's server, but a SIGTERM/SIGINT shutdown is a normal exit (status 0) -- uvicorn
+    re-raises the captured signal after its graceful shutdown, which would kill the process --
+    and ``on_deadline`` runs ``deadline`` seconds after the first signal."""
+
+    def __new__(cls, config: Any, on_deadline: Callable[[], None], deadline: float) -> Any:
         import uvicorn
 
         class Server(uvicorn.Server):
+            timer: threading.Timer | None = None
+
             def handle_exit(self, sig: int, frame: Any) -> None:
                 super().handle_exit(sig, frame)
                 self._captured_signals.clear()  # handled: nothing to re-raise at exit
+                if self.timer is None:
+                    self.timer = threading.Timer(deadline, on_deadline)
+                    self.timer.daemon = True
+                    self.timer.start()
 
         return Server(config)

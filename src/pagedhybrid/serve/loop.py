@@ -7,7 +7,9 @@ event otherwise), and hands every ``RequestOutput`` to the asyncio queue of its 
 for HTTP. ``submit`` is called on the event loop and returns at once with the request's queue;
 an ``add_request`` refusal (a request the handler's checks let through) comes back on that queue
 as an ``EngineRefusal``. After each step, ``on_step(engine, outputs)`` runs on the engine
-thread (metrics). ``stop()`` aborts what is left and joins the thread.
+thread (metrics). ``close(why)`` starts a shutdown: every request still in the engine fails
+with ``why`` (its client gets a last answer, not a cut connection) and later submissions are
+refused with ``Closing``. ``stop()`` aborts what is left and joins the thread.
 
 Nothing one request does stops the loop: any exception at intake refuses that request alone; a
 step that raises fails that step's requests inside ``Engine.step``; an exception anywhere else
@@ -34,6 +36,10 @@ class EngineRefusal(NamedTuple):
     error: Exception
 
 
+class Closing(Exception):
+    """The server is shutting down: a request submitted now is refused (503)."""
+
+
 class _Submission(NamedTuple):
     request_id: str
     prompt: list[int]
@@ -58,6 +64,7 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="pagedhybrid-engine",
                                         daemon=True)
         self.error: BaseException | None = None
+        self.closing: str | None = None  # why the server is shutting down (``close``)
         self.degraded = False  # the last iteration failed outside a step
         self.loop_failures = 0
 
@@ -79,6 +86,11 @@ class EngineLoop:
 
     def abort(self, request_id: str) -> None:
         self._aborts.put(request_id)
+        self._wake.set()
+
+    def close(self, why: str) -> None:
+        """Fail every request in the engine with ``why`` and refuse later ones (thread-safe)."""
+        self.closing = why
         self._wake.set()
 
     @property
@@ -114,6 +126,8 @@ class EngineLoop:
                 break
             self._sinks[sub.request_id] = (sub.sink, sub.loop)
             try:
+                if self.closing is not None:
+                    raise Closing(self.closing)
                 self.engine.add_request(sub.request_id, sub.prompt, sub.params)
             except Exception as exc:  # any refusal concerns this request alone
                 self._deliver(sub.request_id, EngineRefusal(sub.request_id, exc))
@@ -126,6 +140,10 @@ class EngineLoop:
             except queue.Empty:
                 break
             self.engine.abort_request(rid)  # frees its pages and slot now
+        if self.closing is not None and self.engine.scheduler.requests:
+            for o in self.engine.fail_requests(list(self.engine.scheduler.requests.values()),
+                                               self.closing):
+                self._deliver(o.request_id, o)
 
     def _iterate(self) -> None:
         self._intake()
