@@ -13,6 +13,13 @@ Only the public model API is used (``build``, ``PagedHybridCache.allocate``,
 (``PYTHONPATH=/path/to/old/src python benchmarks/decode_profile.py``) for a before/after table.
 
     python benchmarks/decode_profile.py [--dtype bf16] [--batch 16] [--context 2048]
+
+The native kernels run in the CPU form ``kernels.native.status()`` picks (printed; force one with
+``PAGEDHYBRID_CPU_FEATURES=avx512_bf16|avx512|avx2``). ``--linear native`` multiplies every
+projection with ``kernels.native.dense.linear`` (fp32 registers; bf16 weights widened) instead
+of ``torch.nn.functional.linear``; with ``ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI`` torch's GEMMs run
+as on a CPU without AVX512-BF16. ``--busy N`` runs N busy-looping processes beside the benchmark
+(cores shared with another job).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -51,6 +59,8 @@ def main() -> int:
     ap.add_argument("--intermediate", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--linear", choices=["torch", "native"], default="torch")
+    ap.add_argument("--busy", type=int, default=0, help="busy-looping processes beside the run")
     ap.add_argument("--label", default="current")
     ap.add_argument("--out", default="benchmarks/results/decode_profile.json")
     a = ap.parse_args()
@@ -70,6 +80,18 @@ def main() -> int:
             if name.endswith("A_log"):
                 p.copy_(torch.rand(p.shape, generator=gen) * 2 - 1)
     model.eval()
+    _ = model.backend  # selected now, so a --linear override below stays
+    try:
+        from pagedhybrid.kernels.native import cpu_form
+        form = cpu_form()
+    except ImportError:  # an older tree
+        from pagedhybrid.kernels.native import status
+        form = str(status().isa)
+    if a.linear == "native":
+        from pagedhybrid.kernels.native import dense
+        for m in model.modules():
+            if hasattr(m, "matmul"):
+                m.matmul = dense.linear
     bs = 16
     pages = -(-(a.context + a.steps + 1) // bs)
     cache = PagedHybridCache.allocate(cfg, num_pages=a.batch * pages, block_size=bs,
@@ -90,6 +112,7 @@ def main() -> int:
             model.forward_packed(batch, cache, batch.last_token_rows())
         done += n
     times = []
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(a.busy)]
 
     def step(pos: int) -> None:
         toks = [[int(torch.randint(0, cfg.vocab_size, (1,), generator=gen))]
@@ -104,21 +127,26 @@ def main() -> int:
         times.append(time.perf_counter() - t0)
     with profile() as prof:
         step(a.context + 1 + a.steps)
+    for p in busy:
+        p.kill()
+        p.wait()
     rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
     total = sum(e.self_cpu_time_total for e in rows)
     table = [{"op": e.key, "self_ms": e.self_cpu_time_total / 1e3,
               "share": e.self_cpu_time_total / total, "calls": e.count} for e in rows[:20]]
     median = statistics.median(times)
     print(f"# {a.label}: decode step B={a.batch} ctx={a.context} {a.dtype}, 16 layers "
-          f"(12 GDN + 4 full), hidden {a.hidden}: median {median * 1e3:.1f} ms/step "
-          f"({a.batch / median:.1f} tok/s)")
+          f"(12 GDN + 4 full), hidden {a.hidden}, {a.threads} threads, {a.busy} busy, kernels "
+          f"{form}, linear {a.linear}: median {median * 1e3:.1f} ms/step (min "
+          f"{min(times) * 1e3:.1f}; {a.batch / median:.1f} tok/s)")
     print(f"{'op':55s} {'self ms':>9s} {'share':>7s} {'calls':>6s}")
     for r in table:
         print(f"{r['op'][:55]:55s} {r['self_ms']:9.2f} {100 * r['share']:6.1f}% {r['calls']:6d}")
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = json.loads(out.read_text()) if out.is_file() else {}
-    doc[a.label] = {"args": vars(a), "median_step_ms": median * 1e3, "ops": table}
+    doc[a.label] = {"args": vars(a), "form": form, "median_step_ms": median * 1e3,
+                    "min_step_ms": min(times) * 1e3, "ops": table}
     out.write_text(json.dumps(doc, indent=1))
     return 0
 

@@ -24,7 +24,12 @@ so runs on a shared machine can be read through the noise):
 * quantized pages (``--only quant``): the native step kernel (as the model calls it: write +
   attend, metadata prebuilt) on bf16 vs int8 vs fp8-e4m3 pages with per-channel scales, decode B
   16 at ctx 4k / 16k, same queries; time, speed-up over bf16 pages, page bytes read per second
-  and the fraction of copy bandwidth, max error vs fp32 SDPA on the dequantized pages.
+  and the fraction of copy bandwidth, max error vs fp32 SDPA on the dequantized pages;
+* CPU forms (``--only forms``): per form of the native kernels this CPU runs, projections with
+  fp32 vs bf16 weights (bf16 widened to fp32 in registers) next to torch's fp32 / bf16 GEMMs,
+  paged attention on fp32 vs bf16 pages, and the cost of paged_attention's argument checks.
+  ``ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI`` shows torch's bf16 GEMM as on a CPU without
+  AVX512-BF16; ``PAGEDHYBRID_CPU_FEATURES`` picks the form the model's kernels run.
 
 Prints one table per section and writes everything to ``--json``.
 """
@@ -47,6 +52,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 import torch
+import torch.nn.functional as F
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 from pagedhybrid.kernels import cpu
@@ -271,6 +277,105 @@ def bench_quant(args: argparse.Namespace, bw: dict[str, float]) -> list[dict[str
     return rows
 
 
+# -- CPU forms: bf16 vs fp32 per form, and the cost of the native ops' argument checks -----------
+def _refused(lib: Any, *args: Any) -> None:
+    try:
+        lib.paged_attention(*args)
+    except ValueError:
+        return
+    raise AssertionError("not refused")
+
+
+def bench_forms(args: argparse.Namespace) -> dict[str, Any]:
+    """Per CPU form this machine runs (kernels/native: ``avx512_bf16``, ``avx512``, ``avx2``):
+    projections (x [M, 2048] @ w [4096, 2048]^T) in fp32 and in bf16 on the native ``linear``
+    kernel (``dense.linear``: bf16 widened to fp32 in registers) next to torch's GEMMs (oneDNN;
+    run with ``ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI`` to see torch on a CPU without AVX512-BF16),
+    and paged
+    attention decode on fp32 vs bf16 pages; then the cost of paged_attention's argument checks
+    (one min/max over the table entries each sequence reads)."""
+    from pagedhybrid.kernels import native as nat
+
+    part = functools.partial
+    forms = nat.runnable_forms()
+    k, n = 2048, 4096
+    gen = torch.Generator().manual_seed(0)
+    w32 = torch.randn(n, k, generator=gen) * 0.02
+    w16 = w32.bfloat16()
+    lin_rows = []
+    for m in ([1, 16] if args.quick else [1, 16, 256]):
+        x32 = torch.randn(m, k, generator=gen)
+        x16 = x32.bfloat16()
+        out, out16 = torch.empty(m, n), torch.empty(m, n, dtype=torch.bfloat16)
+        row: dict[str, Any] = {"M": m, "torch_fp32": timeit(part(F.linear, x32, w32), args.reps),
+                               "torch_bf16": timeit(part(F.linear, x16, w16), args.reps)}
+        for form in forms:
+            lib = nat.form_library(form)
+            row[f"{form}_fp32"] = timeit(part(lib.linear, x32, w32, out), args.reps)
+            row[f"{form}_bf16"] = timeit(part(lib.linear, x16, w16, out16), args.reps)
+        from pagedhybrid.kernels.native import dense
+
+        row["dense_bf16"] = timeit(part(dense.linear, x16, w16), args.reps)
+        lin_rows.append(row)
+        cells = "  ".join(f"{f}: fp32 {row[f + '_fp32']['ms']:.2f} bf16 "
+                          f"{row[f + '_bf16']['ms']:.2f} (bf16/fp32 "
+                          f"{row[f + '_bf16']['ms'] / row[f + '_fp32']['ms']:.2f})" for f in forms)
+        print(f"forms  linear M={m:<4} torch: fp32 {row['torch_fp32']['ms']:.2f} bf16 "
+              f"{row['torch_bf16']['ms']:.2f} ms (bf16/fp32 "
+              f"{row['torch_bf16']['ms'] / row['torch_fp32']['ms']:.2f})  | dense.linear bf16 "
+              f"{row['dense_bf16']['ms']:.2f} ({nat.status().isa})  | native {cells}",
+              flush=True)
+    hq, hkv, d, bs, b, ctx = 32, 4, 128, 16, 16, 2048
+    seqs = torch.arange(b, dtype=torch.int32)
+    att_rows = []
+    for dt in (torch.float32, torch.bfloat16):
+        inputs, _ = paged_inputs(b, ctx, hq, hkv, d, bs, dt)
+        q = inputs[0].float().view(b, hq, d).contiguous()  # type: ignore[union-attr]
+        out = torch.empty(b, hq, d)
+        row = {"pages": str(dt), "ctx": ctx, "batch": b}
+        for form in forms:
+            row[form] = timeit(part(nat.form_library(form).paged_attention, q, inputs[3],
+                                    inputs[4], inputs[7], inputs[5], inputs[6], seqs, out,
+                                    d ** -0.5, nat.KV_SPLIT), args.reps)
+        att_rows.append(row)
+        print(f"forms  paged attention B={b} ctx={ctx} {dt} pages: " + "  ".join(
+            f"{f} {row[f]['ms']:.2f} ms" for f in forms), flush=True)
+    # the checks: a call refused at the last table entry it reads (every check ran) minus one
+    # refused at its first check (the exception's own cost), against a good call of that size
+    lib = nat.library()
+    check_rows = []
+    for b, ctx in ((16, 4096), (64, 16384)):
+        pages = -(-ctx // bs)
+        kc = torch.zeros(b * pages, bs, 1, 8)  # tiny pages: the checks read only the table
+        table = torch.arange(b * pages, dtype=torch.int32).view(b, pages).contiguous()
+        bad = table.clone()
+        bad[-1, -1] = b * pages
+        q, out = torch.zeros(b, 1, 8), torch.zeros(b, 1, 8)
+        cu = torch.arange(b + 1, dtype=torch.int32)
+        past = torch.full((b,), ctx - 1, dtype=torch.int32)
+        seqs = torch.arange(b, dtype=torch.int32)
+        tail = (cu, past, seqs, out, 1.0, nat.KV_SPLIT)
+        last = timeit(part(_refused, lib, q, kc, kc, bad, *tail), args.reps * 20)
+        first = timeit(part(_refused, lib, q.double(), kc, kc, table, *tail), args.reps * 20)
+        row = {"batch": b, "ctx": ctx, "entries": b * pages,
+               "checks_us": max(0.0, last["min_ms"] - first["min_ms"]) * 1e3}
+        if b * ctx <= 16 * 4096:  # a good call of that size (bf16 pages, Hq 32 / Hkv 4 / D 128)
+            good, _ = paged_inputs(b, ctx, hq, hkv, d, bs, torch.bfloat16)
+            gq = good[0].float().view(b, hq, d).contiguous()  # type: ignore[union-attr]
+            row["call_ms"] = timeit(part(lib.paged_attention, gq, good[3], good[4], good[7], cu,
+                                         past, seqs, torch.empty(b, hq, d), d ** -0.5,
+                                         nat.KV_SPLIT), args.reps)["min_ms"]
+            row["share"] = row["checks_us"] / 1e3 / row["call_ms"]
+        check_rows.append(row)
+        share = (f" = {100 * row['share']:.3f}% of the call ({row['call_ms']:.2f} ms, bf16 pages, "
+                 f"Hq {hq} / Hkv {hkv} / D {d})" if "share" in row else "")
+        print(f"checks paged_attention B={b} ctx={ctx}: {row['entries']} table entries checked "
+              f"in {row['checks_us']:.1f} us{share}", flush=True)
+    return {"forms": list(forms), "chosen": nat.cpu_form(),
+            "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", ""),
+            "linear": lin_rows, "paged_attention": att_rows, "checks": check_rows}
+
+
 # -- GatedDeltaNet ---------------------------------------------------------------------------------
 def gdn_inputs(lens: list[int], hk: int = 16, hv: int = 32, d: int = 128, seed: int = 0
                ) -> tuple[list[torch.Tensor | None], dict[str, Any]]:
@@ -492,7 +597,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-gib", type=float, default=5.0, help="memory cap per paged config")
     ap.add_argument("--ref-tokens", type=int, default=16384,
                     help="run the reference paged attention when B*ctx <= this")
-    ap.add_argument("--only", choices=["paged", "gdn", "conv", "quant"], action="append")
+    ap.add_argument("--only", choices=["paged", "gdn", "conv", "quant", "forms"],
+                    action="append")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--json", type=Path, default=Path("ops-benchmark.json"))
     args = ap.parse_args(argv)
@@ -523,6 +629,8 @@ def main(argv: list[str] | None = None) -> int:
         result["varlen_causal_conv"] = bench_conv(args)
     if "quant" in sections:
         result["quantized_pages"] = bench_quant(args, bw)
+    if "forms" in sections:
+        result["cpu_forms"] = bench_forms(args)
     if args.profile:
         result["profile"] = profile(args)
     args.json.write_text(json.dumps(result, indent=1, default=str))

@@ -1,10 +1,13 @@
 """Build the native CPU kernels ahead of time: ``python -m pagedhybrid.kernels.native.build``.
 
-Picks the ISA from ``/proc/cpuinfo`` (AVX-512 F/BW/VL/DQ, with AVX512-BF16 when present, else
-AVX2 + FMA + F16C; anything older is refused), compiles ``csrc/*.cpp`` with
-``torch.utils.cpp_extension.load`` (g++, ninja) into ``_build/`` and writes ``build.json`` (ISA,
-torch version, source digest of sources and flags, seconds). A current build is kept (``--force``
-rebuilds). Exit status 0 on success.
+Builds every CPU form this machine can run (``native.runnable_forms()``: ``avx512_bf16`` when the
+CPU has AVX-512 F/BW/VL/DQ and AVX512-BF16, ``avx512`` with AVX-512 alone, ``avx2`` with AVX2 +
+FMA + F16C; anything older is refused), the fastest first so that the form ``status()`` picks is
+current soonest. Each form compiles ``csrc/*.cpp`` with ``torch.utils.cpp_extension.load``
+(g++, ninja) with its ISA flags, ``-DPH_FORM_ID=<form>`` and ``-DPH_NS=pagedhybrid_<form>`` into
+``_build/<form>/`` and writes its ``build.json`` (form, torch version, source digest, seconds);
+``_build/build.json`` sums up the build. A current form is kept (``--force`` rebuilds);
+``--isa FORM`` builds that form alone. Exit status 0 on success.
 """
 
 from __future__ import annotations
@@ -25,56 +28,95 @@ ISA_FLAGS = {
 
 
 def cpu_isa(cpuinfo: str | None = None) -> str | None:
-    text = cpuinfo if cpuinfo is not None else Path("/proc/cpuinfo").read_text()
-    flags: set[str] = set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            break
-    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
-        return "avx512_bf16" if "avx512_bf16" in flags else "avx512"
-    if {"avx2", "fma", "f16c"} <= flags:
-        return "avx2"
-    return None
-
-
-def build(force: bool = False, isa: str | None = None, verbose: bool = False) -> Path:
+    """The fastest form this CPU runs (None: none)."""
     from pagedhybrid.kernels import native
 
-    isa = isa or cpu_isa()
-    if isa not in ISA_FLAGS:
-        raise SystemExit("native kernels need a CPU with AVX2, FMA and F16C (or AVX-512)")
-    digest = native.source_digest()
-    if not force and native.STAMP.is_file() and native.library_path().is_file():
-        stamp = json.loads(native.STAMP.read_text())
-        import torch
+    forms = native.runnable_forms(native.cpu_flags(cpuinfo))
+    return forms[0] if forms else None
 
-        if stamp.get("sources") == digest and stamp.get("torch") == torch.__version__ \
-                and stamp.get("isa") == isa:
-            print(f"native kernels up to date ({isa}): {native.library_path()}")
-            return native.library_path()
-    if shutil.which("g++") is None:
-        raise SystemExit("native kernels need g++")
+
+def _current(form: str, digest: str) -> bool:
+    import torch
+
+    from pagedhybrid.kernels import native
+
+    stamp_path = native.form_stamp(form)
+    if not stamp_path.is_file() or not native.library_path(form).is_file():
+        return False
+    stamp = json.loads(stamp_path.read_text())
+    return (stamp.get("sources") == digest and stamp.get("torch") == torch.__version__
+            and stamp.get("form") == form)
+
+
+def _remove_old_layout() -> None:
+    """The single-library layout of earlier builds (``_build/pagedhybrid_native.so``)."""
+    from pagedhybrid.kernels import native
+
+    for name in (f"{native.LIB_NAME}.so", "build.ninja", ".ninja_deps", ".ninja_log"):
+        (native.BUILD_DIR / name).unlink(missing_ok=True)
+    for obj in native.BUILD_DIR.glob("*.o"):
+        obj.unlink()
+
+
+def build_form(form: str, force: bool = False, verbose: bool = False) -> Path:
     import torch
     from torch.utils import cpp_extension
 
-    native.BUILD_DIR.mkdir(parents=True, exist_ok=True)
+    from pagedhybrid.kernels import native
+
+    digest = native.source_digest()
+    lib = native.library_path(form)
+    if not force and _current(form, digest):
+        print(f"native kernels up to date ({form}): {lib}")
+        return lib
+    out = native.form_dir(form)
+    out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     cpp_extension.load(
-        name=native.LIB_NAME, sources=[str(p) for p in sorted(native.CSRC.glob("*.cpp"))],
-        extra_cflags=[*native.CFLAGS, *ISA_FLAGS[isa]], extra_ldflags=list(native.LDFLAGS),
-        build_directory=str(native.BUILD_DIR), is_python_module=False, verbose=verbose)
+        name=f"{native.LIB_NAME}_{form}",
+        sources=[str(p) for p in sorted(native.CSRC.glob("*.cpp"))],
+        extra_cflags=[*native.CFLAGS, *ISA_FLAGS[form], f"-DPH_FORM_ID={form}",
+                      f"-DPH_NS={native.namespace(form)}"],
+        extra_ldflags=list(native.LDFLAGS), build_directory=str(out), is_python_module=False,
+        verbose=verbose)
     seconds = time.perf_counter() - start
-    native.STAMP.write_text(json.dumps({"isa": isa, "torch": torch.__version__,
-                                        "sources": digest, "seconds": round(seconds, 1)}) + "\n")
-    print(f"built native kernels ({isa}) in {seconds:.1f} s: {native.library_path()}")
-    return native.library_path()
+    native.form_stamp(form).write_text(json.dumps(
+        {"form": form, "torch": torch.__version__, "sources": digest,
+         "seconds": round(seconds, 1)}) + "\n")
+    print(f"built native kernels ({form}) in {seconds:.1f} s: {lib}")
+    return lib
+
+
+def build(force: bool = False, isa: str | None = None, verbose: bool = False) -> Path:
+    """Build ``isa`` alone, or every form this CPU runs (fastest first); the fastest's path."""
+    import torch
+
+    from pagedhybrid.kernels import native
+
+    forms = native.runnable_forms()
+    if isa is not None:
+        if isa not in forms:
+            raise SystemExit(f"this CPU cannot run the {isa} form (it runs: "
+                             f"{', '.join(forms) or 'none'})")
+        forms = (isa,)
+    if not forms:
+        raise SystemExit("native kernels need a CPU with AVX2, FMA and F16C (or AVX-512)")
+    if shutil.which("g++") is None:
+        raise SystemExit("native kernels need g++")
+    native.BUILD_DIR.mkdir(parents=True, exist_ok=True)
+    _remove_old_layout()
+    libs = [build_form(form, force, verbose) for form in forms]
+    native.STAMP.write_text(json.dumps(
+        {"forms": list(forms), "torch": torch.__version__,
+         "sources": native.source_digest()}) + "\n")
+    return libs[0]
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--force", action="store_true")
-    p.add_argument("--isa", choices=sorted(ISA_FLAGS), default=None)
+    p.add_argument("--isa", choices=sorted(ISA_FLAGS), default=None,
+                   help="build this CPU form alone")
     p.add_argument("--verbose", action="store_true")
     a = p.parse_args(argv)
     build(a.force, a.isa, a.verbose)

@@ -13,7 +13,10 @@ output element:
   it; rows never mix. (A plain ``torch.mm`` is not invariant: its kernel changes with M.) The K
   split does change with the thread count, so bf16 invariance holds for one
   ``torch.get_num_threads()`` -- the rollout and the recompute run in one process, or in
-  processes with the same count;
+  processes with the same count. On a CPU form without BF16 dot instructions (``avx512``,
+  ``avx2``: oneDNN emulates bf16 there, 2-4x slower than fp32) bf16 runs ``linear_invariant``
+  too, its weights widened to fp32 in registers (``dense.invariant_linear``): invariant for
+  any thread count;
 * ``attention`` -- every sequence, decode or prefill of any length, on the native paged kernel:
   fixed KV splits of ``KV_SPLIT`` tokens from position 0 merged in split order, 16-key tiles
   from each split's start, each row's online softmax its own (rows that see no key of a tile
@@ -49,7 +52,7 @@ import functools
 import torch
 
 from pagedhybrid.kernels.cpu import step as torch_step
-from pagedhybrid.kernels.native import library
+from pagedhybrid.kernels.native import dense, library
 from pagedhybrid.kernels.native import step as native_step
 from pagedhybrid.kernels.step import StepMetadata
 
@@ -61,22 +64,20 @@ ROW_TILE = 64  # bf16 GEMM tile: pads decode batches a little, keeps prefill nea
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x [..., K] @ weight [N, K]^T`` with the invariant kernel, in ``x``'s dtype."""
+    if weight.dtype != torch.bfloat16 or not dense.bf16_dot():
+        # fp32 FMAs in one fixed order; bf16 weights widened to fp32 in registers
+        return dense.invariant_linear(x.to(weight.dtype), weight).to(x.dtype)
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k).to(weight.dtype).contiguous()
     m, n = x2.shape[0], weight.shape[0]
-    if weight.dtype == torch.bfloat16:
-        pad = -m % ROW_TILE
-        if pad:
-            x2 = torch.cat([x2, x2.new_zeros(pad, k)])
-        out = torch.empty(m + pad, n, dtype=torch.bfloat16)
-        wt = weight.t()
-        for lo in range(0, m + pad, ROW_TILE):
-            torch.mm(x2[lo:lo + ROW_TILE], wt, out=out[lo:lo + ROW_TILE])
-        return out[:m].to(x.dtype).view(*lead, n)
-    out = torch.empty(m, n, dtype=torch.float32)
-    if m:
-        library().linear_invariant(x2, weight.contiguous(), out)  # type: ignore[attr-defined]
-    return out.to(x.dtype).view(*lead, n)
+    pad = -m % ROW_TILE
+    if pad:
+        x2 = torch.cat([x2, x2.new_zeros(pad, k)])
+    out = torch.empty(m + pad, n, dtype=torch.bfloat16)
+    wt = weight.t()
+    for lo in range(0, m + pad, ROW_TILE):
+        torch.mm(x2[lo:lo + ROW_TILE], wt, out=out[lo:lo + ROW_TILE])
+    return out[:m].to(x.dtype).view(*lead, n)
 
 
 def _pointwise(op: str, x: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 // Paged decode / short-query attention reading K/V pages in place (SEPARATE layout).
 //
-// Inputs (validated by the caller; internal entry point):
+// Inputs (every one checked before a page is read; see check_call):
 //   q            float32 [N, Hq, D]            query rows, packed sequence after sequence
 //   key_cache    T [P, bs, Hkv, D]             T = float32 | bfloat16 | float16 | int8 |
 //                                              float8_e4m3fn (quantized pages are converted
@@ -22,23 +22,32 @@
 // keys for all G query heads of its kv head and every query token at once (rows = q_len x G),
 // 16 keys at a time: the K tile is converted to fp32 and transposed in registers, scores are
 // 16-lane FMAs over D, exp is vectorised, and the V tile is accumulated into fp32 rows. Each
-// item leaves (acc, m, l) partials; a second pass merges the splits of each (b, kv head) in
-// ascending split order (deterministic) and writes out = acc / l.
+// item leaves (acc, m, l) partials; the splits of each (b, kv head) are merged in ascending
+// split order (deterministic) into out = acc / l by the thread that finishes the group's last
+// split -- one parallel region per call, items claimed dynamically (common.h).
+//
+// Checks: q / out float32 [N, Hq, D], D in [1, 256]; K/V caches of one dtype and shape
+// [P, bs, Hkv, D], bs a power of two, Hq a multiple of Hkv; split a multiple of bs;
+// cu_seqlens [B+1] from 0, non-decreasing, ending at N; past_lens [B] >= 0; seqs distinct, in
+// [0, B); for every sequence computed, ceil((past + q_len) / bs) <= M and each of those table
+// entries in [0, P) (-1 padding after them is allowed) -- one min/max over the entries read.
 //
 // Any head size D in [1, 256]: one that is not whole vectors has its last K/V chunk loaded
 // zero-filled (nothing past a row is read), scores run over the D dims, and V rows and the
 // accumulators are D rounded up to whole vectors wide (the zero lanes are never written out) --
 // a row's arithmetic still depends on D alone, not on the batch.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <type_traits>
 #include <limits>
 #include <vector>
 
+#include "common.h"
 #include "vec.h"
 
 namespace pagedhybrid {
@@ -376,136 +385,207 @@ void run_item(const Item& it, const float* q, const T* kc, const T* vc, const in
   if constexpr (Pairs) unpermute_pairs(acc, rows, d);
 }
 
+// The call's sequences, checked (see paged_attention) -- what the kernel reads.
+struct Call {
+  const int32_t *seqs, *cu, *past, *table;
+  int batch;  // sequences computed
+  int width;  // block-table entries per sequence
+};
+
 template <typename T>
 void paged_attention_impl(const at::Tensor& q, const at::Tensor& kcache, const at::Tensor& vcache,
-                          const at::Tensor& table, const at::Tensor& cu_t,
-                          const at::Tensor& past_t, const at::Tensor& seqs_t, at::Tensor& out,
-                          float scale, int64_t split) {
-  const int batch = static_cast<int>(seqs_t.size(0));  // sequences computed here
-  const int32_t* seqs = seqs_t.data_ptr<int32_t>();
+                          const Call& c, at::Tensor& out, float scale, int64_t split) {
+  const int batch = c.batch;
+  const int32_t *seqs = c.seqs, *cu = c.cu, *past = c.past;
   Geometry g{static_cast<int>(q.size(1)), static_cast<int>(kcache.size(2)),
-             static_cast<int>(q.size(2)), static_cast<int>(kcache.size(1)), 0,
-             static_cast<int>(table.size(1)), scale, 0, 0};
+             static_cast<int>(q.size(2)), static_cast<int>(kcache.size(1)), 0, c.width, scale,
+             0, 0};
   g.group = g.hq / g.hkv;
   g.dp = (g.d + kLanes - 1) / kLanes * kLanes;
   while ((1 << g.bs_log2) < g.bs) ++g.bs_log2;
-  const int32_t* cu = cu_t.data_ptr<int32_t>();
-  const int32_t* past = past_t.data_ptr<int32_t>();
+  // items b-major, then kv head, then split; group (i, h): the ns_i splits of kv head h
   std::vector<Item> items;
-  std::vector<int> first(batch + 1, 0);  // splits of the i-th listed sequence: first[i+1]-first[i]
+  std::vector<int> group_of;  // item -> its (sequence, kv head) group
+  std::vector<int> group_first, group_splits, group_seq;  // group -> first item, splits, index
+  int64_t work = 0;  // multiply-adds, for the inline threshold
+  int max_rows = 0;
   for (int i = 0; i < batch; ++i) {
-    const int b = seqs[i];
-    const int total = past[b] + cu[b + 1] - cu[b];
-    const int ns = total > 0 ? (total + split - 1) / split : 0;
-    first[i + 1] = first[i] + ns;
-    for (int h = 0; h < g.hkv; ++h)
-      for (int sp = 0; sp < ns; ++sp)
+    const int b = seqs[i], qlen = cu[b + 1] - cu[b];
+    const int total = past[b] + qlen;
+    const int ns = total > 0 ? static_cast<int>((total + split - 1) / split) : 0;
+    max_rows = std::max(max_rows, qlen * g.group);
+    work += static_cast<int64_t>(total) * qlen * g.group * g.d * 2;
+    for (int h = 0; h < g.hkv; ++h) {
+      if (ns == 0) continue;
+      const int grp = static_cast<int>(group_first.size());
+      group_first.push_back(static_cast<int>(items.size()));
+      group_splits.push_back(ns);
+      group_seq.push_back(i);
+      for (int sp = 0; sp < ns; ++sp) {
         items.push_back({b, h, sp, static_cast<int>(sp * split),
                          static_cast<int>(std::min<int64_t>((sp + 1) * split, total))});
+        group_of.push_back(grp);
+      }
+    }
   }
-  int max_rows = 0;
-  for (int i = 0; i < batch; ++i)
-    max_rows = std::max(max_rows, (cu[seqs[i] + 1] - cu[seqs[i]]) * g.group);
   const int64_t row_floats = static_cast<int64_t>(max_rows) * g.dp;
   std::vector<float> acc(items.size() * row_floats), ms(items.size() * max_rows),
       ls(items.size() * max_rows);
+  std::vector<std::atomic<int>> remaining(group_first.size());
+  for (size_t k = 0; k < group_first.size(); ++k) remaining[k].store(group_splits[k]);
   const float* qp = q.data_ptr<float>();
   const T* kp = kcache.data_ptr<T>();
   const T* vp = vcache.data_ptr<T>();
-  const int32_t* tp = table.data_ptr<int32_t>();
-  const bool pairs = pairs_path<T>() && g.d % (2 * kLanes) == 0;  // head dim in 32-dim pairs
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t k = lo; k < hi; ++k) {
-      float* a = acc.data() + k * row_floats;
-      float* mk = ms.data() + k * max_rows;
-      float* lk = ls.data() + k * max_rows;
-      if constexpr (pairs_path<T>()) {
-        if (pairs) {
-          run_item<T, true>(items[k], qp, kp, vp, tp, cu, past, g, a, mk, lk);
-          continue;
-        }
-      }
-      run_item<T, false>(items[k], qp, kp, vp, tp, cu, past, g, a, mk, lk);
-    }
-  });
-  // merge the splits of each (b, h) in ascending split order; items are laid out b-major,
-  // then head, then split
   float* op = out.data_ptr<float>();
-  std::vector<int64_t> base(batch + 1, 0);
-  for (int i = 0; i < batch; ++i) base[i + 1] = base[i] + (first[i + 1] - first[i]) * g.hkv;
-  at::parallel_for(0, static_cast<int64_t>(batch) * g.hkv, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t bh = lo; bh < hi; ++bh) {
-      const int idx = static_cast<int>(bh / g.hkv), h = static_cast<int>(bh % g.hkv);
-      const int b = seqs[idx];
-      const int ns = first[idx + 1] - first[idx];
-      const int rows = (cu[b + 1] - cu[b]) * g.group;
-      if (ns == 0) continue;
-      const int64_t k0 = base[idx] + static_cast<int64_t>(h) * ns;
-      for (int r = 0; r < rows; ++r) {
-        float mm = kNegInf;
-        for (int sp = 0; sp < ns; ++sp) mm = std::max(mm, ms[(k0 + sp) * max_rows + r]);
-        const int i = r / g.group, hh = h * g.group + r % g.group;
-        float* dst = op + (static_cast<int64_t>(cu[b] + i) * g.hq + hh) * g.d;
-        float lsum = 0.f;
-        std::fill(dst, dst + g.d, 0.f);
-        for (int sp = 0; sp < ns; ++sp) {
-          const float mi = ms[(k0 + sp) * max_rows + r];
-          if (mi == kNegInf) continue;
-          const float w = std::exp(mi - mm);
-          lsum += w * ls[(k0 + sp) * max_rows + r];
-          const float* src = acc.data() + (k0 + sp) * row_floats + static_cast<int64_t>(r) * g.dp;
-          for (int e = 0; e < g.d; ++e) dst[e] += w * src[e];
-        }
-        const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
-        for (int e = 0; e < g.d; ++e) dst[e] *= inv;
+  const bool pairs = pairs_path<T>() && g.d % (2 * kLanes) == 0;  // head dim in 32-dim pairs
+
+  // merge the splits of group grp in ascending split order (deterministic whoever runs it)
+  auto merge = [&](int grp) {
+    const int idx = group_seq[grp], b = seqs[idx], ns = group_splits[grp];
+    const int h = items[group_first[grp]].h;
+    const int rows = (cu[b + 1] - cu[b]) * g.group;
+    const int64_t k0 = group_first[grp];
+    for (int r = 0; r < rows; ++r) {
+      float mm = kNegInf;
+      for (int sp = 0; sp < ns; ++sp) mm = std::max(mm, ms[(k0 + sp) * max_rows + r]);
+      const int i = r / g.group, hh = h * g.group + r % g.group;
+      float* dst = op + (static_cast<int64_t>(cu[b] + i) * g.hq + hh) * g.d;
+      float lsum = 0.f;
+      std::fill(dst, dst + g.d, 0.f);
+      for (int sp = 0; sp < ns; ++sp) {
+        const float mi = ms[(k0 + sp) * max_rows + r];
+        if (mi == kNegInf) continue;
+        const float w = std::exp(mi - mm);
+        lsum += w * ls[(k0 + sp) * max_rows + r];
+        const float* src = acc.data() + (k0 + sp) * row_floats + static_cast<int64_t>(r) * g.dp;
+        for (int e = 0; e < g.d; ++e) dst[e] += w * src[e];
+      }
+      const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
+      for (int e = 0; e < g.d; ++e) dst[e] *= inv;
+    }
+  };
+  // one region: items claimed dynamically; the thread that finishes a group's last split
+  // merges the group (acq_rel: it sees the other splits' partials)
+  parallel_items(static_cast<int64_t>(items.size()), 1, work, [&](int64_t k) {
+    float* a = acc.data() + k * row_floats;
+    float* mk = ms.data() + k * max_rows;
+    float* lk = ls.data() + k * max_rows;
+    bool done = false;
+    if constexpr (pairs_path<T>()) {
+      if (pairs) {
+        run_item<T, true>(items[k], qp, kp, vp, c.table, cu, past, g, a, mk, lk);
+        done = true;
       }
     }
+    if (!done) run_item<T, false>(items[k], qp, kp, vp, c.table, cu, past, g, a, mk, lk);
+    const int grp = group_of[k];
+    if (remaining[grp].fetch_sub(1, std::memory_order_acq_rel) == 1) merge(grp);
   });
+}
+
+constexpr const char* kOp = "paged_attention";
+
+// Every input checked before any page is read: shapes and dtypes, the head ratio, the page
+// size, and for each sequence computed: its query rows inside q, a table row long enough for its
+// keys, and every page id it reads inside the pool (one min/max over the row's used entries).
+Call check_call(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
+                const at::Tensor& table, const at::Tensor& cu_t, const at::Tensor& past_t,
+                const at::Tensor& seqs_t, const at::Tensor& out, int64_t split) {
+  check_tensor(kOp, "q", q, 3, at::kFloat);
+  const int64_t n = q.size(0), hq = q.size(1), d = q.size(2);
+  PH_CHECK(d >= 1 && d <= kMaxHead, kOp, "q", "head size must be in [1, ", kMaxHead, "] (got ", d,
+           ")");
+  check_tensor(kOp, "key_cache", kc, 4, kc.scalar_type());
+  check_tensor(kOp, "value_cache", vc, 4, kc.scalar_type());
+  PH_CHECK(vc.sizes() == kc.sizes(), kOp, "value_cache", "must have key_cache's shape ",
+           shape_of(kc), " (got ", shape_of(vc), ")");
+  const int64_t pages = kc.size(0), bs = kc.size(1), hkv = kc.size(2);
+  check_size(kOp, "key_cache", kc, 3, d, "the head size of q");
+  PH_CHECK(hkv >= 1 && hq % hkv == 0, kOp, "q", "head ratio: the query heads (", hq,
+           ") must be a multiple of the kv heads of key_cache (", hkv, ")");
+  PH_CHECK(bs > 0 && (bs & (bs - 1)) == 0, kOp, "key_cache",
+           "block size (size(1)) must be a power of two (got ", bs, ")");
+  PH_CHECK(split > 0 && split % bs == 0, kOp, "split",
+           "must be a positive multiple of the block size ", bs, " (got ", split, ")");
+  check_tensor(kOp, "out", out, 3, at::kFloat);
+  PH_CHECK(out.sizes() == q.sizes(), kOp, "out", "must have q's shape ", shape_of(q), " (got ",
+           shape_of(out), ")");
+  check_tensor(kOp, "block_table", table, 2, at::kInt);
+  const int64_t batch = table.size(0), width = table.size(1);
+  const int32_t* cu = check_cu_seqlens(kOp, cu_t, batch, n);
+  check_tensor(kOp, "past_lens", past_t, 1, at::kInt);
+  check_size(kOp, "past_lens", past_t, 0, batch, "the number of sequences (block_table rows)");
+  check_tensor(kOp, "seqs", seqs_t, 1, at::kInt);
+  const int32_t* past = past_t.data_ptr<int32_t>();
+  const int32_t* seqs = seqs_t.data_ptr<int32_t>();
+  const int32_t* tp = table.data_ptr<int32_t>();
+  std::vector<bool> seen(static_cast<size_t>(batch), false);
+  for (int64_t i = 0; i < seqs_t.size(0); ++i) {
+    const int64_t b = seqs[i];
+    PH_CHECK(b >= 0 && b < batch, kOp, "seqs", "seqs[", i, "] = ", b,
+             " is not a sequence of the batch [0, ", batch, ")");
+    PH_CHECK(!seen[b], kOp, "seqs", "sequence ", b, " is listed twice");
+    seen[b] = true;
+    PH_CHECK(past[b] >= 0, kOp, "past_lens", "past_lens[", b, "] = ", past[b], " is negative");
+    const int64_t total = static_cast<int64_t>(past[b]) + cu[b + 1] - cu[b];
+    const int64_t used = (total + bs - 1) / bs;  // table entries the sequence reads
+    PH_CHECK(used <= width, kOp, "block_table", "sequence ", b, " has ", total,
+             " keys and needs ", used, " pages, its row holds ", width);
+    const int32_t* row = tp + b * width;
+    int32_t lo = 0, hi = 0;
+    if (used > 0) {
+      lo = hi = row[0];
+      for (int64_t j = 1; j < used; ++j) {
+        lo = std::min(lo, row[j]);
+        hi = std::max(hi, row[j]);
+      }
+    }
+    if (lo < 0 || hi >= pages) {
+      int64_t j = 0;
+      while (row[j] >= 0 && row[j] < pages) ++j;
+      PH_CHECK(false, kOp, "block_table", "block_table[", b, "][", j, "] = ", row[j],
+               " is outside the page pool [0, ", pages, ") (entry ", j, " of the ", used,
+               " that sequence ", b, " reads)");
+    }
+  }
+  return {seqs, cu, past, tp, static_cast<int>(seqs_t.size(0)), static_cast<int>(width)};
 }
 
 void paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_table,
                      const at::Tensor& cu_seqlens, const at::Tensor& past_lens,
                      const at::Tensor& seqs, at::Tensor out, double scale, int64_t split) {
-  TORCH_CHECK(q.dtype() == at::kFloat && out.dtype() == at::kFloat, "q/out must be float32");
-  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && key_cache.is_contiguous() &&
-                  value_cache.is_contiguous() && block_table.is_contiguous(),
-              "tensors must be contiguous");
-  TORCH_CHECK(q.size(2) > 0 && q.size(2) <= kMaxHead, "head size must be in [1, 256]");
-  const int64_t bs = key_cache.size(1);
-  TORCH_CHECK(bs > 0 && (bs & (bs - 1)) == 0, "block size must be a power of two");
-  TORCH_CHECK(split > 0 && split % bs == 0, "split must be a multiple of the block size");
-  TORCH_CHECK(key_cache.dtype() == value_cache.dtype(), "K/V cache dtypes differ");
-  TORCH_CHECK(seqs.dtype() == at::kInt && cu_seqlens.dtype() == at::kInt &&
-                  past_lens.dtype() == at::kInt && block_table.dtype() == at::kInt,
-              "seqs, cu_seqlens, past_lens and block_table must be int32");
+  const Call c = check_call(q, key_cache, value_cache, block_table, cu_seqlens, past_lens, seqs,
+                            out, split);
   auto run = [&](auto tag) {
-    paged_attention_impl<decltype(tag)>(q, key_cache, value_cache, block_table, cu_seqlens,
-                                        past_lens, seqs, out, static_cast<float>(scale), split);
+    paged_attention_impl<decltype(tag)>(q, key_cache, value_cache, c, out,
+                                        static_cast<float>(scale), split);
   };
-  if (key_cache.dtype() == at::kFloat) {
+  const auto dt = key_cache.scalar_type();
+  if (dt == at::kFloat) {
     run(float{});
-  } else if (key_cache.dtype() == at::kBFloat16) {
+  } else if (dt == at::kBFloat16) {
     run(c10::BFloat16{});
-  } else if (key_cache.dtype() == at::kHalf) {
+  } else if (dt == at::kHalf) {
     run(c10::Half{});
-  } else if (key_cache.dtype() == at::kChar) {
+  } else if (dt == at::kChar) {
     run(int8_t{});
-  } else if (key_cache.dtype() == at::kFloat8_e4m3fn) {
+  } else if (dt == at::kFloat8_e4m3fn) {
     run(c10::Float8_e4m3fn{});
   } else {
-    TORCH_CHECK(false, "cache dtype must be float32, bfloat16, float16, int8 or float8_e4m3fn");
+    PH_CHECK(false, kOp, "key_cache",
+             "dtype must be float32, bfloat16, float16, int8 or float8_e4m3fn (got ", dt, ")");
   }
 }
 
 }  // namespace
 }  // namespace pagedhybrid
 
-TORCH_LIBRARY_FRAGMENT(pagedhybrid, m) {
+TORCH_LIBRARY_FRAGMENT(PH_NS, m) {
   m.def(
       "paged_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_table, "
       "Tensor cu_seqlens, Tensor past_lens, Tensor seqs, Tensor(a!) out, float scale, "
       "int split) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(pagedhybrid, CPU, m) { m.impl("paged_attention", &pagedhybrid::paged_attention); }
+TORCH_LIBRARY_IMPL(PH_NS, CPU, m) { m.impl("paged_attention", &pagedhybrid::paged_attention); }

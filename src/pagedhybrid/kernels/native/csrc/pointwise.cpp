@@ -1,6 +1,6 @@
 // Batch-invariant pointwise nonlinearities: silu and sigmoid with one arithmetic per element.
 //
-// Inputs (validated here): x float32, contiguous, any shape; out float32, same numel, written.
+// Inputs (checked here): x float32, contiguous, any shape; out float32, contiguous, same numel.
 // torch's CPU silu / sigmoid run a vector main loop (Sleef exp) over whole vectors and a scalar
 // loop (libm exp) over what is left -- of the tensor, and of each thread's chunk -- and the two
 // round differently, so an element's bits depend on the tensor's size and on where the element
@@ -11,12 +11,13 @@
 //   e = exp(-|x|) (vec.h exp: never overflows)         sigmoid(x) = (x < 0 ? e : 1) / (1 + e)
 //                                                     silu(x)    = (x < 0 ? x e : x) / (1 + e)
 // (NaN in, NaN out), so neither the batch, the position nor the thread count changes a bit.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
 
+#include "common.h"
 #include "vec.h"
 
 namespace pagedhybrid {
@@ -32,38 +33,42 @@ inline VF activate(VF x) {
 }
 
 template <bool Silu>
-void pointwise(const at::Tensor& x, at::Tensor& out) {
-  TORCH_CHECK(x.dtype() == at::kFloat && out.dtype() == at::kFloat, "x and out are float32");
-  TORCH_CHECK(x.is_contiguous() && out.is_contiguous(), "contiguous tensors expected");
-  TORCH_CHECK(x.numel() == out.numel(), "x and out must have the same number of elements");
+void pointwise(const char* op_name, const at::Tensor& x, at::Tensor& out) {
+  check_tensor(op_name, "x", x, x.defined() ? x.dim() : 0, at::kFloat);
+  check_tensor(op_name, "out", out, out.defined() ? out.dim() : 0, at::kFloat);
+  PH_CHECK(x.numel() == out.numel(), op_name, "out", "must have x's ", x.numel(),
+           " elements (got ", out.numel(), ")");
   const int64_t n = x.numel();
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, (n + kBlock - 1) / kBlock, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t blk = lo; blk < hi; ++blk) {
-      const int64_t e1 = std::min(n, (blk + 1) * kBlock);
-      int64_t e = blk * kBlock;
-      for (; e + kLanes <= e1; e += kLanes) store(op + e, activate<Silu>(load(xp + e)));
-      if (e < e1) {
-        const int rest = static_cast<int>(e1 - e);
-        store_first(op + e, activate<Silu>(load_first(xp + e, rest)), rest);
-      }
+  // ~20 flops an element; blocks of kBlock claimed dynamically (common.h)
+  parallel_items((n + kBlock - 1) / kBlock, 1, n * 8, [&](int64_t blk) {
+    const int64_t e1 = std::min(n, (blk + 1) * kBlock);
+    int64_t e = blk * kBlock;
+    for (; e + kLanes <= e1; e += kLanes) store(op + e, activate<Silu>(load(xp + e)));
+    if (e < e1) {
+      const int rest = static_cast<int>(e1 - e);
+      store_first(op + e, activate<Silu>(load_first(xp + e, rest)), rest);
     }
   });
 }
 
-void silu_invariant(const at::Tensor& x, at::Tensor out) { pointwise<true>(x, out); }
-void sigmoid_invariant(const at::Tensor& x, at::Tensor out) { pointwise<false>(x, out); }
+void silu_invariant(const at::Tensor& x, at::Tensor out) {
+  pointwise<true>("silu_invariant", x, out);
+}
+void sigmoid_invariant(const at::Tensor& x, at::Tensor out) {
+  pointwise<false>("sigmoid_invariant", x, out);
+}
 
 }  // namespace
 }  // namespace pagedhybrid
 
-TORCH_LIBRARY_FRAGMENT(pagedhybrid, m) {
+TORCH_LIBRARY_FRAGMENT(PH_NS, m) {
   m.def("silu_invariant(Tensor x, Tensor(a!) out) -> ()");
   m.def("sigmoid_invariant(Tensor x, Tensor(a!) out) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(pagedhybrid, CPU, m) {
+TORCH_LIBRARY_IMPL(PH_NS, CPU, m) {
   m.impl("silu_invariant", &pagedhybrid::silu_invariant);
   m.impl("sigmoid_invariant", &pagedhybrid::sigmoid_invariant);
 }

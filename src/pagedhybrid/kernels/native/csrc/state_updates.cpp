@@ -21,13 +21,21 @@
 // the same whether it came in a decode step, a prefill chunk of any length or a batch of any
 // composition (the batch-invariant mode's linear layers; the chunked WY form is faster but its
 // arithmetic depends on where the chunk boundaries fall).
-#include <ATen/ATen.h>
+//
+// Every op checks its inputs before touching a pool (GdnCall, check_conv): shapes, dtypes, the
+// head ratio (Hv a multiple of Hk), cu_seqlens (from 0, non-decreasing, ending at the token
+// rows), and the slots -- each in [0, S), none repeated (two sequences on one row would update
+// it at once). Items are (sequence, value head) for GDN and sequences for the conv, claimed
+// dynamically in one region; calls below common.h's kInlineWork run inline.
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <array>
 #include <cmath>
+#include <utility>
 
+#include "common.h"
 #include "vec.h"
 
 namespace pagedhybrid {
@@ -82,26 +90,56 @@ struct GdnCall {
   int64_t hv, dv, hk, dk, ratio;
   float scale;
 
-  GdnCall(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_, const at::Tensor& a_,
-          const at::Tensor& b_, const at::Tensor& a_log_, const at::Tensor& dt_bias_,
-          at::Tensor& pool_, const at::Tensor& slots_, const at::Tensor& fresh_, at::Tensor& out_,
-          double scale_) {
-    const std::array<const at::Tensor*, 9> all{&q_, &k_, &v_, &a_, &b_, &a_log_, &dt_bias_,
-                                               &pool_, &out_};
-    for (const at::Tensor* t : all)
-      TORCH_CHECK(t->dtype() == at::kFloat && t->is_contiguous(), "float32 contiguous expected");
-    TORCH_CHECK(slots_.dtype() == at::kLong && fresh_.dtype() == at::kBool,
-                "slots int64, fresh bool");
-    TORCH_CHECK(pool_.size(1) == v_.size(1) && pool_.size(2) == v_.size(2) &&
-                    pool_.size(3) == q_.size(2), "pool shape");
+  // q, k [T, Hk, Dk]; v [T, Hv, Dv]; a, b [T, Hv]; a_log, dt_bias [Hv]; pool [S, Hv, Dv, Dk];
+  // out [T, Hv, Dv] (all float32, contiguous); Hv a multiple of Hk; slots int64 [B] distinct in
+  // [0, S); fresh bool [B].
+  GdnCall(const char* op, int64_t batch, const at::Tensor& q_, const at::Tensor& k_,
+          const at::Tensor& v_, const at::Tensor& a_, const at::Tensor& b_,
+          const at::Tensor& a_log_, const at::Tensor& dt_bias_, at::Tensor& pool_,
+          const at::Tensor& slots_, const at::Tensor& fresh_, at::Tensor& out_, double scale_) {
+    check_tensor(op, "q", q_, 3, at::kFloat);
+    const int64_t t = q_.size(0);
+    hk = q_.size(1), dk = q_.size(2);
+    check_tensor(op, "k", k_, 3, at::kFloat);
+    PH_CHECK(k_.sizes() == q_.sizes(), op, "k", "must have q's shape ", shape_of(q_), " (got ",
+             shape_of(k_), ")");
+    check_tensor(op, "v", v_, 3, at::kFloat);
+    check_size(op, "v", v_, 0, t, "the token rows of q");
+    hv = v_.size(1), dv = v_.size(2);
+    PH_CHECK(hk >= 1 && hv % hk == 0, op, "v", "head ratio: the value heads (", hv,
+             ") must be a multiple of the key heads of q and k (", hk, ")");
+    const std::array<std::pair<const char*, const at::Tensor*>, 2> ab{{{"a", &a_}, {"b", &b_}}};
+    for (const auto& [name, x] : ab) {
+      check_tensor(op, name, *x, 2, at::kFloat);
+      check_size(op, name, *x, 0, t, "the token rows of q");
+      check_size(op, name, *x, 1, hv, "the value heads of v");
+    }
+    const std::array<std::pair<const char*, const at::Tensor*>, 2> per_head{
+        {{"a_log", &a_log_}, {"dt_bias", &dt_bias_}}};
+    for (const auto& [name, x] : per_head) {
+      check_tensor(op, name, *x, 1, at::kFloat);
+      check_size(op, name, *x, 0, hv, "the value heads of v");
+    }
+    check_tensor(op, "pool", pool_, 4, at::kFloat);
+    check_size(op, "pool", pool_, 1, hv, "the value heads of v");
+    check_size(op, "pool", pool_, 2, dv, "the value head size of v");
+    check_size(op, "pool", pool_, 3, dk, "the key head size of q");
+    check_tensor(op, "out", out_, 3, at::kFloat);
+    PH_CHECK(out_.sizes() == v_.sizes(), op, "out", "must have v's shape ", shape_of(v_),
+             " (got ", shape_of(out_), ")");
+    check_slots(op, slots_, batch, pool_.size(0));
+    check_tensor(op, "fresh", fresh_, 1, at::kBool);
+    check_size(op, "fresh", fresh_, 0, batch, "the number of sequences");
     q = q_.data_ptr<float>(), k = k_.data_ptr<float>(), v = v_.data_ptr<float>();
     a = a_.data_ptr<float>(), b = b_.data_ptr<float>();
     a_log = a_log_.data_ptr<float>(), dt_bias = dt_bias_.data_ptr<float>();
     slots = slots_.data_ptr<int64_t>(), fresh = fresh_.data_ptr<bool>();
     pool = pool_.data_ptr<float>(), out = out_.data_ptr<float>();
-    hv = v_.size(1), dv = v_.size(2), hk = q_.size(1), dk = q_.size(2), ratio = hv / hk;
+    ratio = hv / hk;
     scale = static_cast<float>(scale_);
   }
+
+  int64_t token_work() const { return 4 * dv * dk; }  // multiply-adds of one token and head
 
   void token(int64_t t, int64_t bb, int64_t h, bool zero) const {
     gdn_token(pool + (slots[bb] * hv + h) * dv * dk, q + (t * hk + h / ratio) * dk,
@@ -114,12 +152,14 @@ void gated_delta_decode(const at::Tensor& q, const at::Tensor& k, const at::Tens
                         const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_log,
                         const at::Tensor& dt_bias, at::Tensor pool, const at::Tensor& slots,
                         const at::Tensor& fresh, at::Tensor out, double scale) {
-  const GdnCall call(q, k, v, a, b, a_log, dt_bias, pool, slots, fresh, out, scale);
-  at::parallel_for(0, v.size(0) * call.hv, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t item = lo; item < hi; ++item) {
-      const int64_t bb = item / call.hv;
-      call.token(bb, bb, item % call.hv, call.fresh[bb]);
-    }
+  constexpr const char* op = "gated_delta_decode";
+  PH_CHECK(q.dim() >= 1, op, "q", "must be [B, Hk, Dk] (got shape ", shape_of(q), ")");
+  const GdnCall call(op, q.size(0), q, k, v, a, b, a_log, dt_bias, pool, slots, fresh, out,
+                     scale);
+  const int64_t n = q.size(0) * call.hv, w = call.token_work();
+  parallel_items(n, std::max<int64_t>(1, kInlineWork / w), n * w, [&](int64_t item) {
+    const int64_t bb = item / call.hv;
+    call.token(bb, bb, item % call.hv, call.fresh[bb]);
   });
 }
 
@@ -129,15 +169,17 @@ void gated_delta_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tens
                         const at::Tensor& dt_bias, at::Tensor pool, const at::Tensor& slots,
                         const at::Tensor& fresh, const at::Tensor& cu_seqlens, at::Tensor out,
                         double scale) {
-  const GdnCall call(q, k, v, a, b, a_log, dt_bias, pool, slots, fresh, out, scale);
-  TORCH_CHECK(cu_seqlens.dtype() == at::kInt, "cu_seqlens int32");
-  const int32_t* cu = cu_seqlens.data_ptr<int32_t>();
-  at::parallel_for(0, (cu_seqlens.size(0) - 1) * call.hv, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t item = lo; item < hi; ++item) {
-      const int64_t bb = item / call.hv, h = item % call.hv;
-      for (int64_t t = cu[bb]; t < cu[bb + 1]; ++t)
-        call.token(t, bb, h, call.fresh[bb] && t == cu[bb]);
-    }
+  constexpr const char* op = "gated_delta_varlen";
+  PH_CHECK(cu_seqlens.dim() == 1 && cu_seqlens.size(0) >= 1, op, "cu_seqlens",
+           "must be [B+1] (got shape ", shape_of(cu_seqlens), ")");
+  const int64_t batch = cu_seqlens.size(0) - 1;
+  const GdnCall call(op, batch, q, k, v, a, b, a_log, dt_bias, pool, slots, fresh, out, scale);
+  const int32_t* cu = check_cu_seqlens(op, cu_seqlens, batch, q.size(0));
+  const int64_t w = call.token_work();
+  parallel_items(batch * call.hv, 1, q.size(0) * call.hv * w, [&](int64_t item) {
+    const int64_t bb = item / call.hv, h = item % call.hv;
+    for (int64_t t = cu[bb]; t < cu[bb + 1]; ++t)
+      call.token(t, bb, h, call.fresh[bb] && t == cu[bb]);
   });
 }
 
@@ -178,38 +220,57 @@ void conv_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* 
   T* op = out.data_ptr<T>();
   const int64_t* sl = slots.data_ptr<int64_t>();
   const bool* fr = fresh.data_ptr<bool>();
-  at::parallel_for(0, batch, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t bb = lo; bb < hi; ++bb) {
-      const int64_t t0 = cu != nullptr ? cu[bb] : bb, t1 = cu != nullptr ? cu[bb + 1] : bb + 1;
-      for (int64_t t = t0; t < t1; ++t)
-        conv_token<T>(pp + sl[bb] * ch * st, xp + t * ch, wp, bp, fr[bb] && t == t0, ch, kk,
-                      silu, op + t * ch);
-    }
+  const int64_t w = ch * kk;  // multiply-adds of one token
+  parallel_items(batch, cu != nullptr ? 1 : std::max<int64_t>(1, kInlineWork / w),
+                 x.size(0) * w, [&](int64_t bb) {
+    const int64_t t0 = cu != nullptr ? cu[bb] : bb, t1 = cu != nullptr ? cu[bb + 1] : bb + 1;
+    for (int64_t t = t0; t < t1; ++t)
+      conv_token<T>(pp + sl[bb] * ch * st, xp + t * ch, wp, bp, fr[bb] && t == t0, ch, kk, silu,
+                    op + t * ch);
   });
 }
 
-void check_conv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& pool,
+// x [T, C]; weight [C, K] (K >= 1); bias [C] or none; pool [S, C, K-1]; out [T, C] -- one dtype
+// (float32, bfloat16 or float16), contiguous; slots int64 [B] distinct in [0, S); fresh bool [B].
+void check_conv(const char* op, int64_t batch, const at::Tensor& x, const at::Tensor& weight,
+                const c10::optional<at::Tensor>& bias, const at::Tensor& pool,
                 const at::Tensor& slots, const at::Tensor& fresh, const at::Tensor& out) {
-  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && pool.is_contiguous() &&
-                  out.is_contiguous(), "contiguous tensors expected");
-  TORCH_CHECK(x.dtype() == weight.dtype() && x.dtype() == pool.dtype() &&
-                  x.dtype() == out.dtype(), "x, weight, pool and out must share a dtype");
-  TORCH_CHECK(slots.dtype() == at::kLong && fresh.dtype() == at::kBool, "slots int64, fresh bool");
-  TORCH_CHECK(pool.size(2) == weight.size(1) - 1, "pool holds K-1 columns");
+  PH_CHECK(x.defined() && x.dim() == 2, op, "x", "must be [T, C] (got shape ",
+           x.defined() ? shape_of(x) : std::string("none"), ")");
+  const auto dt = x.scalar_type();
+  PH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, op, "x",
+           "dtype must be float32, bfloat16 or float16 (got ", dt, ")");
+  check_tensor(op, "x", x, 2, dt);
+  const int64_t ch = x.size(1);
+  check_tensor(op, "weight", weight, 2, dt);
+  check_size(op, "weight", weight, 0, ch, "the channels of x");
+  PH_CHECK(weight.size(1) >= 1, op, "weight", "the kernel width K must be >= 1 (got shape ",
+           shape_of(weight), ")");
+  if (bias.has_value()) {
+    check_tensor(op, "bias", *bias, 1, dt);
+    check_size(op, "bias", *bias, 0, ch, "the channels of x");
+  }
+  check_tensor(op, "pool", pool, 3, dt);
+  check_size(op, "pool", pool, 1, ch, "the channels of x");
+  check_size(op, "pool", pool, 2, weight.size(1) - 1, "the kernel width - 1");
+  check_tensor(op, "out", out, 2, dt);
+  PH_CHECK(out.sizes() == x.sizes(), op, "out", "must have x's shape ", shape_of(x), " (got ",
+           shape_of(out), ")");
+  check_slots(op, slots, batch, pool.size(0));
+  check_tensor(op, "fresh", fresh, 1, at::kBool);
+  check_size(op, "fresh", fresh, 0, batch, "the number of sequences");
 }
 
 void run_conv(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
               at::Tensor& pool, const at::Tensor& slots, const at::Tensor& fresh,
               const int32_t* cu, int64_t batch, at::Tensor& out, bool silu) {
   const at::Tensor* bp = bias.has_value() ? &bias.value() : nullptr;
-  if (x.dtype() == at::kFloat) {
+  if (x.scalar_type() == at::kFloat) {
     conv_impl<float>(x, weight, bp, pool, slots, fresh, cu, batch, out, silu);
-  } else if (x.dtype() == at::kBFloat16) {
+  } else if (x.scalar_type() == at::kBFloat16) {
     conv_impl<c10::BFloat16>(x, weight, bp, pool, slots, fresh, cu, batch, out, silu);
-  } else if (x.dtype() == at::kHalf) {
-    conv_impl<c10::Half>(x, weight, bp, pool, slots, fresh, cu, batch, out, silu);
   } else {
-    TORCH_CHECK(false, "dtype must be float32, bfloat16 or float16");
+    conv_impl<c10::Half>(x, weight, bp, pool, slots, fresh, cu, batch, out, silu);
   }
 }
 
@@ -217,7 +278,9 @@ void causal_conv_decode(const at::Tensor& x, const at::Tensor& weight,
                         const c10::optional<at::Tensor>& bias, at::Tensor pool,
                         const at::Tensor& slots, const at::Tensor& fresh, at::Tensor out,
                         bool silu) {
-  check_conv(x, weight, pool, slots, fresh, out);
+  constexpr const char* op = "causal_conv_decode";
+  check_conv(op, x.defined() && x.dim() == 2 ? x.size(0) : 0, x, weight, bias, pool, slots,
+             fresh, out);
   run_conv(x, weight, bias, pool, slots, fresh, nullptr, x.size(0), out, silu);
 }
 
@@ -225,16 +288,19 @@ void causal_conv_varlen(const at::Tensor& x, const at::Tensor& weight,
                         const c10::optional<at::Tensor>& bias, at::Tensor pool,
                         const at::Tensor& slots, const at::Tensor& fresh,
                         const at::Tensor& cu_seqlens, at::Tensor out, bool silu) {
-  check_conv(x, weight, pool, slots, fresh, out);
-  TORCH_CHECK(cu_seqlens.dtype() == at::kInt, "cu_seqlens int32");
-  run_conv(x, weight, bias, pool, slots, fresh, cu_seqlens.data_ptr<int32_t>(),
-           cu_seqlens.size(0) - 1, out, silu);
+  constexpr const char* op = "causal_conv_varlen";
+  PH_CHECK(cu_seqlens.dim() == 1 && cu_seqlens.size(0) >= 1, op, "cu_seqlens",
+           "must be [B+1] (got shape ", shape_of(cu_seqlens), ")");
+  const int64_t batch = cu_seqlens.size(0) - 1;
+  check_conv(op, batch, x, weight, bias, pool, slots, fresh, out);
+  const int32_t* cu = check_cu_seqlens(op, cu_seqlens, batch, x.size(0));
+  run_conv(x, weight, bias, pool, slots, fresh, cu, batch, out, silu);
 }
 
 }  // namespace
 }  // namespace pagedhybrid
 
-TORCH_LIBRARY_FRAGMENT(pagedhybrid, m) {
+TORCH_LIBRARY_FRAGMENT(PH_NS, m) {
   m.def(
       "gated_delta_decode(Tensor q, Tensor k, Tensor v, Tensor a, Tensor b, Tensor a_log, "
       "Tensor dt_bias, Tensor(a!) pool, Tensor slots, Tensor fresh, Tensor(b!) out, "
@@ -251,7 +317,7 @@ TORCH_LIBRARY_FRAGMENT(pagedhybrid, m) {
       "Tensor fresh, Tensor cu_seqlens, Tensor(b!) out, bool silu) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(pagedhybrid, CPU, m) {
+TORCH_LIBRARY_IMPL(PH_NS, CPU, m) {
   m.impl("gated_delta_decode", &pagedhybrid::gated_delta_decode);
   m.impl("causal_conv_decode", &pagedhybrid::causal_conv_decode);
   m.impl("gated_delta_varlen", &pagedhybrid::gated_delta_varlen);

@@ -1,0 +1,92 @@
+"""Projections (``x @ weight^T``) on the native kernels, for CPUs without BF16 dot instructions.
+
+torch's bf16 GEMM is oneDNN's: on a CPU with AVX512-BF16 (or AMX) it multiplies bf16 pairs in
+hardware; on one without (a Xeon with AVX-512 + VNNI only, or an AVX2 CPU) it emulates them and
+runs 2-4x slower than torch's own fp32 GEMM (``benchmarks/ops.py --only forms``). There
+``linear`` runs the native ``linear`` kernel instead: the bf16 (or fp16) weights and activations
+are widened to fp32 in registers -- exactly: bf16 is the high half of an fp32 -- and multiplied
+with fp32 FMAs, accumulating in fp32 (as oneDNN does) and rounding to ``x``'s dtype once at the
+end. A decode step streams the weights once, at half the bytes of fp32; 16 to 63 rows pack each
+weight panel into fp32 once per 96 rows for an outer-product micro-kernel; a prefill chunk of 64
+rows or more widens the weights to fp32 8 MiB at a time (in cache) and runs torch's fp32 GEMM on
+them, within ~10% of the fp32 model's own GEMM (``benchmarks/ops.py --only forms``).
+``invariant_linear`` is the batch-invariant form (one reduction order per output element
+whatever the number of rows), for ``kernels/native/invariant.py``.
+
+``preferred_linear(dtype)`` says what the ``native`` bundle should multiply with in ``dtype`` on
+the chosen CPU form (``kernels.native.status()``): ``linear`` for bf16 / fp16 models on a form
+without BF16 dot instructions, None (``torch.nn.functional.linear``) otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from pagedhybrid.kernels.native import library, status
+
+WIDENED_DTYPES = (torch.bfloat16, torch.float16)
+WIDEN_ROWS = 64  # rows from which bf16 / fp16 weights are widened in chunks for torch's fp32 GEMM
+WIDEN_CHUNK_BYTES = 8 << 20  # fp32 weight rows widened at a time
+MIN_CHUNK_ROWS = 16
+
+
+def _product(op: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The kernel reads x in its dtype (or in fp32 beside bf16 / fp16 weights) and writes out in
+    it: no conversion pass, so no extra parallel region, around the call."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    xd = x.dtype if x.dtype in (weight.dtype, torch.float32) else torch.float32
+    x2 = x.reshape(-1, k).to(xd).contiguous()  # [M, K]
+    m, n = x2.shape[0], weight.shape[0]
+    out = torch.empty(m, n, dtype=xd)  # [M, N]
+    if m:
+        getattr(library(), op)(x2, weight.contiguous(), out)
+    return out.view(*lead, n).to(x.dtype)
+
+
+def _widened_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Prefill-sized: weight rows widened to fp32 a cache-sized chunk at a time, torch's fp32
+    GEMM on each chunk, the result rounded once into ``x``'s dtype."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k).float()  # [M, K]
+    n = weight.shape[0]
+    rows = max(MIN_CHUNK_ROWS, WIDEN_CHUNK_BYTES // (4 * k))
+    out = torch.empty(x2.shape[0], n, dtype=x.dtype)  # [M, N]
+    for n0 in range(0, n, rows):
+        out[:, n0:n0 + rows] = F.linear(x2, weight[n0:n0 + rows].float())
+    return out.view(*lead, n)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x [..., K] @ weight [N, K]^T`` with fp32 arithmetic and accumulation, rounded once to
+    ``x``'s dtype (``weight`` float32, bfloat16 or float16). Fewer than ``WIDEN_ROWS`` rows: the
+    native ``linear`` kernel (the weights streamed once and widened in registers; packed fp32
+    panels and an outer-product kernel from 16 rows on); from ``WIDEN_ROWS`` rows on (prefill)
+    with bf16 / fp16 weights: chunks of the weights widened to fp32 and torch's fp32 GEMM."""
+    if weight.dtype in WIDENED_DTYPES and x.numel() >= WIDEN_ROWS * x.shape[-1]:
+        return _widened_gemm(x, weight)
+    return _product("linear", x, weight)
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """As ``linear``, in one fixed reduction order per output element whatever the number of
+    rows (``linear_invariant``: the batch-invariant mode's projection)."""
+    return _product("linear_invariant", x, weight)
+
+
+def bf16_dot() -> bool:
+    """Whether the chosen form multiplies bf16 pairs in hardware (AVX512-BF16)."""
+    st = status()
+    return st.available and st.isa == "avx512_bf16"
+
+
+def preferred_linear(dtype: torch.dtype) -> Callable[[torch.Tensor, torch.Tensor],
+                                                     torch.Tensor] | None:
+    """``linear`` when a ``dtype`` model's projections run faster on it than on torch's GEMM
+    here (bf16 / fp16 weights on a form without BF16 dot instructions), else None."""
+    st = status()
+    if st.available and dtype in WIDENED_DTYPES and not bf16_dot():
+        return linear
+    return None

@@ -1,0 +1,375 @@
+"""The native ops refuse bad input before touching memory, naming the op, argument and rule.
+
+For every op the extension exports: a good call runs; each corruption (a page id past the pool
+or negative where a sequence reads it, a state slot out of range or repeated, a wrong head
+ratio, wrong dims / dtype / shape, a non-contiguous tensor, inconsistent lengths) raises
+``ValueError`` "pagedhybrid.<op>: <argument>: <rule>"; the process survives, nothing was
+written, and the good call after gives the same result as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from pagedhybrid.kernels.native import KV_SPLIT, library, status
+
+Args = dict[str, Any]
+Corruption = tuple[str, Callable[[Args], None], str]  # (id, mutate, message regex)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _built() -> None:
+    assert status().available, status().reason  # make test builds the extension first
+
+
+def _set(key: str, value: Callable[[Args], Any]) -> Callable[[Args], None]:
+    def mutate(a: Args) -> None:
+        a[key] = value(a)
+
+    return mutate
+
+
+def _table(b: int, j: int, page: int) -> Callable[[Args], None]:
+    def mutate(a: Args) -> None:
+        t = a["block_table"].clone()
+        t[b, j] = page
+        a["block_table"] = t
+
+    return mutate
+
+
+# -- paged_attention ----------------------------------------------------------------------------
+
+P, BS, HQ, HKV, D = 6, 16, 4, 2, 32
+
+
+def _attention() -> Args:
+    gen = torch.Generator().manual_seed(0)
+    # sequence 0: 20 past + 1 new (2 pages); sequence 1: 3 past + 2 new (1 page, -1 padding)
+    return {"q": torch.randn(3, HQ, D, generator=gen),
+            "key_cache": torch.randn(P, BS, HKV, D, generator=gen),
+            "value_cache": torch.randn(P, BS, HKV, D, generator=gen),
+            "block_table": torch.tensor([[4, 1], [2, -1]], dtype=torch.int32),
+            "cu_seqlens": torch.tensor([0, 1, 3], dtype=torch.int32),
+            "past_lens": torch.tensor([20, 3], dtype=torch.int32),
+            "seqs": torch.tensor([0, 1], dtype=torch.int32),
+            "out": torch.zeros(3, HQ, D), "scale": D ** -0.5, "split": KV_SPLIT}
+
+
+ATTENTION: list[Corruption] = [
+    ("page past the pool", _table(0, 1, P), r"block_table: block_table\[0\]\[1\] = 6 is "
+     r"outside the page pool \[0, 6\)"),
+    ("page far past the pool", _table(1, 0, 1 << 30), r"block_table.*outside the page pool"),
+    ("negative page read", _table(0, 0, -1), r"block_table: block_table\[0\]\[0\] = -1 is "
+     r"outside the page pool"),
+    ("table row too short", _set("past_lens", lambda a: torch.tensor([40, 3], dtype=torch.int32)),
+     r"block_table: sequence 0 has 41 keys and needs 3 pages, its row holds 2"),
+    ("negative past", _set("past_lens", lambda a: torch.tensor([20, -4], dtype=torch.int32)),
+     r"past_lens: past_lens\[1\] = -4 is negative"),
+    ("head ratio", _set("q", lambda a: torch.randn(3, 3, D)), r"q: head ratio: the query heads "
+     r"\(3\) must be a multiple of the kv heads of key_cache \(2\)"),
+    ("q dims", _set("q", lambda a: a["q"].reshape(3, HQ * D)), r"q: must have 3 dimensions"),
+    ("q dtype", _set("q", lambda a: a["q"].bfloat16()), r"q: must be Float \(got BFloat16\)"),
+    ("head size", _set("q", lambda a: torch.randn(3, HQ, 300)), r"q: head size must be in "
+     r"\[1, 256\]"),
+    ("head size of the cache", lambda a: a.update(key_cache=torch.randn(P, BS, HKV, 16),
+                                                  value_cache=torch.randn(P, BS, HKV, 16)),
+     r"key_cache: size\(3\) must equal the head size of q = 32"),
+    ("value shape", _set("value_cache", lambda a: torch.randn(P + 1, BS, HKV, D)),
+     r"value_cache: must have key_cache's shape"),
+    ("value dtype", _set("value_cache", lambda a: a["value_cache"].half()),
+     r"value_cache: must be Float \(got Half\)"),
+    ("cache dtype", lambda a: a.update(key_cache=a["key_cache"].double(),
+                                       value_cache=a["value_cache"].double()),
+     r"key_cache: dtype must be float32, bfloat16, float16, int8 or float8_e4m3fn"),
+    ("cache not contiguous", _set("key_cache", lambda a: a["key_cache"].transpose(1, 2)),
+     r"key_cache: must be contiguous"),
+    ("block size", lambda a: a.update(key_cache=torch.randn(P, 12, HKV, D),
+                                      value_cache=torch.randn(P, 12, HKV, D)),
+     r"key_cache: block size \(size\(1\)\) must be a power of two \(got 12\)"),
+    ("split", _set("split", lambda a: 40), r"split: must be a positive multiple of the block "
+     r"size 16"),
+    ("table dtype", _set("block_table", lambda a: a["block_table"].long()),
+     r"block_table: must be Int \(got Long\)"),
+    ("table dims", _set("block_table", lambda a: a["block_table"].flatten()),
+     r"block_table: must have 2 dimensions"),
+    ("seq out of range", _set("seqs", lambda a: torch.tensor([0, 2], dtype=torch.int32)),
+     r"seqs: seqs\[1\] = 2 is not a sequence of the batch \[0, 2\)"),
+    ("negative seq", _set("seqs", lambda a: torch.tensor([-1], dtype=torch.int32)),
+     r"seqs: seqs\[0\] = -1 is not a sequence"),
+    ("repeated seq", _set("seqs", lambda a: torch.tensor([1, 1], dtype=torch.int32)),
+     r"seqs: sequence 1 is listed twice"),
+    ("cu end", _set("cu_seqlens", lambda a: torch.tensor([0, 1, 9], dtype=torch.int32)),
+     r"cu_seqlens: cu_seqlens\[2\] must equal the number of token rows 3 \(got 9\)"),
+    ("cu decreasing", _set("cu_seqlens", lambda a: torch.tensor([0, 4, 3], dtype=torch.int32)),
+     r"cu_seqlens: must be non-decreasing"),
+    ("cu start", _set("cu_seqlens", lambda a: torch.tensor([1, 2, 3], dtype=torch.int32)),
+     r"cu_seqlens: must start at 0"),
+    ("cu length", _set("cu_seqlens", lambda a: torch.tensor([0, 3], dtype=torch.int32)),
+     r"cu_seqlens: size\(0\) must equal the number of sequences \+ 1 = 3"),
+    ("past length", _set("past_lens", lambda a: torch.tensor([20], dtype=torch.int32)),
+     r"past_lens: size\(0\) must equal the number of sequences"),
+    ("out shape", _set("out", lambda a: torch.zeros(2, HQ, D)), r"out: must have q's shape"),
+    ("out dtype", _set("out", lambda a: torch.zeros(3, HQ, D, dtype=torch.float64)),
+     r"out: must be Float \(got Double\)"),
+]
+
+
+def _run_attention(a: Args) -> None:
+    library().paged_attention(a["q"], a["key_cache"], a["value_cache"], a["block_table"],
+                              a["cu_seqlens"], a["past_lens"], a["seqs"], a["out"], a["scale"],
+                              a["split"])
+
+
+# -- gated delta ---------------------------------------------------------------------------------
+
+S, HK, HV, DK, DV = 4, 2, 4, 8, 8
+
+
+def _gdn(varlen: bool) -> Args:
+    gen = torch.Generator().manual_seed(1)
+    t = 3 if varlen else 2  # varlen: sequence 0 has 2 tokens, sequence 1 has 1
+    a = {"q": torch.randn(t, HK, DK, generator=gen), "k": torch.randn(t, HK, DK, generator=gen),
+         "v": torch.randn(t, HV, DV, generator=gen), "a": torch.randn(t, HV, generator=gen),
+         "b": torch.randn(t, HV, generator=gen), "a_log": torch.randn(HV, generator=gen),
+         "dt_bias": torch.randn(HV, generator=gen), "pool": torch.randn(S, HV, DV, DK,
+                                                                         generator=gen),
+         "slots": torch.tensor([3, 1]), "fresh": torch.tensor([False, True]),
+         "out": torch.zeros(t, HV, DV), "scale": DK ** -0.5}
+    if varlen:
+        a["cu_seqlens"] = torch.tensor([0, 2, 3], dtype=torch.int32)
+    return a
+
+
+def _slots(values: list[int]) -> Callable[[Args], None]:
+    return _set("slots", lambda a: torch.tensor(values))
+
+
+SLOT_CASES: list[Corruption] = [
+    ("slot past the pool", _slots([3, 4]), r"slots: slots\[1\] = 4 is outside the state pool "
+     r"\[0, 4\)"),
+    ("negative slot", _slots([-1, 1]), r"slots: slots\[0\] = -1 is outside the state pool"),
+    ("repeated slot", _slots([2, 2]), r"slots: slot 2 is repeated"),
+    ("slot count", _slots([0]), r"slots: size\(0\) must equal the number of sequences = 2"),
+    ("slot dtype", _set("slots", lambda a: a["slots"].int()), r"slots: must be Long \(got Int\)"),
+    ("fresh dtype", _set("fresh", lambda a: a["fresh"].int()), r"fresh: must be Bool"),
+    ("fresh count", _set("fresh", lambda a: torch.tensor([True])),
+     r"fresh: size\(0\) must equal the number of sequences"),
+]
+
+GDN: list[Corruption] = [
+    *SLOT_CASES,
+    ("head ratio", lambda a: a.update(v=torch.randn(a["v"].shape[0], 3, DV),
+                                      a=torch.randn(a["a"].shape[0], 3),
+                                      b=torch.randn(a["b"].shape[0], 3),
+                                      out=torch.zeros(a["v"].shape[0], 3, DV)),
+     r"v: head ratio: the value heads \(3\) must be a multiple of the key heads of q and k "
+     r"\(2\)"),
+    ("q dims", _set("q", lambda a: a["q"].flatten(1)), r"q: must have 3 dimensions"),
+    ("q dtype", _set("q", lambda a: a["q"].bfloat16()), r"q: must be Float \(got BFloat16\)"),
+    ("k shape", _set("k", lambda a: a["k"][:, :1].contiguous()), r"k: must have q's shape"),
+    ("v rows", _set("v", lambda a: a["v"][:1].contiguous()),
+     r"v: size\(0\) must equal the token rows of q"),
+    ("a shape", _set("a", lambda a: a["a"][:, :2].contiguous()),
+     r"a: size\(1\) must equal the value heads of v"),
+    ("a_log shape", _set("a_log", lambda a: torch.zeros(HV + 1)),
+     r"a_log: size\(0\) must equal the value heads of v"),
+    ("pool head size", _set("pool", lambda a: torch.zeros(S, HV, DV, DK + 1)),
+     r"pool: size\(3\) must equal the key head size of q = 8"),
+    ("pool not contiguous", _set("pool", lambda a: torch.zeros(S, HV, DK, DV).transpose(2, 3)),
+     r"pool: must be contiguous"),
+    ("out shape", _set("out", lambda a: torch.zeros(1, HV, DV)), r"out: must have v's shape"),
+]
+GDN_VARLEN: list[Corruption] = [
+    *GDN,
+    ("cu end", _set("cu_seqlens", lambda a: torch.tensor([0, 2, 5], dtype=torch.int32)),
+     r"cu_seqlens: cu_seqlens\[2\] must equal the number of token rows 3 \(got 5\)"),
+    ("cu decreasing", _set("cu_seqlens", lambda a: torch.tensor([0, 4, 3], dtype=torch.int32)),
+     r"cu_seqlens: must be non-decreasing"),
+    ("cu dtype", _set("cu_seqlens", lambda a: a["cu_seqlens"].long()),
+     r"cu_seqlens: must be Int"),
+]
+
+
+def _run_gdn(a: Args) -> None:
+    names = ["q", "k", "v", "a", "b", "a_log", "dt_bias", "pool", "slots", "fresh"]
+    if "cu_seqlens" in a:
+        library().gated_delta_varlen(*[a[n] for n in names], a["cu_seqlens"], a["out"],
+                                     a["scale"])
+    else:
+        library().gated_delta_decode(*[a[n] for n in names], a["out"], a["scale"])
+
+
+# -- causal conv ---------------------------------------------------------------------------------
+
+C, K = 6, 4
+
+
+def _conv(varlen: bool) -> Args:
+    gen = torch.Generator().manual_seed(2)
+    t = 3 if varlen else 2
+    a = {"x": torch.randn(t, C, generator=gen), "weight": torch.randn(C, K, generator=gen),
+         "bias": torch.randn(C, generator=gen), "pool": torch.randn(S, C, K - 1, generator=gen),
+         "slots": torch.tensor([3, 1]), "fresh": torch.tensor([False, True]),
+         "out": torch.zeros(t, C), "silu": True}
+    if varlen:
+        a["cu_seqlens"] = torch.tensor([0, 2, 3], dtype=torch.int32)
+    return a
+
+
+CONV: list[Corruption] = [
+    *SLOT_CASES,
+    ("x dims", _set("x", lambda a: a["x"][None]), r"x: must be \[T, C\]"),
+    ("x dtype", lambda a: a.update({k: a[k].double() for k in ("x", "weight", "bias", "pool",
+                                                                "out")}),
+     r"x: dtype must be float32, bfloat16 or float16 \(got Double\)"),
+    ("weight dtype", _set("weight", lambda a: a["weight"].bfloat16()),
+     r"weight: must be Float \(got BFloat16\)"),
+    ("weight channels", _set("weight", lambda a: torch.randn(C + 1, K)),
+     r"weight: size\(0\) must equal the channels of x = 6"),
+    ("bias channels", _set("bias", lambda a: torch.randn(C - 1)),
+     r"bias: size\(0\) must equal the channels of x"),
+    ("pool width", _set("pool", lambda a: torch.randn(S, C, K)),
+     r"pool: size\(2\) must equal the kernel width - 1 = 3"),
+    ("pool not contiguous", _set("pool", lambda a: torch.randn(S, K - 1, C).transpose(1, 2)),
+     r"pool: must be contiguous"),
+    ("out shape", _set("out", lambda a: torch.zeros(1, C)), r"out: must have x's shape"),
+]
+CONV_VARLEN: list[Corruption] = [
+    *CONV,
+    ("cu end", _set("cu_seqlens", lambda a: torch.tensor([0, 1, 2], dtype=torch.int32)),
+     r"cu_seqlens: cu_seqlens\[2\] must equal the number of token rows 3 \(got 2\)"),
+    ("cu length", _set("cu_seqlens", lambda a: torch.tensor([0, 3], dtype=torch.int32)),
+     r"slots: size\(0\) must equal the number of sequences = 1"),
+]
+
+
+def _run_conv(a: Args) -> None:
+    names = ["x", "weight", "bias", "pool", "slots", "fresh"]
+    if "cu_seqlens" in a:
+        library().causal_conv_varlen(*[a[n] for n in names], a["cu_seqlens"], a["out"],
+                                     a["silu"])
+    else:
+        library().causal_conv_decode(*[a[n] for n in names], a["out"], a["silu"])
+
+
+# -- linear and pointwise ------------------------------------------------------------------------
+
+
+def _linear() -> Args:
+    gen = torch.Generator().manual_seed(3)
+    return {"x": torch.randn(3, 20, generator=gen), "w": torch.randn(5, 20, generator=gen),
+            "out": torch.zeros(3, 5)}
+
+
+LINEAR: list[Corruption] = [
+    ("x dtype", _set("x", lambda a: a["x"].double()),
+     r"x: dtype must be float32, bfloat16 or float16 \(got Double\)"),
+    ("x dims", _set("x", lambda a: a["x"].flatten()), r"x: must be \[M, K\]"),
+    ("w dtype", _set("w", lambda a: a["w"].double()),
+     r"w: dtype must be x's \(Float\), or bfloat16 / float16 with float32 x \(got Double\)"),
+    ("w dtype under bf16 x", lambda a: a.update(x=a["x"].bfloat16(), out=a["out"].bfloat16()),
+     r"w: dtype must be x's \(BFloat16\).*\(got Float\)"),
+    ("w columns", _set("w", lambda a: torch.randn(5, 21)),
+     r"w: size\(1\) must equal the columns K of x = 20"),
+    ("out dtype", _set("out", lambda a: a["out"].bfloat16()),
+     r"out: must be Float \(got BFloat16\)"),
+    ("out rows", _set("out", lambda a: torch.zeros(4, 5)),
+     r"out: size\(0\) must equal the rows M of x = 3"),
+    ("out columns", _set("out", lambda a: torch.zeros(3, 6)),
+     r"out: size\(1\) must equal the rows N of w = 5"),
+    ("w not contiguous", _set("w", lambda a: torch.randn(20, 5).t()), r"w: must be contiguous"),
+    ("x not contiguous", _set("x", lambda a: torch.randn(20, 3).t()), r"x: must be contiguous"),
+]
+
+
+def _run_linear(a: Args) -> None:
+    library().linear_invariant(a["x"], a["w"], a["out"])
+
+
+def _pointwise() -> Args:
+    return {"x": torch.randn(4, 7, generator=torch.Generator().manual_seed(4)),
+            "out": torch.zeros(4, 7)}
+
+
+POINTWISE: list[Corruption] = [
+    ("numel", _set("out", lambda a: torch.zeros(27)), r"out: must have x's 28 elements"),
+    ("dtype", _set("x", lambda a: a["x"].half()), r"x: must be Float \(got Half\)"),
+    ("out not contiguous", _set("out", lambda a: torch.zeros(7, 4).t()),
+     r"out: must be contiguous"),
+]
+
+OPS: dict[str, tuple[Callable[[], Args], Callable[[Args], None], list[Corruption], str]] = {
+    "paged_attention": (_attention, _run_attention, ATTENTION, "out"),
+    "gated_delta_decode": (lambda: _gdn(False), _run_gdn, GDN, "pool"),
+    "gated_delta_varlen": (lambda: _gdn(True), _run_gdn, GDN_VARLEN, "pool"),
+    "causal_conv_decode": (lambda: _conv(False), _run_conv, CONV, "pool"),
+    "causal_conv_varlen": (lambda: _conv(True), _run_conv, CONV_VARLEN, "pool"),
+    "linear_invariant": (_linear, _run_linear, LINEAR, "out"),
+    "linear": (_linear, lambda a: library().linear(a["x"], a["w"], a["out"]), LINEAR, "out"),
+    "silu_invariant": (_pointwise, lambda a: library().silu_invariant(a["x"], a["out"]),
+                       POINTWISE, "out"),
+    "sigmoid_invariant": (_pointwise, lambda a: library().sigmoid_invariant(a["x"], a["out"]),
+                          POINTWISE, "out"),
+}
+CASES = [(op, case) for op, (_, _, cases, _) in OPS.items() for case in cases]
+
+
+def _good(op: str) -> tuple[Args, torch.Tensor]:
+    make, run, _, result = OPS[op]
+    a = make()
+    run(a)
+    return a, a[result].clone()
+
+
+@pytest.mark.parametrize(("op", "case"), CASES, ids=[f"{op}-{c[0]}" for op, c in CASES])
+def test_bad_input_is_refused_by_name(op: str, case: Corruption) -> None:
+    make, run, _, result = OPS[op]
+    _, want = _good(op)
+    name, mutate, message = case
+    a = make()
+    before = {k: v.clone() for k, v in a.items() if isinstance(v, torch.Tensor)}
+    mutate(a)
+    written = {k: v.clone() for k, v in a.items() if isinstance(v, torch.Tensor)}
+    with pytest.raises(ValueError, match=rf"^pagedhybrid\.{op}: {message}"):
+        run(a)
+    for k, v in a.items():  # refused before anything was written
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(v, written[k]), (name, k)
+    # the process goes on: a good call after gives the same result
+    good = make()
+    for k, v in before.items():
+        assert torch.equal(good[k], v)
+    run(good)
+    assert torch.equal(good[result], want), name
+
+
+def test_padding_after_the_pages_a_sequence_reads_is_allowed() -> None:
+    """-1 (or garbage) entries past ceil(total / bs) are never read, so never checked."""
+    a = _attention()
+    a["block_table"] = torch.tensor([[4, 1, -1, 99], [2, -7, 1 << 30, -1]], dtype=torch.int32)
+    _run_attention(a)
+    want, _ = _good("paged_attention")
+    assert torch.equal(a["out"], want["out"])
+    # a sequence not listed in seqs reads nothing: its row is not checked either
+    b = _attention()
+    b["block_table"] = torch.tensor([[4, 1], [-5, 77]], dtype=torch.int32)
+    b["seqs"] = torch.tensor([0], dtype=torch.int32)
+    _run_attention(b)
+    assert torch.equal(b["out"][:1], want["out"][:1]) and not b["out"][1:].any()
+
+
+def test_every_exported_op_is_covered() -> None:
+    import re
+
+    from pagedhybrid.kernels.native import CSRC
+
+    defs = set()
+    for path in CSRC.glob("*.cpp"):
+        defs |= set(re.findall(r'm\.def\(\s*"(\w+)\(', path.read_text()))
+    info = {"cpu_form", "bf16_dot", "vector_lanes"}  # no arguments
+    assert defs - info == set(OPS), defs
