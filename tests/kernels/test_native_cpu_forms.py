@@ -386,3 +386,38 @@ def test_calls_from_many_python_threads_at_once() -> None:
     finally:
         torch.set_num_threads(threads_before)
     assert not bad
+
+
+@pytest.mark.parametrize("form", HERE)
+def test_the_engine_multiplies_with_the_forms_preferred_linear(form: str, tmp_path) -> None:
+    """A bf16 model on the native bundle projects with ``dense.linear`` where the form has no
+    BF16 dot instructions (torch's GEMM where it has), says so at start, and scores what the
+    torch bundle scores."""
+    import dataclasses
+
+    from pagedhybrid.engine import Engine, EngineConfig
+    from pagedhybrid.models.qwen35 import load
+    from pagedhybrid.models.qwen35.synthetic import (
+        random_weights,
+        tiny_byte_config,
+        write_checkpoint,
+    )
+
+    cfg = dataclasses.replace(tiny_byte_config(), num_hidden_layers=2,
+                              layer_types=("linear_attention", "full_attention"),
+                              tie_word_embeddings=False)
+    write_checkpoint(tmp_path, cfg, random_weights(cfg, seed=3))
+    prompt, completion = list(range(5, 40)), list(range(60, 72))
+    ref = Engine(load(tmp_path, dtype=torch.bfloat16), EngineConfig(backend="torch"))
+    want = torch.tensor(ref.score([prompt], [completion])[0])
+    with forced(form):
+        engine = Engine(load(tmp_path, dtype=torch.bfloat16), EngineConfig(backend="native"))
+        widen = form != "avx512_bf16"
+        mms = {m.matmul for m in engine.model.modules() if hasattr(m, "matmul")}
+        assert mms == ({dense.linear} if widen else {None})
+        summary = engine.runner.kernel_summary()
+        assert f"CPU form {native.FORM_DESCRIPTIONS[form]}" in summary, summary
+        assert summary.endswith("projections: dense.linear" if widen else
+                                "projections: torch"), summary
+        got = torch.tensor(engine.score([prompt], [completion])[0])
+    assert torch.allclose(got, want, atol=0.1, rtol=0), (got - want).abs().max()

@@ -212,7 +212,7 @@ def run_main(args: argparse.Namespace) -> int:
         f"Gated DeltaNet), {engine.blocks.capacity} KV pages x {engine.blocks.block_size} "
         f"tokens, {engine.states.capacity} state slots, budget "
         f"{engine.config.max_num_batched_tokens} tokens/step, "
-        f"max {engine.config.max_num_seqs} running; kernels: {engine.kernels.reason}")
+        f"max {engine.config.max_num_seqs} running; kernels: {engine.runner.kernel_summary()}")
     tracks = _serve_demo(engine, console)
     _report(engine, tracks, console, Table)
     ok = engine.blocks.num_free == engine.blocks.capacity and \

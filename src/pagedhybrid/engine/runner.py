@@ -45,6 +45,7 @@ from pagedhybrid.engine.scheduler import SchedulerOutput
 from pagedhybrid.engine.stats import EngineStats
 from pagedhybrid.errors import ContractViolation
 from pagedhybrid.kernels.backend import Needs, Selection, select
+from pagedhybrid.kernels.native import cpu_form
 from pagedhybrid.kernels.step import StepMetadata
 from pagedhybrid.kvquant import (
     KVScales,
@@ -148,6 +149,16 @@ class ModelRunner:
             kv_scales=self._kv_scales(kvd) if is_quantized(kvd) else None)
         model.check_cache(self.cache)  # once: steps pass their validated metadata
 
+
+    def kernel_summary(self) -> str:
+        """What runs: the bundle and why, the native kernels' CPU form, the projections."""
+        parts = [self.kernels.reason]
+        if self.kernels.backend.name.startswith("native"):
+            parts.append(f"CPU form {cpu_form()}")
+        mm = self.kernels.backend.linear_for(self.model.dtype)
+        parts.append("projections: " + ("torch" if mm is None else
+                                        f"{mm.__module__.rsplit('.', 1)[-1]}.{mm.__name__}"))
+        return "; ".join(parts)
     def _kv_scales(self, kvd: torch.dtype) -> dict[int, KVScales]:
         cfg, mc = self.config, self.model.config
         path = cfg.kv_scales

@@ -4,8 +4,9 @@ A ``Backend`` (a kernel bundle) holds, for one implementation family:
 
 * the model's step seam -- ``attention``, ``causal_conv``, ``gated_delta``: one layer's operator
   on a validated ``StepMetadata``, with KV pages and conv / recurrent state pools updated in place
-  (signatures in ``kernels/cpu/step.py``), ``linear`` (every projection and the LM head; None =
-  ``torch.nn.functional.linear``) and ``pointwise`` (silu and sigmoid: torch's by default);
+  (signatures in ``kernels/cpu/step.py``), ``linear_for(dtype)`` (what every projection and the
+  LM head multiply with in a ``dtype`` model; None = ``torch.nn.functional.linear``) and
+  ``pointwise`` (silu and sigmoid: torch's by default);
 * the three operator contracts with the signatures of ``pagedhybrid.ops`` (``ops``), each
   validating its call fully (contract entry points); ``contract_id`` names its PagedAttention in
   attention-contract dispatch;
@@ -216,6 +217,13 @@ def _always() -> str | None:
     return None
 
 
+LinearFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _torch_linear(dtype: torch.dtype) -> LinearFn | None:
+    return None
+
+
 @dataclass(frozen=True)
 class Backend:
     """One kernel bundle (see the module docstring)."""
@@ -229,7 +237,7 @@ class Backend:
     gated_delta: Callable[..., torch.Tensor]
     ops: ContractOps
     available: Callable[[], str | None] = field(default=_always)
-    linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    linear_for: Callable[[torch.dtype], LinearFn | None] = field(default=_torch_linear)
     pointwise: Pointwise = TORCH_POINTWISE
 
     @property

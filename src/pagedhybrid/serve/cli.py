@@ -78,8 +78,9 @@ def serve_main(args: argparse.Namespace) -> int:
     except PagedHybridError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    kernels = state.loop.engine.runner.kernel_summary()
     print(f"pagedhybrid serve: {state.model_name} on http://{args.host}:{args.port} "
-          f"(max_model_len {state.max_model_len}; kernels: {state.loop.engine.kernels.reason})",
+          f"(max_model_len {state.max_model_len}; kernels: {kernels})",
           file=sys.stderr, flush=True)
     # uvicorn cancels what still runs at its own deadline (a traceback per connection), so the
     # engine fails the in-flight requests at ``--shutdown-timeout`` and the handlers get a

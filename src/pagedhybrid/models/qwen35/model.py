@@ -148,12 +148,13 @@ class Qwen35ForCausalLM(nn.Module):
 
     @backend.setter
     def backend(self, value: Backend) -> None:
-        """The kernel bundle of every layer: its step seam, its ``linear`` for every
-        projection and the LM head, and its ``pointwise`` silu / sigmoid."""
+        """The kernel bundle of every layer: its step seam, its ``linear_for(dtype)`` for
+        every projection and the LM head, and its ``pointwise`` silu / sigmoid."""
         self._backend = value
+        matmul = value.linear_for(self.dtype)
         for m in self.modules():
             if hasattr(m, "matmul"):
-                m.matmul = value.linear
+                m.matmul = matmul
             if hasattr(m, "pointwise"):
                 m.pointwise = value.pointwise
 
