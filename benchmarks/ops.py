@@ -612,8 +612,8 @@ def main(argv: list[str] | None = None) -> int:
                     "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE", ""),
                     "onnxruntime": ort.__version__, **bw},
         "args": {k: str(v) for k, v in vars(args).items()},
-        "capabilities": {op: c.describe() for op, c in cpu.CAPABILITIES.items()},
-        "native_capabilities": {op: c.describe() for op, c in native.CAPABILITIES.items()},
+        "capabilities": {op: c.describe() for op, c in cpu.COVERAGE.items()},
+        "native_capabilities": {op: c.describe() for op, c in native.COVERAGE.items()},
     }
     print(f"# threads={args.threads}  THP_MEM_ALLOC_ENABLE="
           f"{os.environ.get('THP_MEM_ALLOC_ENABLE', '')}  copy {bw['copy_gbps']:.1f} GB/s "

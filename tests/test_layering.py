@@ -218,12 +218,9 @@ def test_no_import_cycles_at_module_level() -> None:
 
 
 _PROBE = """
-import importlib, json, sys, types
-src, stub, names = sys.argv[1], sys.argv[2] == "1", json.loads(sys.argv[3])
-if stub:  # a bare root package: pagedhybrid/__init__.py imports the engine
-    root = types.ModuleType("pagedhybrid")
-    root.__path__ = [src + "/pagedhybrid"]
-    sys.modules["pagedhybrid"] = root
+import importlib, json, sys
+sys.path.insert(0, sys.argv[1])
+names = json.loads(sys.argv[2])
 for name in names:
     importlib.import_module(name)
 print(json.dumps(sorted(n for n in sys.modules if n.split(".")[0] == "pagedhybrid")))
@@ -234,11 +231,18 @@ print(json.dumps(sorted(n for n in sys.modules if n.split(".")[0] == "pagedhybri
 def test_each_layer_imports_alone_without_a_later_layer(layer: str) -> None:
     names = [m for m in modules() if layer_of(m) == layer and m != "pagedhybrid"]
     assert PACKAGES[layer] in names
-    stub = LAYERS.index(layer) < LAYERS.index("engine")
-    done = subprocess.run([sys.executable, "-c", _PROBE, str(SRC), "1" if stub else "0",
-                           json.dumps(names)], capture_output=True, text=True, timeout=600,
-                          check=False)
+    done = subprocess.run([sys.executable, "-c", _PROBE, str(SRC), json.dumps(names)],
+                          capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
     loaded = json.loads(done.stdout.strip().splitlines()[-1])
     later = [m for m in loaded if m != "pagedhybrid" and rank(m) > LAYERS.index(layer)]
     assert not later, f"importing the {layer} layer alone loaded later layers: {later}"
+
+
+def test_the_root_package_loads_the_engine_only_when_asked() -> None:
+    probe = ("import sys, pagedhybrid; a = sorted(m for m in sys.modules if m.startswith("
+             "'pagedhybrid.')); e = pagedhybrid.Engine; print(a, e.__module__)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=600, check=True)
+    loaded, where = done.stdout.strip().rsplit(" ", 1)
+    assert loaded == "['pagedhybrid.errors']" and where == "pagedhybrid.engine.engine", done.stdout

@@ -1,24 +1,37 @@
-"""pagedhybrid: packed, paged attention for hybrid GatedDeltaNet / full-attention decoders."""
+"""pagedhybrid: packed, paged attention for hybrid GatedDeltaNet / full-attention decoders.
+
+The engine names below are imported on first use (``pagedhybrid.LLM``), so that importing a
+light part of the package -- the op contracts, the errors, the CLI's argument parsing -- does not
+load the engine, the model and the kernels.
+"""
 
 from __future__ import annotations
 
-from pagedhybrid.engine import (
-    LLM,
-    BlockPool,
-    Engine,
-    EngineConfig,
-    InvalidRequest,
-    RequestOutput,
-    SamplingParams,
-    Scheduler,
-    StatePool,
-)
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
 from pagedhybrid.errors import (
     CapacityError,
     ContractViolation,
     PagedHybridError,
     UnsupportedConfiguration,
 )
+
+if TYPE_CHECKING:
+    from pagedhybrid.engine import (
+        LLM,
+        BlockPool,
+        Engine,
+        EngineConfig,
+        InvalidRequest,
+        RequestOutput,
+        SamplingParams,
+        Scheduler,
+        StatePool,
+    )
+
+_ENGINE_NAMES = frozenset({"LLM", "BlockPool", "Engine", "EngineConfig", "InvalidRequest",
+                           "RequestOutput", "SamplingParams", "Scheduler", "StatePool"})
 
 __all__ = [
     "LLM",
@@ -36,3 +49,9 @@ __all__ = [
     "UnsupportedConfiguration",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name in _ENGINE_NAMES:
+        return getattr(import_module("pagedhybrid.engine"), name)
+    raise AttributeError(f"module 'pagedhybrid' has no attribute {name!r}")

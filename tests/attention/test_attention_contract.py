@@ -16,8 +16,8 @@ from contract_builders import (
     single_rank_sharding,
 )
 
+from pagedhybrid.attention.capability import AttentionBackendCapability
 from pagedhybrid.attention.contract import (
-    AttentionBackendCapability,
     AttentionContract,
     AttentionContractError,
     KVCacheSpec,

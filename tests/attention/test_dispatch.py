@@ -21,8 +21,8 @@ from pagedhybrid.attention.backends import (
     build_default_registry,
     torch_varlen_attention,
 )
+from pagedhybrid.attention.capability import AttentionBackendCapability
 from pagedhybrid.attention.contract import (
-    AttentionBackendCapability,
     AttentionContract,
     ReductionSpec,
     RoPESpec,

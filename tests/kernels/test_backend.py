@@ -68,7 +68,8 @@ def test_one_registry_holds_the_bundles_and_their_batch_invariance() -> None:
     """The model's bundles are the kernel registry's backends: contract dispatch and the model's
     selection read the same capabilities (the contract one derived from the bundle's)."""
     from pagedhybrid.attention.backends import build_default_registry
-    from pagedhybrid.attention.contract import AttentionBackendCapability, ReductionSpec
+    from pagedhybrid.attention.capability import AttentionBackendCapability
+    from pagedhybrid.attention.contract import ReductionSpec
 
     reg = build_default_registry()
     steps = {b.step.name: b for b in reg.backends if b.step is not None}

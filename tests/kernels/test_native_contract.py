@@ -2,7 +2,7 @@
 
 Each recipe runs through ``kernels.native.contract`` and the torch reference on the same inputs:
 outputs within the dtype's tolerance, caches bitwise equal. Calls the native kernels cannot serve
-are handed to the torch kernels -- declared in ``CAPABILITIES`` and visible in ``last_path`` --
+are handed to the torch kernels -- declared in ``COVERAGE`` and visible in ``last_path`` --
 and every op must run natively on the recipes of the model's form. Corrupted calls raise the
 contract's ``ContractViolation`` naming the port.
 """
@@ -121,7 +121,7 @@ def test_model_form_runs_natively_and_the_rest_is_declared() -> None:
     inputs, pattrs = pa_ref.make_inputs(softcap, torch.float32, seed=1)
     contract.paged_attention(*inputs, **pattrs)
     assert contract.last_path("paged_attention") == "torch"
-    assert "softcap" in " ".join(contract.CAPABILITIES["com.microsoft.PagedAttention"].delegated)
+    assert "softcap" in " ".join(contract.COVERAGE["com.microsoft.PagedAttention"].delegated)
     # over the recipes above, every op ran natively on some and was handed over on others
     for op in ("paged_attention", "gated_delta_net", "varlen_causal_conv"):
         assert PATHS.get(op, set()) >= {"native", "torch"}, (op, PATHS.get(op))

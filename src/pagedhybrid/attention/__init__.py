@@ -14,8 +14,8 @@
 
 from __future__ import annotations
 
+from pagedhybrid.attention.capability import AttentionBackendCapability
 from pagedhybrid.attention.contract import (
-    AttentionBackendCapability,
     AttentionContract,
     AttentionContractError,
     KVCacheSpec,

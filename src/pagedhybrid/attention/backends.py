@@ -37,7 +37,8 @@ from typing import Any
 
 import torch
 
-from pagedhybrid.attention.contract import AttentionBackendCapability, AttentionContract
+from pagedhybrid.attention.capability import AttentionBackendCapability
+from pagedhybrid.attention.contract import AttentionContract
 from pagedhybrid.attention.registry import AttentionRegistry
 from pagedhybrid.dtypes import to_torch
 from pagedhybrid.errors import ContractViolation, UnsupportedConfiguration

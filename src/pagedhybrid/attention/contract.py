@@ -18,8 +18,9 @@ Objects (frozen dataclasses, validated at construction, JSON round-trip via ``to
 * ``RoPESpec``       -- RoPE state of Q / K / cached K, theta, rotary_dim, positions, cast point
   and the fused/unfused RoPE+Attention boundary.
 * ``AttentionContract`` -- role, mode, dtype, causal metadata and the objects above.
-* ``AttentionBackendCapability`` -- what a backend truthfully supports; ``incompatibilities``
-  lists every reason a contract is out of reach (defined in ``capability``, re-exported here).
+
+What a backend truthfully supports, and why a contract is out of its reach, is
+``pagedhybrid.attention.capability`` (which reads contracts; this module does not read it).
 
 Causal semantics (all modes): query row ``i`` (in-sequence index) of sequence ``b`` has logical
 position ``causal_offsets[b] + i`` and attends to keys of the same sequence whose logical position
@@ -33,7 +34,6 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from pagedhybrid.attention.capability import AttentionBackendCapability
 from pagedhybrid.attention.fields import (
     AttentionContractError,
     AttentionDType,
@@ -54,7 +54,7 @@ from pagedhybrid.attention.fields import (
 from pagedhybrid.attention.kv_cache import KVCacheSpec
 
 __all__ = [
-    "AttentionBackendCapability", "AttentionContract", "AttentionContractError",
+    "AttentionContract", "AttentionContractError",
     "AttentionDType", "AttentionMerge", "AttentionMode", "AttentionRole", "DowncastPoint",
     "ImplementationKind", "KVCacheSpec", "PartialState", "ReductionEngine", "ReductionOrder",
     "ReductionSpec", "RoPECastPoint", "RoPEFusionBoundary", "RoPESpec", "RoPEState",

@@ -37,7 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedhybrid.attention.contract import AttentionBackendCapability, AttentionContract
+from pagedhybrid.attention.capability import AttentionBackendCapability
+from pagedhybrid.attention.contract import AttentionContract
 from pagedhybrid.attention.fields import ImplementationKind
 from pagedhybrid.errors import UnsupportedConfiguration
 from pagedhybrid.kernels.registry import Backend, format_rejections

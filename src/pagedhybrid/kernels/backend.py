@@ -73,7 +73,7 @@ def _native_available() -> str | None:
 
 def _declare() -> KernelRegistry:
     native_ops = ContractOps(native_contract.paged_attention, native_contract.varlen_causal_conv,
-                             native_contract.gated_delta_net)
+                             native_contract.gated_delta_net, native_contract.COVERAGE)
     native_pages = (*native_contract.NATIVE_DTYPES, *native_contract.QUANT_CACHES)
     return KernelRegistry((
         Backend(
@@ -98,7 +98,8 @@ def _declare() -> KernelRegistry:
             BundleCapability(_TORCH_DTYPES, (*_TORCH_DTYPES, *_QUANT), in_place_state=True,
                              state_checkpoints=True),
             cpu_step.attention, cpu_step.causal_conv, cpu_step.gated_delta,
-            ContractOps(cpu.paged_attention, cpu.varlen_causal_conv, cpu.gated_delta_net)),
+            ContractOps(cpu.paged_attention, cpu.varlen_causal_conv, cpu.gated_delta_net,
+                        cpu.COVERAGE)),
         Backend(
             "reference", "op references (pagedhybrid.ops), exact, slow",
             "paged_attention_reference",

@@ -8,7 +8,9 @@ A ``Backend`` (a kernel bundle) holds, for one implementation family:
   LM head multiply with in a ``dtype`` model; None = ``torch.nn.functional.linear``) and
   ``pointwise`` (silu and sigmoid: torch's by default);
 * the three operator contracts with the signatures of ``pagedhybrid.ops`` (``ops``), each
-  validating its call fully (contract entry points); ``contract_id`` names its PagedAttention in
+  validating its call fully (contract entry points), with ``ops.coverage``: per op type an
+  ``OpCoverage`` -- the dtypes and contract features its fast path computes, and each feature it
+  hands to the reference on purpose, with why; ``contract_id`` names its PagedAttention in
   attention-contract dispatch;
 * ``capability`` -- a ``BundleCapability``, the one declaration of what it serves (below);
 * ``available()`` -- why it cannot run in this process (None: it can), e.g. the prebuilt native
@@ -41,14 +43,14 @@ imports nothing above the kernels layer.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from pagedhybrid.dtypes import lookup
+from pagedhybrid.dtypes import logical_name, lookup
 from pagedhybrid.errors import ContractViolation, UnsupportedConfiguration
 
 AUTO = "auto"
@@ -61,12 +63,42 @@ def dtype_name(dtype: torch.dtype) -> str:
     return et.cli or et.logical
 
 
+@dataclass(frozen=True)
+class OpCoverage:
+    """What one fast kernel of an operator contract computes itself, and what it hands to the
+    reference on purpose (never a silent fallback: the kernel routes those calls explicitly).
+
+    ``dtypes``: activation element types the fast path computes (float32 accumulation always).
+    ``features``: contract features the fast path implements itself.
+    ``delegated``: feature -> why it is routed to the reference instead (explicit, documented).
+    ``paths``: the compute paths and when each is taken.
+    """
+
+    op: str
+    dtypes: tuple[torch.dtype, ...]
+    features: tuple[str, ...]
+    delegated: dict[str, str] = field(default_factory=dict)
+    paths: dict[str, str] = field(default_factory=dict)
+
+    def supports(self, feature: str) -> bool:
+        """True when ``feature`` runs on the fast path (False: delegated or unknown)."""
+        return feature in self.features and feature not in self.delegated
+
+    def describe(self) -> dict[str, object]:
+        """JSON-able summary (for ``pagedhybrid kernels`` and benchmark reports)."""
+        return {"op": self.op, "dtypes": [logical_name(d) for d in self.dtypes],
+                "features": list(self.features), "delegated": dict(self.delegated),
+                "paths": dict(self.paths)}
+
+
 class ContractOps(NamedTuple):
-    """The three operator contracts (signatures of ``pagedhybrid.ops``)."""
+    """The three operator contracts (signatures of ``pagedhybrid.ops``) and, per op type, what
+    each fast kernel covers (``coverage``; absent: the op is the reference, covering all)."""
 
     paged_attention: Callable[..., tuple[Any, ...]]
     varlen_causal_conv: Callable[..., tuple[Any, ...]]
     gated_delta_net: Callable[..., tuple[Any, ...]]
+    coverage: Mapping[str, OpCoverage] = {}
 
 
 class Pointwise(NamedTuple):
@@ -269,6 +301,7 @@ class Backend:
                 "contract_id": self.contract_id,
                 "dtypes": [dtype_name(d) for d in self.dtypes],
                 "features": sorted(self.features), "batch_invariant": self.batch_invariant,
+                "op_coverage": {op: c.describe() for op, c in self.ops.coverage.items()},
                 "capability": self.capability.describe(), "unavailable": self.available()}
 
 

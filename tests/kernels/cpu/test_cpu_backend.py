@@ -16,15 +16,22 @@ pa_ref = importlib.import_module("pagedhybrid.ops.paged_attention")
 conv_ref = importlib.import_module("pagedhybrid.ops.varlen_causal_conv")
 
 
-def test_capabilities_cover_every_op_and_delegate_nothing_silently() -> None:
-    assert set(cpu.CAPABILITIES) == {"com.microsoft.PagedAttention",
-                                     "com.microsoft.VarlenCausalConvWithState",
-                                     "com.microsoft.GatedDeltaNet"}
-    for cap in cpu.CAPABILITIES.values():
+def test_coverage_names_every_op_and_delegates_nothing_silently() -> None:
+    from pagedhybrid.kernels.backend import REGISTRY
+
+    ops = {"com.microsoft.PagedAttention", "com.microsoft.VarlenCausalConvWithState",
+           "com.microsoft.GatedDeltaNet"}
+    assert set(cpu.COVERAGE) == ops
+    # the one registry carries each fast bundle's op coverage (the reference covers all)
+    assert REGISTRY.bundle("torch").ops.coverage is cpu.COVERAGE
+    assert set(REGISTRY.bundle("native").ops.coverage) == ops
+    assert REGISTRY.bundle("reference").ops.coverage == {}
+    assert set(REGISTRY.bundle("native").describe()["op_coverage"]) == ops
+    for cap in cpu.COVERAGE.values():
         json.dumps(cap.describe())
         assert cap.delegated == {}  # every contract feature runs on the fast path
         assert torch.float32 in cap.dtypes and torch.bfloat16 in cap.dtypes
-    pa = cpu.CAPABILITIES["com.microsoft.PagedAttention"]
+    pa = cpu.COVERAGE["com.microsoft.PagedAttention"]
     assert pa.supports("softcap") and pa.supports("head_sink") and pa.supports("do_rotary")
     assert not pa.supports("quantized_cache")
 

@@ -9,22 +9,21 @@
 
 Each function is registered against its op's ``SPEC`` (``SPEC.implement("torch")``): it takes the
 spec's one signature, receives the ``BoundCall`` and validates it with that op's
-``validate_call``; ``CAPABILITIES`` says what each fast path covers (nothing is delegated
+``validate_call``; ``COVERAGE`` says what each fast path covers (nothing is delegated
 silently). ``step.py`` holds the model's step seam on these kernels (the ``torch`` backend of
 ``pagedhybrid.kernels.backend``).
 """
 
 from __future__ import annotations
 
-from pagedhybrid.kernels.cpu.capability import KernelCapability
-from pagedhybrid.kernels.cpu.gated_delta_net import CAPABILITY as _GDN
+from pagedhybrid.kernels.cpu.gated_delta_net import COVERAGE as _GDN
 from pagedhybrid.kernels.cpu.gated_delta_net import gated_delta_net
-from pagedhybrid.kernels.cpu.paged_attention import CAPABILITY as _PA
+from pagedhybrid.kernels.cpu.paged_attention import COVERAGE as _PA
 from pagedhybrid.kernels.cpu.paged_attention import paged_attention
-from pagedhybrid.kernels.cpu.varlen_causal_conv import CAPABILITY as _CONV
+from pagedhybrid.kernels.cpu.varlen_causal_conv import COVERAGE as _CONV
 from pagedhybrid.kernels.cpu.varlen_causal_conv import varlen_causal_conv
 
-__all__ = ["CAPABILITIES", "KernelCapability", "gated_delta_net", "paged_attention",
+__all__ = ["COVERAGE", "gated_delta_net", "paged_attention",
            "varlen_causal_conv"]
 
-CAPABILITIES: dict[str, KernelCapability] = {c.op: c for c in (_PA, _CONV, _GDN)}
+COVERAGE = {c.op: c for c in (_PA, _CONV, _GDN)}

@@ -43,7 +43,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from pagedhybrid.kernels.cpu.capability import KernelCapability
+from pagedhybrid.kernels.registry import OpCoverage
 from pagedhybrid.ops.gated_delta_net import (
     _DELTA,
     _GATED,
@@ -55,14 +55,14 @@ from pagedhybrid.ops.gated_delta_net import (
 )
 from pagedhybrid.ops.spec import BoundCall
 
-__all__ = ["CAPABILITY", "compute", "forward", "gated_delta_net"]
+__all__ = ["COVERAGE", "compute", "forward", "gated_delta_net"]
 
 CHUNK = 64
 CHUNK_PER_KEY = 16  # per-key decay materialises [C, C, Dk] decay tensors per head
 DECODE_BLOCK_BYTES = 2 << 20
 GROUP_TOKENS = 1024  # chunk tokens whose state-independent operands are precomputed at once
 
-CAPABILITY = KernelCapability(
+COVERAGE = OpCoverage(
     op="com.microsoft.GatedDeltaNet",
     dtypes=(torch.float32, torch.bfloat16, torch.float16, torch.float64),
     features=("update_rule:linear", "update_rule:gated", "update_rule:delta",

@@ -55,8 +55,8 @@ from collections.abc import Sequence
 
 import torch
 
-from pagedhybrid.kernels.cpu.capability import KernelCapability
 from pagedhybrid.kernels.lse import NEG_INF, fold_left, merge_states
+from pagedhybrid.kernels.registry import OpCoverage
 from pagedhybrid.kvquant import is_quantized, quantize, query_scales, scatter_rows
 from pagedhybrid.ops.paged_attention import (
     SPEC,
@@ -67,13 +67,13 @@ from pagedhybrid.ops.paged_attention import (
 )
 from pagedhybrid.ops.spec import BoundCall
 
-__all__ = ["CAPABILITY", "TileContext", "attend_decode", "attend_prefill", "compute",
+__all__ = ["COVERAGE", "TileContext", "attend_decode", "attend_prefill", "compute",
            "paged_attention"]
 
 TILE_BYTES = 1 << 20  # K+V bytes (cache type) gathered per decode tile (~L2 size)
 _SDPA = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
-CAPABILITY = KernelCapability(
+COVERAGE = OpCoverage(
     op="com.microsoft.PagedAttention",
     dtypes=(torch.float32, torch.bfloat16, torch.float16, torch.float64),
     features=("decode", "prefill", "chunked_prefill", "gqa", "packed_qkv", "slot_mapping",

@@ -20,15 +20,15 @@ from __future__ import annotations
 
 import torch
 
-from pagedhybrid.kernels.cpu.capability import KernelCapability
+from pagedhybrid.kernels.registry import OpCoverage
 from pagedhybrid.ops.spec import BoundCall
 from pagedhybrid.ops.varlen_causal_conv import SPEC, ConvDims, validate_call
 
-__all__ = ["CAPABILITY", "compute", "varlen_causal_conv"]
+__all__ = ["COVERAGE", "compute", "varlen_causal_conv"]
 
 ROW_BLOCK = 256
 
-CAPABILITY = KernelCapability(
+COVERAGE = OpCoverage(
     op="com.microsoft.VarlenCausalConvWithState",
     dtypes=(torch.float32, torch.bfloat16, torch.float16, torch.float64),
     features=("activation:none", "activation:silu/swish", "bias", "dilation", "kernel_size>=1",

@@ -6,7 +6,7 @@ and receives the ``BoundCall``. Each call is validated once by its contract's ``
 (a corrupted call raises ``ContractViolation`` naming the port), then runs natively when the
 native kernel implements every feature the call uses; otherwise the validated call goes to the
 ``compute`` of the torch kernel in ``pagedhybrid.kernels.cpu`` -- a declared delegation
-(``CAPABILITIES[op].delegated`` lists each feature and why), never a silent one.
+(``COVERAGE[op].delegated`` lists each feature and why), never a silent one.
 ``last_path()`` tells which path the latest call of an op took (for tests and reports).
 """
 
@@ -16,9 +16,9 @@ import importlib
 
 import torch
 
-from pagedhybrid.kernels.cpu.capability import KernelCapability
 from pagedhybrid.kernels.native import KV_SPLIT, library
 from pagedhybrid.kernels.native.step import MAX_NATIVE_QUERY
+from pagedhybrid.kernels.registry import OpCoverage
 from pagedhybrid.kvquant import is_quantized, quantize, query_scales, scatter_rows
 from pagedhybrid.ops.spec import BoundCall
 
@@ -33,8 +33,8 @@ NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 QUANT_CACHES = (torch.int8, torch.float8_e4m3fn)  # pages the native attention reads in place
 _LAST: dict[str, str] = {}
 
-CAPABILITIES: dict[str, KernelCapability] = {
-    "com.microsoft.PagedAttention": KernelCapability(
+COVERAGE: dict[str, OpCoverage] = {
+    "com.microsoft.PagedAttention": OpCoverage(
         op="com.microsoft.PagedAttention", dtypes=NATIVE_DTYPES,
         features=("decode", "short_query", "gqa", "packed_qkv", "attention_metadata",
                   "split_kv", "int8_cache", "fp8_e4m3_cache", "per_tensor_scales",
@@ -48,7 +48,7 @@ CAPABILITIES: dict[str, KernelCapability] = {
         paths={"native": "pages read in place, online softmax, GQA group per kv head, fixed "
                          f"KV splits of {KV_SPLIT} tokens merged in split order; int8 / fp8 "
                          "pages converted in registers, scales folded into q and the output"}),
-    "com.microsoft.GatedDeltaNet": KernelCapability(
+    "com.microsoft.GatedDeltaNet": OpCoverage(
         op="com.microsoft.GatedDeltaNet", dtypes=NATIVE_DTYPES,
         features=("decode", "update_rule:gated_delta", "gate:qwen", "beta:sigmoid", "gqa",
                   "in_place_state_pool"),
@@ -56,7 +56,7 @@ CAPABILITIES: dict[str, KernelCapability] = {
                    "other rules/gates, per-key decay, packed/rank-4 layouts, qk_l2_norm=1":
                        "the model's form only"},
         paths={"native": "one pass over each state row: decay, S k, delta update, S q"}),
-    "com.microsoft.VarlenCausalConvWithState": KernelCapability(
+    "com.microsoft.VarlenCausalConvWithState": OpCoverage(
         op="com.microsoft.VarlenCausalConvWithState", dtypes=NATIVE_DTYPES,
         features=("decode", "activation:none", "activation:silu/swish", "bias",
                   "in_place_state_pool"),
