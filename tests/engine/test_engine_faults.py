@@ -113,3 +113,28 @@ def test_a_row_whose_sampling_raises_fails_alone(llm: LLM,
     assert final["bad"].finish_reason == "error" and "bad row" in final["bad"].error
     assert final["ok1"].token_ids == want["In the beginning"]
     assert final["ok2"].token_ids == want["And the earth"]
+
+
+def test_rows_sampled_again_after_a_failed_batch_draw_the_same_noise(
+        llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The batch draws every row's noise before it fails; the rows sampled one by one after it
+    start from their generators' earlier states, so a seeded request is as when alone."""
+    import pagedhybrid.engine.runner as engine_mod
+
+    seeded = SamplingParams(temperature=1.0, max_tokens=6, seed=5, ignore_eos=True)
+    want = llm.generate(["In the beginning"], seeded, use_progress=False)[0].token_ids
+    real = engine_mod.sample
+
+    def late(logits, params, gens, history=None, banned=None):  # type: ignore[no-untyped-def]
+        out = real(logits, params, gens, history, banned)  # noise drawn for every row
+        if any(p.seed == 666 for p in params):
+            raise ValueError("bad row")
+        return out
+
+    monkeypatch.setattr(engine_mod, "sample", late)
+    eng = llm.engine
+    eng.add_request("seeded", "In the beginning", seeded)
+    eng.add_request("bad", "Then Jesus", SamplingParams(max_tokens=6, seed=666))
+    final = drain(llm)
+    assert final["bad"].finish_reason == "error"
+    assert final["seeded"].token_ids == want

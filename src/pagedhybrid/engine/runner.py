@@ -215,7 +215,8 @@ class ModelRunner:
     def _sample(self, rows: torch.Tensor, reqs: list[Request]
                 ) -> tuple[dict[str, SampledToken], list[tuple[Request, str]]]:
         """Tokens of ``reqs`` from their logits ``rows [S, V]``; a request whose sampling raises
-        fails alone (the rows are then sampled one by one)."""
+        fails alone: the rows are then sampled one by one from the generator states they had
+        before the failed batch, so a seeded request draws the same noise either way."""
         vocab = rows.shape[1]
         eos = [t for t in self.eos_token_ids if 0 <= t < vocab]
         banned = [([*r.params.stop_token_ids, *(() if r.params.ignore_eos else eos)]
@@ -224,10 +225,14 @@ class ModelRunner:
                      else []) for r in reqs]
         params = [r.params for r in reqs]
         gens = [r.generator for r in reqs]
+        states = [None if g is None else g.get_state() for g in gens]
         try:
             toks = sample(rows, params, gens, reqs, banned if any(banned) else None)
             return {r.request_id: t for r, t in zip(reqs, toks, strict=True)}, []
         except Exception:  # find the row that fails, keep the others
+            for g, st in zip(gens, states, strict=True):
+                if g is not None and st is not None:
+                    g.set_state(st)  # the batch may have drawn some rows' noise already
             sampled, failed = {}, []
             for j, r in enumerate(reqs):
                 try:
