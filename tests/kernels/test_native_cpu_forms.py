@@ -91,8 +91,9 @@ def test_forcing_a_form_and_saying_which_runs(form: str) -> None:
         assert native.cpu_form() == f"{st.form}, forced by {native.ENV_FORM}"
         assert native.library().cpu_form() == form
         widen = form != "avx512_bf16"
-        assert (dense.preferred_linear(torch.bfloat16) is dense.linear) == widen
-        assert dense.preferred_linear(torch.float32) is None
+        assert dense.preferred_linear(torch.bfloat16) is (dense.linear if widen else
+                                                          dense.decode_linear)
+        assert dense.preferred_linear(torch.float32) is dense.decode_linear
     st = native.status()  # unforced: the fastest
     assert st.isa == HERE[0] and not st.forced and "(" in native.cpu_form()
 
@@ -332,6 +333,23 @@ def test_the_step_seam_agrees_with_the_reference_in_every_form(dtype: torch.dtyp
             torch.testing.assert_close(g.float(), w.float(), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_decode_linear_in_every_form(dtype: torch.dtype) -> None:
+    """``dense.decode_linear``: the native kernel below DECODE_ROWS rows, torch's GEMM from
+    there on -- both agree with torch's product."""
+    gen = torch.Generator().manual_seed(4)
+    w = (torch.randn(40, 264, generator=gen) * 0.1).to(dtype)
+    tol = 1e-2 if dtype == torch.bfloat16 else (2e-3 if dtype == torch.float16 else 1e-5)
+    for rows in (1, 3, dense.DECODE_ROWS - 1, dense.DECODE_ROWS, 40):
+        x = torch.randn(rows, 264, generator=gen).to(dtype)
+        for form in HERE:
+            with forced(form):
+                got = dense.decode_linear(x, w)
+            assert got.dtype == dtype and got.shape == (rows, 40)
+            torch.testing.assert_close(got.double(), x.double() @ w.double().T, rtol=tol,
+                                       atol=tol)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_dense_linear_in_every_form(dtype: torch.dtype) -> None:
     """``dense.linear`` (the projection of bf16 models on forms without BF16 dot instructions)
@@ -391,7 +409,7 @@ def test_calls_from_many_python_threads_at_once() -> None:
 @pytest.mark.parametrize("form", HERE)
 def test_the_engine_multiplies_with_the_forms_preferred_linear(form: str, tmp_path) -> None:
     """A bf16 model on the native bundle projects with ``dense.linear`` where the form has no
-    BF16 dot instructions (torch's GEMM where it has), says so at start, and scores what the
+    BF16 dot instructions (``decode_linear`` where it has), says so at start, and scores what the
     torch bundle scores."""
     import dataclasses
 
@@ -414,10 +432,10 @@ def test_the_engine_multiplies_with_the_forms_preferred_linear(form: str, tmp_pa
         engine = Engine(load(tmp_path, dtype=torch.bfloat16), EngineConfig(backend="native"))
         widen = form != "avx512_bf16"
         mms = {m.matmul for m in engine.model.modules() if hasattr(m, "matmul")}
-        assert mms == ({dense.linear} if widen else {None})
+        assert mms == ({dense.linear} if widen else {dense.decode_linear})
         summary = engine.runner.kernel_summary()
         assert f"CPU form {native.FORM_DESCRIPTIONS[form]}" in summary, summary
         assert summary.endswith("projections: dense.linear" if widen else
-                                "projections: torch"), summary
+                                "projections: dense.decode_linear"), summary
         got = torch.tensor(engine.score([prompt], [completion])[0])
     assert torch.allclose(got, want, atol=0.1, rtol=0), (got - want).abs().max()

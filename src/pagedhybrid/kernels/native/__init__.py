@@ -40,10 +40,11 @@ test`` depend on it) compiles ``csrc/*.cpp`` with g++ and ninja through
 ``torch.utils.cpp_extension`` for every form of this CPU into ``_build/<form>/`` with a
 ``build.json`` stamp each (form, torch version, source digest) and a summary in
 ``_build/build.json``. Threads (``csrc/common.h``): an op's work items are claimed from a
-shared counter by the calling thread and by helper threads (``torch.get_num_threads()`` in all)
-that join when they get a core; the call never waits for a helper that was not scheduled -- an
-OpenMP region's join barrier does, which on cores shared with another busy process costs a
-scheduler tick (4-12 ms) per region. Calls below ~65k multiply-adds run inline. Nothing is
+shared counter by the calling thread and by helper threads (``torch.get_num_threads()`` in all,
+or ``set_pool_threads(n)``) that join when they get a core; the call never waits for a helper
+that was not scheduled -- an OpenMP region's join barrier does, which on cores shared with
+another busy process costs a scheduler tick (4-12 ms) per region. Calls below ~260k
+multiply-adds run inline. Nothing is
 compiled at import or on a request: ``status()`` says whether the library is present and
 current, and why not.
 """
@@ -231,3 +232,10 @@ def library() -> Any:
 
         raise UnsupportedConfiguration(st.reason)
     return getattr(torch.ops, namespace(str(st.isa)))
+
+
+def set_pool_threads(n: int) -> None:
+    """The threads of the native kernels' pool from now on (0: ``torch.get_num_threads()`` at
+    each call); nothing when the library is not loaded."""
+    if status().available:
+        library().set_num_threads(int(n))

@@ -13,9 +13,14 @@ them, within ~10% of the fp32 model's own GEMM (``benchmarks/ops.py --only forms
 ``invariant_linear`` is the batch-invariant form (one reduction order per output element
 whatever the number of rows), for ``kernels/native/invariant.py``.
 
-``preferred_linear(dtype)`` says what the ``native`` bundle should multiply with in ``dtype`` on
-the chosen CPU form (``kernels.native.status()``): ``linear`` for bf16 / fp16 models on a form
-without BF16 dot instructions, None (``torch.nn.functional.linear``) otherwise.
+``preferred_linear(dtype)`` says what the ``native`` bundle multiplies with in ``dtype`` on the
+chosen CPU form (``kernels.native.status()``): ``linear`` for bf16 / fp16 models on a form without
+BF16 dot instructions; ``decode_linear`` otherwise -- the native kernel for fewer than
+``DECODE_ROWS`` rows, torch's GEMM from there on. At decode sizes the native kernel is 0.6-0.9x
+torch's time for bf16 even where oneDNN has vdpbf16ps (its per-call overhead dominates such small
+products) and about even for fp32; and it runs on the native thread pool, which never waits for
+a descheduled thread -- beside a busy process torch's two-thread GEMM of a decode step was 10-40x
+slower than alone, the native kernel 1.0-1.3x (``benchmarks/ops.py --only forms``).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ WIDENED_DTYPES = (torch.bfloat16, torch.float16)
 WIDEN_ROWS = 64  # rows from which bf16 / fp16 weights are widened in chunks for torch's fp32 GEMM
 WIDEN_CHUNK_BYTES = 8 << 20  # fp32 weight rows widened at a time
 MIN_CHUNK_ROWS = 16
+DECODE_ROWS = 64  # rows below which decode_linear runs the native kernel (= SMALL_STEP_ROWS)
 
 
 def _product(op: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -82,11 +88,18 @@ def bf16_dot() -> bool:
     return st.available and st.isa == "avx512_bf16"
 
 
+def decode_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The native kernel for fewer than ``DECODE_ROWS`` rows (decode), torch's GEMM above."""
+    if x.numel() < DECODE_ROWS * x.shape[-1]:
+        return _product("linear", x, weight)
+    return F.linear(x, weight)
+
+
 def preferred_linear(dtype: torch.dtype) -> Callable[[torch.Tensor, torch.Tensor],
                                                      torch.Tensor] | None:
-    """``linear`` when a ``dtype`` model's projections run faster on it than on torch's GEMM
-    here (bf16 / fp16 weights on a form without BF16 dot instructions), else None."""
+    """What a ``dtype`` model's projections multiply with on the chosen form (module
+    docstring); None (torch's) when the native kernels are not loaded."""
     st = status()
-    if st.available and dtype in WIDENED_DTYPES and not bf16_dot():
-        return linear
-    return None
+    if not st.available:
+        return None
+    return linear if dtype in WIDENED_DTYPES and not bf16_dot() else decode_linear

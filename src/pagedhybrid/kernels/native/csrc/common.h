@@ -104,7 +104,9 @@ inline const int32_t* check_cu_seqlens(const char* op, const at::Tensor& cu_t, i
   return cu;
 }
 
-constexpr int64_t kInlineWork = int64_t{1} << 16;  // multiply-adds below which a call runs inline
+// multiply-adds below which a call runs inline: waking a helper costs ~10-50 us (more on a
+// shared core), as much as ~250k multiply-adds of a decode-sized projection compute in
+constexpr int64_t kInlineWork = int64_t{1} << 18;
 
 // The helper threads of parallel_items: (torch threads - 1) threads that sleep on a condition
 // variable between calls. A call publishes its job, wakes them and starts on the items itself;
@@ -185,14 +187,25 @@ class Helpers {
   int64_t n_ = 0, grain_ = 1;
 };
 
+// The threads of parallel_items (0: torch.get_num_threads()), set by the op set_num_threads:
+// the engine runs torch's own ops on one thread in decode steps (tiny element-wise ops gain
+// nothing from a team, and a team's join barrier stalls on a shared core) while these kernels
+// keep every thread.
+inline std::atomic<int>& pool_threads() {
+  static std::atomic<int> n{0};
+  return n;
+}
+
 // f(i) for every i in [0, n): items claimed in chunks of `grain` by the caller and the helper
-// threads (torch.get_num_threads() in all); `work` (multiply-adds of the whole call, an estimate)
-// below kInlineWork runs inline, and so does a call from inside a parallel region.
+// threads (pool_threads() in all); `work` (multiply-adds of the whole call, an estimate) below
+// kInlineWork runs inline, and so does a call from inside a parallel region.
 template <class F>
 void parallel_items(int64_t n, int64_t grain, int64_t work, const F& f) {
   if (n <= 0) return;
   grain = std::max<int64_t>(1, grain);
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (n + grain - 1) / grain);
+  const int set = pool_threads().load(std::memory_order_relaxed);
+  const int64_t threads = std::min<int64_t>(set > 0 ? set : at::get_num_threads(),
+                                            (n + grain - 1) / grain);
   if (threads <= 1 || work < kInlineWork || at::in_parallel_region()) {
     for (int64_t i = 0; i < n; ++i) f(i);
     return;

@@ -1,8 +1,11 @@
 // Which CPU form this library is (common.h): `cpu_form() -> str`, the name the build gave it
 // ("avx512_bf16", "avx512" or "avx2"), and what its kernels do with bf16 (`bf16_dot`: true when
 // bf16 pairs are multiplied by vdpbf16ps, false when bf16 is widened to fp32 in registers).
+// `set_num_threads(n)` / `num_threads()`: the threads of this library's pool (common.h;
+// n <= 0: torch.get_num_threads() at each call).
 #include <torch/library.h>
 
+#include <algorithm>
 #include <string>
 
 #include "common.h"
@@ -23,6 +26,15 @@ bool bf16_dot() {
 
 int64_t vector_lanes() { return kLanes; }
 
+void set_num_threads(int64_t n) {
+  pool_threads().store(static_cast<int>(std::clamp<int64_t>(n, 0, 1024)));
+}
+
+int64_t num_threads() {
+  const int set = pool_threads().load();
+  return set > 0 ? set : at::get_num_threads();
+}
+
 }  // namespace
 }  // namespace pagedhybrid
 
@@ -30,4 +42,6 @@ TORCH_LIBRARY_FRAGMENT(PH_NS, m) {
   m.def("cpu_form() -> str", &pagedhybrid::cpu_form);
   m.def("bf16_dot() -> bool", &pagedhybrid::bf16_dot);
   m.def("vector_lanes() -> int", &pagedhybrid::vector_lanes);
+  m.def("set_num_threads(int n) -> ()", &pagedhybrid::set_num_threads);
+  m.def("num_threads() -> int", &pagedhybrid::num_threads);
 }

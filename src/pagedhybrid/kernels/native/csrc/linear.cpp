@@ -72,12 +72,20 @@ inline void block(const TX* x, const TW* w, int64_t k, int64_t ldx, int64_t ldw,
     for (int c = 0; c < C; ++c) out[r * ldo + c] = from_float<TO>(reduce_add(acc[r][c]));
 }
 
+// A single row blocks 8 weight rows (8 independent FMA chains keep both FMA ports busy); more
+// rows share each weight load kBlockCols at a time. Each accumulator's arithmetic is its own
+// either way, so the blocking changes no bit of the result.
 template <typename TX, typename TW, typename TO, int R>
 inline void row_block(const TX* x, const TW* w, int64_t cols, int64_t k, int64_t ldx, TO* out,
                       int64_t ldo) {
+  constexpr int kCols = R == 1 ? 2 * kBlockCols : kBlockCols;
   int64_t c = 0;
-  for (; c + kBlockCols <= cols; c += kBlockCols)
-    block<TX, TW, TO, R, kBlockCols>(x, w + c * k, k, ldx, k, out + c, ldo);
+  for (; c + kCols <= cols; c += kCols)
+    block<TX, TW, TO, R, kCols>(x, w + c * k, k, ldx, k, out + c, ldo);
+  if constexpr (kCols != kBlockCols) {
+    for (; c + kBlockCols <= cols; c += kBlockCols)
+      block<TX, TW, TO, R, kBlockCols>(x, w + c * k, k, ldx, k, out + c, ldo);
+  }
   for (; c < cols; ++c) block<TX, TW, TO, R, 1>(x, w + c * k, k, ldx, k, out + c, ldo);
 }
 
