@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -83,6 +84,18 @@ def start_server(tmp: Path, *args: str, name: str = "default-model",
         time.sleep(0.3)
     proc.kill()
     raise AssertionError(f"server did not come up: {log.read_text()}")
+
+
+def flood(s: Server, n: int, max_tokens: int, timeout: float) -> list[httpx.Response]:
+    """``n`` completions posted at once ("And the {i}", ``max_tokens`` each, EOS ignored)."""
+    async def post_all() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=timeout) as h:
+            return await asyncio.gather(*[h.post(
+                f"{s.url}/completions", json={"model": s.model, "prompt": f"And the {i}",
+                                              "max_tokens": max_tokens, "ignore_eos": True})
+                for i in range(n)])
+
+    return asyncio.run(post_all())
 
 
 @pytest.fixture(scope="session")

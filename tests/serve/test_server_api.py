@@ -4,13 +4,12 @@ documented status and OpenAI error body while the server keeps serving."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 
 import httpx
 import openai
 import pytest
-from conftest import Server, start_server
+from conftest import Server, flood, start_server
 
 from pagedhybrid.engine import LLM, SamplingParams
 from pagedhybrid.models.qwen35.synthetic import random_weights, tiny_byte_config, write_checkpoint
@@ -196,14 +195,7 @@ def test_api_key_and_a_failing_request_fails_alone(tmp_path) -> None:
 def test_backpressure_refuses_with_503_and_drops_nothing_accepted(tmp_path) -> None:
     s = start_server(tmp_path, "--max-waiting", "2", "--max-num-seqs", "1")
     try:
-        async def flood() -> list[httpx.Response]:
-            async with httpx.AsyncClient(timeout=120) as h:
-                return await asyncio.gather(*[h.post(
-                    f"{s.url}/completions", json={"model": s.model, "prompt": f"And the {i}",
-                                                  "max_tokens": 40, "ignore_eos": True})
-                    for i in range(12)])
-
-        rs = asyncio.run(flood())
+        rs = flood(s, 12, max_tokens=40, timeout=120)
         codes = [r.status_code for r in rs]
         assert 503 in codes and 200 in codes, codes
         for r in rs:

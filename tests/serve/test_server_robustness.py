@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import Server, start_server
+from conftest import Server, flood, start_server
 from fault_server import DETOK, FINISH, HOOK, INTAKE, SAMPLE, SCHED, STEP
 
 from pagedhybrid.engine import LLM, SamplingParams
@@ -250,14 +250,7 @@ def test_backpressure_queues_by_default(tmp_path: Path) -> None:
     """No ``--max-waiting``: 40 requests on one running slot all complete (vLLM queues)."""
     s = start_server(tmp_path, "--max-num-seqs", "1")
     try:
-        async def flood() -> list[httpx.Response]:
-            async with httpx.AsyncClient(timeout=300) as h:
-                return await asyncio.gather(*[h.post(
-                    f"{s.url}/completions", json={"model": s.model, "prompt": f"And the {i}",
-                                                  "max_tokens": 3, "ignore_eos": True})
-                    for i in range(40)])
-
-        rs = asyncio.run(flood())
+        rs = flood(s, 40, max_tokens=3, timeout=300)
         assert [r.status_code for r in rs] == [200] * 40
         assert all(r.json()["usage"]["completion_tokens"] == 3 for r in rs)
     finally:

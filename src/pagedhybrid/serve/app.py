@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API over an ``EngineLoop`` (FastAPI).
+"""The OpenAI-compatible HTTP API over an ``EngineLoop`` (FastAPI): routes, checks, the wait.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (OpenAI's JSON, streaming
 as server-sent events ending with ``data: [DONE]``), ``GET /v1/models``,
@@ -12,33 +12,21 @@ field as ``param``), the prompt against the model (empty, token ids outside the 
 prompt + max_tokens over max_model_len: 400) and the sampling values against the vocabulary
 (400), refuse when ``max_waiting`` is set and that many requests are queued (503; by default
 requests queue, each costing only its token list until admitted), then submit one engine request
-per choice (``n``, or ``best_of`` candidates of which the ``n`` with the best mean token logprob
-are returned; with a ``seed``, choice i samples with ``seed + i``). The text is the
-engine's (its incremental detokeniser, O(new tokens) a step); stop strings are found in the new
-text, cut (never returned) and the engine
-request aborted; while streaming, the tail that could still begin a stop string (or is an
-incomplete UTF-8 character) is held back.
-
-Logprobs as vLLM and lm-eval expect them: ``logprobs`` k (completions) gives each returned
-token's logprob and OpenAI's ``top_logprobs`` dicts (top k plus the token itself); with ``echo``
-the prompt's tokens come first, the first with ``null`` (the engine computes them as
-``prompt_logprobs``), and ``max_tokens: 0`` + ``echo`` returns the prompt and its logprobs only.
-Streamed completions carry the logprobs of each chunk's tokens. vLLM's ``prompt_logprobs`` k
-returns ``[null, {id: {logprob, rank, decoded_token}}, ...]`` per choice (completions) or per
-response (chat).
+per choice (``n``, or ``best_of`` candidates; with a ``seed``, choice i samples with
+``seed + i``), wait for them all or stream their chunks. What the answers hold and how they are
+shaped (text and stop strings, logprobs, usage) is ``responses``.
 
 A client that disconnects, streaming or not, aborts its requests at once (a task waits on the
-connection's disconnect event; their pages and slots are free by the next step). Usage counts
-are the exact prompt and generated token counts. A request whose computation fails fails alone:
-500 with its error when not streaming; when streaming, a last chunk with ``finish_reason:
-"error"`` and an error object after it. No client mistake ever gets a 500.
+connection's disconnect event; their pages and slots are free by the next step). A request whose
+computation fails fails alone: 500 with its error when not streaming; when streaming, a last
+chunk with ``finish_reason: "error"`` and an error object after it. No client mistake ever gets
+a 500.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -51,8 +39,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedhybrid import __version__
-from pagedhybrid.engine import RequestOutput, SamplingParams
-from pagedhybrid.engine.sampling import Logprob, wrap_seed
+from pagedhybrid.engine import SamplingParams
+from pagedhybrid.engine.sampling import wrap_seed
 from pagedhybrid.errors import ContractViolation, PagedHybridError
 from pagedhybrid.serve.loop import Closing, EngineLoop, EngineRefusal
 from pagedhybrid.serve.metrics import ServerMetrics
@@ -63,6 +51,7 @@ from pagedhybrid.serve.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from pagedhybrid.serve.responses import Choice, Job, Responses, sse, token_text
 
 MAX_CHOICES = 2048  # prompts x (best_of or n) of one request
 
@@ -79,126 +68,6 @@ class ServerState:
     max_waiting: int | None = None  # None: requests queue (vLLM's behaviour)
     root: str = ""  # the checkpoint folder (``/v1/models`` ``root``)
     created: int = field(default_factory=lambda: int(time.time()))
-
-
-# -- one choice: incremental text, stop strings, logprobs ------------------------------------------
-@dataclass
-class Choice:
-    index: int
-    request_id: str
-    stops: list[str]
-    tokenizer: Any
-    echo_only: bool = False  # max_tokens 0 + echo: the generated token is not returned
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    sent: int = 0  # characters of ``text`` already returned
-    finish_reason: str | None = None
-    error: str | None = None
-    logprobs: tuple[dict[int, Logprob], ...] = ()
-    prompt_logprobs: tuple[dict[int, Logprob] | None, ...] | None = None
-    prompt_ids: tuple[int, ...] = ()
-    arrival: float = field(default_factory=time.perf_counter)
-    last_token_time: float | None = None
-    echoed: bool = False  # streaming: the echo chunk went out
-
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None or self.error is not None
-
-    def mean_logprob(self) -> float:
-        lps = [d[t].logprob for t, d in zip(self.token_ids, self.logprobs, strict=False)]
-        return sum(lps) / len(lps) if lps else 0.0
-
-    def update(self, out: RequestOutput) -> tuple[str, bool]:
-        """New output -> (text that is safe to return now, whether a stop string ended it)."""
-        self.prompt_ids = out.prompt_token_ids
-        if out.prompt_logprobs is not None:
-            self.prompt_logprobs = out.prompt_logprobs
-        if out.finished and out.finish_reason == "error":
-            self.error = out.error or "the computation failed"
-            self.finish_reason = "error"
-            return "", False
-        if self.echo_only:
-            if out.finished:
-                self.finish_reason = "length"
-            return "", False
-        self.token_ids = list(out.token_ids)
-        self.logprobs = out.logprobs or ()
-        # the engine's incremental detokeniser already holds the text (O(new tokens) a step)
-        text = out.text if out.text is not None else self.tokenizer.decode(self.token_ids)
-        longest = max((len(s) for s in self.stops), default=0)
-        start = max(0, len(self.text) - longest + 1)  # earlier text was searched already
-        hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
-        stopped = bool(hits)
-        if stopped:
-            text, self.finish_reason = text[:min(hits)], "stop"
-        elif out.finished:
-            self.finish_reason = "stop" if out.finish_reason in ("stop", "abort") else \
-                str(out.finish_reason)
-        self.text = text
-        safe = len(text)
-        if not self.done:
-            hold = max((len(s) - 1 for s in self.stops), default=0)
-            safe = max(self.sent, len(text) - hold)
-            while safe > self.sent and text[safe - 1] == "\ufffd":  # a partial character
-                safe -= 1
-        delta = text[self.sent:safe]
-        self.sent = safe
-        return delta, stopped
-
-
-def _token_text(tok: Any, tid: int) -> str:
-    return tok.decode([tid], skip_special_tokens=False)
-
-
-def _top(d: dict[int, Logprob], k: int, tid: int) -> dict[int, Logprob]:
-    """The top ``k`` entries of a logprob dict and ``tid``'s own."""
-    return {t: lp for t, lp in d.items() if lp.rank <= k or t == tid}
-
-
-def completion_logprobs(tok: Any, ids: Sequence[int],
-                        dicts: Sequence[dict[int, Logprob] | None], k: int, start: int
-                        ) -> dict[str, Any]:
-    """OpenAI's completions logprobs of tokens ``ids`` (a ``None`` dict: no logprob, as the
-    first prompt token), text offsets from ``start``."""
-    tokens, token_lp, top, offsets = [], [], [], []
-    pos = start
-    for tid, d in zip(ids, dicts, strict=True):
-        piece = _token_text(tok, tid)
-        tokens.append(piece)
-        token_lp.append(None if d is None else d[tid].logprob)
-        top.append(None if d is None else {_token_text(tok, t): lp.logprob
-                                           for t, lp in _top(d, k, tid).items()})
-        offsets.append(pos)
-        pos += len(piece)
-    return {"tokens": tokens, "token_logprobs": token_lp, "top_logprobs": top,
-            "text_offset": offsets}
-
-
-def chat_logprobs(c: Choice, tok: Any, k: int, first: int = 0) -> dict[str, Any]:
-    content = []
-    for tid, d in list(zip(c.token_ids, c.logprobs, strict=False))[first:]:
-        piece = _token_text(tok, tid)
-        ranked = sorted((lp.rank, t, lp.logprob) for t, lp in d.items() if lp.rank <= k)
-        content.append({"token": piece, "logprob": d[tid].logprob,
-                        "bytes": list(piece.encode("utf-8")),
-                        "top_logprobs": [{"token": _token_text(tok, t), "logprob": lp,
-                                          "bytes": list(_token_text(tok, t).encode("utf-8"))}
-                                         for _, t, lp in ranked[:k]]})
-    return {"content": content}
-
-
-def vllm_prompt_logprobs(tok: Any, c: Choice, k: int) -> list[Any] | None:
-    """vLLM's ``prompt_logprobs`` layout: ``None`` first, then ``{id: {...}}`` per token."""
-    if c.prompt_logprobs is None:
-        return None
-    out: list[Any] = []
-    for tid, d in zip(c.prompt_ids, c.prompt_logprobs, strict=True):
-        out.append(None if d is None else {
-            str(t): {"logprob": lp.logprob, "rank": lp.rank,
-                     "decoded_token": _token_text(tok, t)}
-            for t, lp in _top(d, k, tid).items()})
-    return out
 
 
 # -- checks -------------------------------------------------------------------------------------
@@ -256,10 +125,6 @@ def sampling_params(state: ServerState, body: Any, max_tokens: int, logprobs: in
 
 
 # -- the app ------------------------------------------------------------------------------------
-def _sse(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data)}\n\n"
-
-
 class ClientGone(Exception):
     """The client disconnected before its answer was ready."""
 
@@ -335,19 +200,6 @@ def _error_chunk(state: ServerState, c: Choice) -> ApiError:
         return _unavailable(f"choice {c.index} was cut short: {c.error}")
     return ApiError(500, f"the computation of choice {c.index} failed: {c.error}", None,
                     "computation_failed", "server_error")
-
-
-@dataclass
-class Job:
-    """What ``generate`` needs of a parsed request."""
-
-    prompts: list[list[int]]
-    max_tokens: int
-    logprobs: int | None  # k of the returned tokens' logprobs (None: not asked)
-    chat: bool
-    echo_texts: list[str] = field(default_factory=list)
-    echo_logprobs: bool = False  # completions: prompt tokens' logprobs with the echo
-    echo_only: bool = False  # max_tokens 0 + echo
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -460,7 +312,7 @@ def create_app(state: ServerState) -> FastAPI:
         else:
             ids = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
-                "token_strs": [_token_text(state.tokenizer, t) for t in ids]
+                "token_strs": [token_text(state.tokenizer, t) for t in ids]
                 if body.return_token_strs else None}
 
     @app.post("/detokenize")
@@ -513,145 +365,51 @@ def create_app(state: ServerState) -> FastAPI:
                 choices[sub] = Choice(p_i * best_of + i, sub, stops, state.tokenizer,
                                       job.echo_only)
                 state.loop.submit(sub, ids, params[i], sink)
-        prompt_tokens = sum(len(p) for p in job.prompts)
-        created = int(time.time())
-        tok = state.tokenizer
-
-        def usage(returned: Sequence[Choice]) -> dict[str, int]:
-            gen = sum(len(c.token_ids) for c in returned)
-            return {"prompt_tokens": prompt_tokens, "completion_tokens": gen,
-                    "total_tokens": prompt_tokens + gen}
+        opts = body.stream_options
+        out = Responses(rid, state.model_name, state.tokenizer, job, choices, best_of,
+                        body.prompt_logprobs, bool(opts and opts.continuous_usage_stats))
 
         def cleanup() -> None:
             for c in choices.values():
                 if not c.done:
                     state.loop.abort(c.request_id)
 
-        def echo_part(c: Choice, p_i: int) -> tuple[str, dict[str, Any] | None]:
-            text = job.echo_texts[p_i] if job.echo_texts else ""
-            if not (text and job.echo_logprobs and job.logprobs is not None):
-                return text, None
-            dicts = c.prompt_logprobs or (None,) * len(c.prompt_ids)
-            return text, completion_logprobs(tok, c.prompt_ids, dicts, job.logprobs, 0)
-
-        def join_logprobs(a: dict[str, Any] | None, b: dict[str, Any] | None
-                          ) -> dict[str, Any] | None:
-            if a is None or b is None:
-                return a or b
-            return {key: a[key] + b[key] for key in a}
-
         if not body.stream:
             try:
                 await _wait_all(request, state, sink, choices)
             except ClientGone:
-                cleanup()
                 return Response(status_code=499)  # nobody is listening
             finally:
                 cleanup()
             failed = [c for c in choices.values() if c.error]
             if failed:
                 raise _error_chunk(state, failed[0])
-            picked: list[Choice] = []
-            for p_i in range(len(job.prompts)):
-                group = [c for c in choices.values() if c.index // best_of == p_i]
-                if best_of > n:
-                    group = sorted(group, key=lambda c: -c.mean_logprob())[:n]
-                picked.extend(sorted(group, key=lambda c: c.index)[:n])
-            out = []
-            for j, c in enumerate(picked):
-                p_i = c.index // best_of
-                if job.chat:
-                    entry: dict[str, Any] = {
-                        "index": j, "message": {"role": "assistant", "content": c.text},
-                        "logprobs": chat_logprobs(c, tok, job.logprobs)
-                        if job.logprobs is not None else None,
-                        "finish_reason": c.finish_reason}
-                else:
-                    echo, echo_lp = echo_part(c, p_i)
-                    gen_lp = None
-                    if job.logprobs is not None:
-                        gen_lp = completion_logprobs(tok, c.token_ids, c.logprobs[:len(
-                            c.token_ids)], job.logprobs, len(echo))
-                    entry = {"index": j, "text": echo + c.text,
-                             "logprobs": join_logprobs(echo_lp, gen_lp),
-                             "finish_reason": c.finish_reason}
-                    if body.prompt_logprobs is not None:
-                        entry["prompt_logprobs"] = vllm_prompt_logprobs(tok, c,
-                                                                        body.prompt_logprobs)
-                out.append(entry)
-            resp: dict[str, Any] = {
-                "id": rid, "object": "chat.completion" if job.chat else "text_completion",
-                "created": created, "model": state.model_name, "choices": out,
-                "usage": usage(picked)}
-            if job.chat and body.prompt_logprobs is not None and picked:
-                resp["prompt_logprobs"] = vllm_prompt_logprobs(tok, picked[0],
-                                                               body.prompt_logprobs)
-            return JSONResponse(resp)
-
-        opts = body.stream_options
-        include_usage = bool(opts and opts.include_usage)
-        continuous = bool(opts and opts.continuous_usage_stats)
-        kind = "chat.completion.chunk" if job.chat else "text_completion"
-
-        def chunk(choice: dict[str, Any]) -> str:
-            data: dict[str, Any] = {"id": rid, "object": kind, "created": created,
-                                    "model": state.model_name, "choices": [choice]}
-            if continuous:
-                data["usage"] = usage(list(choices.values()))
-            return _sse(data)
+            return JSONResponse(out.final_response(out.pick(n)))
 
         async def events() -> AsyncIterator[str]:
-            sent_lp = dict.fromkeys(choices, 0)
             try:
                 if job.chat:
                     for c in sorted(choices.values(), key=lambda c: c.index):
-                        yield chunk({"index": c.index, "delta": {"role": "assistant",
-                                                                 "content": ""},
-                                     "logprobs": None, "finish_reason": None})
+                        yield out.chunk(out.entry(c.index, "", None, None, role=True))
                 while not all(c.done for c in choices.values()):
-                    item = await sink.get()
                     try:
-                        c, delta = _apply(state, item, choices)
+                        c, delta = _apply(state, await sink.get(), choices)
                     except ApiError as exc:
-                        yield _sse(exc.body())
-                        yield "data: [DONE]\n\n"
-                        return
+                        yield sse(exc.body())
+                        break
                     if not job.chat and job.echo_texts and not c.echoed:
                         c.echoed = True
-                        text, lp = echo_part(c, c.index // best_of)
-                        yield chunk({"index": c.index, "text": text, "logprobs": lp,
-                                     "finish_reason": None})
+                        yield out.chunk(out.entry(c.index, *out.echo_part(c), None))
                     if c.error:
-                        yield chunk({"index": c.index, "delta": {}, "logprobs": None,
-                                     "finish_reason": "error"} if job.chat else
-                                    {"index": c.index, "text": "", "logprobs": None,
-                                     "finish_reason": "error"})
-                        yield _sse(_error_chunk(state, c).body())
-                        yield "data: [DONE]\n\n"
-                        return
-                    lp = None
-                    new = len(c.token_ids) - sent_lp[c.request_id]
-                    if job.logprobs is not None and new > 0 and len(c.logprobs) >= len(
-                            c.token_ids):
-                        start = sent_lp[c.request_id]
-                        lp = (chat_logprobs(c, tok, job.logprobs, start) if job.chat else
-                              completion_logprobs(tok, c.token_ids[start:],
-                                                  c.logprobs[start:len(c.token_ids)],
-                                                  job.logprobs, 0))
-                        sent_lp[c.request_id] = len(c.token_ids)
-                    if delta or c.done or lp:
-                        finish = c.finish_reason if c.done else None
-                        if job.chat:
-                            yield chunk({"index": c.index, "delta": {"content": delta}
-                                         if delta else {}, "logprobs": lp,
-                                         "finish_reason": finish})
-                        else:
-                            yield chunk({"index": c.index, "text": delta, "logprobs": lp,
-                                         "finish_reason": finish})
-                if include_usage:
-                    yield _sse({"id": rid, "object": kind, "created": created,
-                                "model": state.model_name, "choices": [],
-                                "usage": usage(list(choices.values()))})
+                        yield out.chunk(out.entry(c.index, "", None, "error"))
+                        yield sse(_error_chunk(state, c).body())
+                        break
+                    entry = out.stream_entry(c, delta)
+                    if entry is not None:
+                        yield out.chunk(entry)
+                else:  # every choice done, none failed
+                    if opts and opts.include_usage:
+                        yield out.chunk(usage=True)
                 yield "data: [DONE]\n\n"
             finally:
                 cleanup()
