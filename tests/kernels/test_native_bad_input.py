@@ -371,5 +371,18 @@ def test_every_exported_op_is_covered() -> None:
     defs = set()
     for path in CSRC.glob("*.cpp"):
         defs |= set(re.findall(r'm\.def\(\s*"(\w+)\(', path.read_text()))
-    info = {"cpu_form", "bf16_dot", "vector_lanes"}  # no arguments
-    assert defs - info == set(OPS), defs
+    info = {"cpu_form", "bf16_dot", "vector_lanes", "num_threads"}  # no arguments
+    assert defs - info - {"set_num_threads"} == set(OPS), defs
+
+
+def test_the_pool_thread_count_is_clamped_and_reverts_to_torchs() -> None:
+    lib = library()
+    try:
+        lib.set_num_threads(3)
+        assert lib.num_threads() == 3
+        lib.set_num_threads(-5)  # <= 0: torch's setting at each call
+        assert lib.num_threads() == torch.get_num_threads()
+        lib.set_num_threads(1 << 40)
+        assert lib.num_threads() == 1024
+    finally:
+        lib.set_num_threads(0)

@@ -300,9 +300,9 @@ class Engine:
 
     # -- outputs ---------------------------------------------------------------------------------
     def _output(self, req: Request) -> RequestOutput:
-        out = req.output_token_ids
-        new = out[req.num_emitted:]
-        req.num_emitted = len(out)
+        n = req.num_output_tokens
+        new = req.token_ids[req.num_prompt_tokens + req.num_emitted:]
+        req.num_emitted = n
         text = None
         detok = req.detokenizer
         if detok is not None:
@@ -322,13 +322,14 @@ class Engine:
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
             new_token_ids=tuple(new),
-            token_ids=tuple(out),
             finished=req.finished,
             finish_reason=req.finish_reason,
             text=text,
-            logprobs=tuple(req.logprobs) if req.params.logprobs is not None else None,
-            prompt_logprobs=(tuple(req.prompt_logprobs) if req.params.prompt_logprobs is not None
-                             and req.prompt_logprobs_done else None),
+            num_generated=n,
+            sequence=req.token_ids,
+            generated_logprobs=req.logprobs if req.params.logprobs is not None else None,
+            prompt_logprob_list=(req.prompt_logprobs if req.params.prompt_logprobs is not None
+                                 and req.prompt_logprobs_done else None),
             error=req.error,
             num_preemptions=req.num_preemptions,
             num_cached_tokens=req.num_cached_tokens,

@@ -15,8 +15,9 @@ preemption (gives both back). ``finish_reason`` is ``stop`` (stop token / EOS), 
 from __future__ import annotations
 
 import enum
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Literal
 
 import torch
@@ -130,18 +131,39 @@ class RequestOutput:
     ``logprobs`` (when asked) has one dict per generated token; ``prompt_logprobs`` (when asked)
     one per prompt token, ``None`` for the first (vLLM's layout), once the prompt is computed.
     ``num_cached_tokens``: prompt tokens whose KV pages and linear-layer state came from the
-    prefix cache at admission (not recomputed).
+    prefix cache at admission (not recomputed). ``token_ids``, ``logprobs`` and
+    ``prompt_logprobs`` are copied out of the request on first read (a step's report costs
+    O(new tokens), not O(all tokens)); the request's lists only grow, so each output keeps
+    the first ``num_generated`` entries it was made with.
     """
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     new_token_ids: tuple[int, ...]
-    token_ids: tuple[int, ...]
     finished: bool
     finish_reason: FinishReason | None = None
     text: str | None = None
-    logprobs: tuple[dict[int, Logprob], ...] | None = None
-    prompt_logprobs: tuple[dict[int, Logprob] | None, ...] | None = None
     error: str | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens that were prefix-cache hits (vLLM's field)
+    num_generated: int = 0
+    sequence: Sequence[int] = field(default=(), repr=False, compare=False)  # prompt + output
+    generated_logprobs: Sequence[dict[int, Logprob]] | None = field(default=None, repr=False,
+                                                                    compare=False)
+    prompt_logprob_list: Sequence[dict[int, Logprob] | None] | None = field(
+        default=None, repr=False, compare=False)
+
+    @cached_property
+    def token_ids(self) -> tuple[int, ...]:
+        p = len(self.prompt_token_ids)
+        return tuple(self.sequence[p:p + self.num_generated])
+
+    @cached_property
+    def logprobs(self) -> tuple[dict[int, Logprob], ...] | None:
+        lp = self.generated_logprobs
+        return None if lp is None else tuple(lp[:self.num_generated])
+
+    @cached_property
+    def prompt_logprobs(self) -> tuple[dict[int, Logprob] | None, ...] | None:
+        lp = self.prompt_logprob_list
+        return None if lp is None else tuple(lp)

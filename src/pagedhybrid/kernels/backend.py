@@ -93,7 +93,7 @@ def _declare() -> KernelRegistry:
             native_invariant.attention, native_invariant.causal_conv,
             native_invariant.gated_delta, native_ops, _native_available,
             lambda dtype: native_invariant.linear,
-            Pointwise(native_invariant.silu, native_invariant.sigmoid)),
+            pointwise=Pointwise(native_invariant.silu, native_invariant.sigmoid)),
         Backend(
             "torch", "vectorised torch kernels (kernels/cpu)", "cpu_paged_attention",
             BundleCapability(_TORCH_DTYPES, (*_TORCH_DTYPES, *_QUANT), in_place_state=True,

@@ -273,8 +273,8 @@ class Backend:
     ops: ContractOps
     available: Callable[[], str | None] = field(default=_always)
     linear_for: Callable[[torch.dtype], LinearFn | None] = field(default=_torch_linear)
-    small_step_torch_threads: int | None = None
     pointwise: Pointwise = TORCH_POINTWISE
+    small_step_torch_threads: int | None = None
 
     @property
     def dtypes(self) -> tuple[torch.dtype, ...]:

@@ -73,8 +73,8 @@ class Choice:
     def update(self, out: RequestOutput) -> tuple[str, bool]:
         """New output -> (text that is safe to return now, whether a stop string ended it)."""
         self.prompt_ids = out.prompt_token_ids
-        if out.prompt_logprobs is not None:
-            self.prompt_logprobs = out.prompt_logprobs
+        if self.prompt_logprobs is None and out.prompt_logprob_list is not None:
+            self.prompt_logprobs = out.prompt_logprobs  # once: it is complete when present
         if out.finished and out.finish_reason == "error":
             self.error = out.error or "the computation failed"
             self.finish_reason = "error"
@@ -83,8 +83,9 @@ class Choice:
             if out.finished:
                 self.finish_reason = "length"
             return "", False
-        self.token_ids = list(out.token_ids)
-        self.logprobs = out.logprobs or ()
+        self.token_ids.extend(out.new_token_ids)  # O(new tokens) a step
+        if out.generated_logprobs is not None:
+            self.logprobs = out.logprobs or ()
         # the engine's incremental detokeniser already holds the text (O(new tokens) a step)
         text = out.text if out.text is not None else self.tokenizer.decode(self.token_ids)
         longest = max((len(s) for s in self.stops), default=0)
