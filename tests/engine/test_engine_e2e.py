@@ -272,5 +272,5 @@ def test_engine_config_sizing(tiny_model: object) -> None:
                                         num_state_slots=3))
     assert e.cache.num_slots == 3 and e.cache.block_size == 32
     assert e.blocks.capacity == e.cache.num_pages > 0
-    with pytest.raises(CapacityError, match="cache memory"):
+    with pytest.raises(CapacityError, match="cache budget"):
         Engine(tiny_model, EngineConfig(cache_memory_bytes=1000))  # type: ignore[arg-type]

@@ -23,7 +23,7 @@ from engine_helpers import prompt_of
 from pagedhybrid.calibrate_kv import channel_amax, scales_from_amax
 from pagedhybrid.cli import main as cli_main
 from pagedhybrid.engine import Engine, EngineConfig, RequestOutput, SamplingParams
-from pagedhybrid.engine.config import size_pools
+from pagedhybrid.engine.memory import plan_memory
 from pagedhybrid.errors import ContractViolation
 from pagedhybrid.kernels.native import status
 from pagedhybrid.kvquant import KV_DTYPES, QMAX, load_scales, quantize, save_scales
@@ -207,10 +207,11 @@ def test_a_memory_budget_holds_more_quantized_pages(tiny_model: Qwen35ForCausalL
     cfg = tiny_model.config
     budget = 8 << 20
     for model_dtype, ratio in ((torch.float32, 4), (torch.bfloat16, 2)):
-        full = size_pools(cfg, EngineConfig(cache_memory_bytes=budget), model_dtype).num_blocks
+        full = plan_memory(cfg, EngineConfig(cache_memory_bytes=budget),
+                           model_dtype).sizes.num_blocks
         for d in KV_DTYPES:
-            q = size_pools(cfg, EngineConfig(cache_memory_bytes=budget, kv_cache_dtype=d),
-                           model_dtype).num_blocks
+            q = plan_memory(cfg, EngineConfig(cache_memory_bytes=budget, kv_cache_dtype=d),
+                            model_dtype).sizes.num_blocks
             assert ratio * full <= q <= ratio * full + ratio - 1, (model_dtype, d, full, q)
 
 

@@ -7,8 +7,9 @@
   prefill in one packed step, FCFS admission into both pools atomically, preemption by recompute.
 * ``SamplingParams`` / ``sample`` (``sampling.py``) -- greedy, temperature, top-k, top-p, seeds,
   stop ids / EOS, ``logprobs``.
-* ``EngineConfig`` (``config.py``) -- pool sizes and batching limits; ``size_pools`` turns a
-  memory budget into pages, slots and checkpoints.
+* ``EngineConfig`` (``config.py``) -- pool sizes and batching limits.
+* ``plan_memory`` / ``MemoryPlan`` (``memory.py``) -- the cache budget from the model and the
+  machine (or the options), split into pages, slots and checkpoints; the start-up line.
 * ``ModelRunner`` (``runner.py``) -- owns the model, its kernel bundle and the cache; runs one
   scheduled step (prepare -> model -> sampler) and ``score`` (the training-side recompute).
 * ``IncrementalDetokenizer`` (``detokenizer.py``) -- each request's text, O(new tokens) a step;

@@ -32,9 +32,17 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="float32", choices=DTYPE_SPELLINGS)
     g.add_argument("--block-size", type=int, default=16, help="KV page size (power of 2, >=16)")
     g.add_argument("--num-blocks", type=int, default=None, help="KV pages (default: memory)")
+    g.add_argument("--cache-memory-bytes", type=int, default=None,
+                   help="bytes for KV pages, state slots and checkpoints")
+    g.add_argument("--cache-memory-fraction", type=float, default=None,
+                   help="share of the memory left after weights and workspace for the cache "
+                        "(default 0.5)")
     g.add_argument("--num-state-slots", type=int, default=None,
                    help="state slots (default: --max-num-seqs)")
     g.add_argument("--max-num-seqs", type=int, default=32)
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output (default: what the cache holds, up to the "
+                        "model's limit)")
     g.add_argument("--max-num-batched-tokens", type=int, default=512)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True, help="share cached KV pages and state checkpoints of "
@@ -80,7 +88,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
     return {"block_size": args.block_size, "num_blocks": args.num_blocks,
+            "cache_memory_bytes": args.cache_memory_bytes,
+            "cache_memory_fraction": args.cache_memory_fraction,
             "num_state_slots": args.num_state_slots, "max_num_seqs": args.max_num_seqs,
+            "max_model_len": args.max_model_len,
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "enable_prefix_caching": args.enable_prefix_caching,
             "state_checkpoint_interval": args.state_checkpoint_interval,
@@ -112,6 +123,7 @@ def generate_main(args: argparse.Namespace) -> int:
                                 seed=args.seed, max_tokens=args.max_tokens,
                                 ignore_eos=args.ignore_eos, logprobs=args.logprobs)
         llm = LLM(args.model, dtype=args.dtype, **_engine_kwargs(args))
+        print(f"pagedhybrid: {llm.engine.memory.summary()}", file=sys.stderr)
         prompts: list[str] = list(args.prompt)
         if args.stream:
             return _generate_stream(llm, prompts, params, as_json=args.json)

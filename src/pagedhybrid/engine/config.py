@@ -1,5 +1,5 @@
-"""Engine configuration and pool sizing: ``EngineConfig`` and how a memory budget becomes KV
-pages, state slots and state checkpoints (``size_pools``)."""
+"""Engine configuration: ``EngineConfig``, ``PoolSizes`` and the bytes of one KV page and one
+state slot (``engine/memory.py`` plans the pools from them)."""
 
 from __future__ import annotations
 
@@ -7,21 +7,21 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedhybrid.errors import CapacityError, ContractViolation
+from pagedhybrid.errors import ContractViolation
 from pagedhybrid.kvquant import QUANTS, kv_dtype
 from pagedhybrid.models.qwen35.config import Qwen35Config
-
-DEFAULT_CACHE_MEMORY = 64 << 20  # bytes of KV pages + state slots when nothing is given
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """Pool sizes and batching limits.
 
-    ``num_blocks`` and ``cache_memory_bytes`` are exclusive (like ORT GenAI's ``num_blocks`` /
-    ``gpu_utilization_factor``); with neither, ``DEFAULT_CACHE_MEMORY`` is split into
-    ``num_state_slots`` slots (default ``max_num_seqs``) and as many pages as fit, capped at what
-    ``max_num_seqs`` requests of ``max_model_len`` tokens can use. ``cache_fill=None`` fills the
+    ``num_blocks``, ``cache_memory_bytes`` and ``cache_memory_fraction`` are exclusive (like ORT
+    GenAI's ``num_blocks`` / ``gpu_utilization_factor``); with none, the cache gets
+    ``memory.DEFAULT_CACHE_FRACTION`` of the memory the machine has for it, split into
+    ``num_state_slots`` slots (default ``max_num_seqs``), checkpoints and as many pages as fit,
+    capped at what ``max_num_seqs`` requests of ``max_model_len`` tokens can use
+    (``engine/memory.py``: defaults shrink to fit, with a warning). ``cache_fill=None`` fills the
     pools with random garbage instead of zeros (outputs must not change). ``backend`` picks the
     kernels (``pagedhybrid.kernels.backend.select``): ``auto`` runs the native kernels when the
     prebuilt extension is present and says why not otherwise; a named backend that cannot serve
@@ -51,6 +51,7 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None
     cache_memory_bytes: int | None = None
+    cache_memory_fraction: float | None = None  # of the memory there is for the cache
     num_state_slots: int | None = None
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
@@ -69,10 +70,16 @@ class EngineConfig:
     batch_invariant: bool = False
 
     def __post_init__(self) -> None:
-        if self.num_blocks is not None and self.cache_memory_bytes is not None:
-            raise ContractViolation("EngineConfig", "num_blocks/cache_memory_bytes",
-                                    "are exclusive: give one", (self.num_blocks,
-                                                                self.cache_memory_bytes))
+        given = [n for n in ("num_blocks", "cache_memory_bytes", "cache_memory_fraction")
+                 if getattr(self, n) is not None]
+        if len(given) > 1:
+            raise ContractViolation("EngineConfig", "/".join(given), "are exclusive: give one",
+                                    tuple(getattr(self, n) for n in given))
+        f = self.cache_memory_fraction
+        if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float))
+                              or not 0.0 < f <= 1.0):
+            raise ContractViolation("EngineConfig", "cache_memory_fraction",
+                                    "must be None or a number in (0, 1]", f)
         for name in ("num_blocks", "cache_memory_bytes", "num_state_slots", "max_model_len",
                      "state_checkpoint_interval", "num_state_checkpoints"):
             v = getattr(self, name)
@@ -119,27 +126,3 @@ class PoolSizes:
     max_model_len: int
     num_checkpoints: int = 0
 
-
-def size_pools(model_config: Qwen35Config, cfg: EngineConfig, dtype: torch.dtype) -> PoolSizes:
-    """Pages, slots, checkpoints and max_model_len from an ``EngineConfig`` (its docstring);
-    checkpoint rows cost what slots cost."""
-    slots = cfg.num_state_slots or cfg.max_num_seqs
-    checkpoints = (cfg.num_state_checkpoints or slots) if cfg.enable_prefix_caching else 0
-    limit = min(cfg.max_model_len or model_config.max_position_embeddings,
-                model_config.max_position_embeddings)
-    if cfg.num_blocks is not None:
-        blocks = cfg.num_blocks
-    else:
-        budget = cfg.cache_memory_bytes or DEFAULT_CACHE_MEMORY
-        per_page = max(page_bytes(model_config, cfg.block_size, cfg.page_dtype(dtype)), 1)
-        blocks = (budget - (slots + checkpoints) * slot_bytes(model_config, dtype)) // per_page
-        if cfg.cache_memory_bytes is None:
-            blocks = min(blocks, cfg.max_num_seqs * -(-limit // cfg.block_size))
-        if blocks < 1:
-            raise CapacityError(
-                f"cache memory {budget} B holds {slots} state slots and {checkpoints} state "
-                f"checkpoints of {slot_bytes(model_config, dtype)} B and no KV page of "
-                f"{per_page} B; raise cache_memory_bytes or lower num_state_slots / "
-                "num_state_checkpoints")
-    max_len = cfg.max_model_len or min(limit, blocks * cfg.block_size)
-    return PoolSizes(int(blocks), int(slots), int(max_len), int(checkpoints))

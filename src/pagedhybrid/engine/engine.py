@@ -29,8 +29,9 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
-from pagedhybrid.engine.config import EngineConfig, size_pools, slot_bytes
+from pagedhybrid.engine.config import EngineConfig, slot_bytes
 from pagedhybrid.engine.detokenizer import IncrementalDetokenizer
+from pagedhybrid.engine.memory import MemoryPlan, plan_memory, weight_bytes
 from pagedhybrid.engine.pages import BlockPool
 from pagedhybrid.engine.request import InvalidRequest, Request, RequestOutput, RequestStatus
 from pagedhybrid.engine.runner import ModelRunner, StepResult
@@ -50,7 +51,11 @@ class Engine:
                  tokenizer: object | None = None) -> None:
         self.config = config or EngineConfig()
         self.tokenizer = tokenizer
-        self.sizes = size_pools(model.config, self.config, model.dtype)
+        self.memory: MemoryPlan = plan_memory(model.config, self.config, model.dtype,
+                                              weight_bytes(model))
+        for warning in self.memory.warnings:
+            print(f"pagedhybrid: warning: {warning}", file=sys.stderr)
+        self.sizes = self.memory.sizes
         self.stats = EngineStats()
         self.eos_token_ids = tuple(model.config.eos_token_id) or tuple(
             getattr(tokenizer, "eos_token_ids", ()) or ())

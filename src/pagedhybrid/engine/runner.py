@@ -45,8 +45,7 @@ from pagedhybrid.engine.scheduler import SchedulerOutput
 from pagedhybrid.engine.stats import EngineStats
 from pagedhybrid.errors import ContractViolation
 from pagedhybrid.kernels.backend import Needs, Selection, select
-from pagedhybrid.kernels.native import cpu_form, set_pool_threads
-from pagedhybrid.kernels.registry import SMALL_STEP_ROWS
+from pagedhybrid.kernels.native import cpu_form
 from pagedhybrid.kernels.step import StepMetadata
 from pagedhybrid.kvquant import (
     KVScales,
@@ -139,12 +138,6 @@ class ModelRunner:
             prefix_caching=config.enable_prefix_caching, kv_page_dtype=kvd,
             batch_invariant=config.batch_invariant))
         model.backend = self.kernels.backend
-        # decode-sized steps run torch's own (tiny) ops on one thread when the bundle's kernels
-        # do the heavy work on their own pool, which keeps every thread
-        self.threads = torch.get_num_threads()
-        self._small_threads = self.kernels.backend.small_step_torch_threads
-        if self._small_threads is not None:
-            set_pool_threads(self.threads)
         if self.kernels.backend.name not in ("native", "native_batch_invariant") and \
                 config.backend == "auto":
             print(f"pagedhybrid: {self.kernels.reason}", file=sys.stderr)
@@ -187,19 +180,8 @@ class ModelRunner:
     # -- one step ----------------------------------------------------------------------------------
     @torch.no_grad()
     def run(self, scheduled: SchedulerOutput) -> StepResult:
-        t0 = time.perf_counter()
-        small = self._small_threads is not None and \
-            scheduled.num_batched_tokens < SMALL_STEP_ROWS
-        if small:
-            torch.set_num_threads(self._small_threads)
-        try:
-            return self._run(scheduled, t0)
-        finally:
-            if small:
-                torch.set_num_threads(self.threads)  # the process's setting outside a step
-
-    def _run(self, scheduled: SchedulerOutput, t0: float) -> StepResult:
         st = self.stats
+        t0 = time.perf_counter()
         step = build_batch(scheduled, self.cache, self.config.device)
         for s in scheduled.sequences:  # prefix hits start from their checkpointed state
             if s.restore is not None:

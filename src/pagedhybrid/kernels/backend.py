@@ -82,8 +82,7 @@ def _declare() -> KernelRegistry:
             BundleCapability(_DTYPES, native_pages, max_head_dim=NATIVE_MAX_HEAD_DIM,
                              in_place_state=True, paged_in_place=True, state_checkpoints=True),
             native_step.attention, native_step.causal_conv, native_step.gated_delta,
-            native_ops, _native_available, native_dense.preferred_linear,
-            small_step_torch_threads=1),
+            native_ops, _native_available, native_dense.preferred_linear),
         Backend(
             "native_batch_invariant", "C++ kernels for every token and projection in "
             "batch-invariant forms (kernels/native/invariant.py)", "native_batch_invariant",

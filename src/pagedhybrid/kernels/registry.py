@@ -5,10 +5,8 @@ A ``Backend`` (a kernel bundle) holds, for one implementation family:
 * the model's step seam -- ``attention``, ``causal_conv``, ``gated_delta``: one layer's operator
   on a validated ``StepMetadata``, with KV pages and conv / recurrent state pools updated in place
   (signatures in ``kernels/cpu/step.py``), ``linear_for(dtype)`` (what every projection and the
-  LM head multiply with in a ``dtype`` model; None = ``torch.nn.functional.linear``),
-  ``small_step_torch_threads`` (torch's intra-op threads in a step of fewer than
-  ``SMALL_STEP_ROWS`` token rows -- decode -- when the bundle's own kernels do the heavy work
-  on their own pool; None: unchanged) and ``pointwise`` (silu and sigmoid: torch's by default);
+  LM head multiply with in a ``dtype`` model; None = ``torch.nn.functional.linear``) and
+  ``pointwise`` (silu and sigmoid: torch's by default);
 * the three operator contracts with the signatures of ``pagedhybrid.ops`` (``ops``), each
   validating its call fully (contract entry points), with ``ops.coverage``: per op type an
   ``OpCoverage`` -- the dtypes and contract features its fast path computes, and each feature it
@@ -252,7 +250,6 @@ def _always() -> str | None:
 
 
 LinearFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-SMALL_STEP_ROWS = 64  # token rows below which a step is decode-sized (small_step_torch_threads)
 
 
 def _torch_linear(dtype: torch.dtype) -> LinearFn | None:
@@ -274,7 +271,6 @@ class Backend:
     available: Callable[[], str | None] = field(default=_always)
     linear_for: Callable[[torch.dtype], LinearFn | None] = field(default=_torch_linear)
     pointwise: Pointwise = TORCH_POINTWISE
-    small_step_torch_threads: int | None = None
 
     @property
     def dtypes(self) -> tuple[torch.dtype, ...]:

@@ -37,7 +37,6 @@ def register_subcommands(subparsers: Any) -> None:
                    "limit; requests queue as in vLLM, each costing its token ids until admitted)")
     p.add_argument("--api-key", default=os.environ.get("PAGEDHYBRID_API_KEY"),
                    help="require 'Authorization: Bearer KEY'")
-    p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests may finish in after SIGTERM")
     p.add_argument("--log-level", default="warning")
@@ -54,10 +53,7 @@ def build_state(args: argparse.Namespace) -> Any:
     from pagedhybrid.serve.metrics import ServerMetrics
 
     model_dir = Path(args.model_dir or args.model or default_model_dir())
-    kw = _engine_kwargs(args)
-    if args.max_model_len is not None:
-        kw["max_model_len"] = args.max_model_len
-    engine = load_engine(model_dir, dtype=args.dtype, **kw)
+    engine = load_engine(model_dir, dtype=args.dtype, **_engine_kwargs(args))
     if engine.tokenizer is None:
         raise PagedHybridError(f"{model_dir} has no tokenizer; the server needs one")
     name = args.served_model_name or model_dir.name
@@ -82,6 +78,8 @@ def serve_main(args: argparse.Namespace) -> int:
     print(f"pagedhybrid serve: {state.model_name} on http://{args.host}:{args.port} "
           f"(max_model_len {state.max_model_len}; kernels: {kernels})",
           file=sys.stderr, flush=True)
+    print(f"pagedhybrid serve: {state.loop.engine.memory.summary()}", file=sys.stderr,
+          flush=True)
     # uvicorn cancels what still runs at its own deadline (a traceback per connection), so the
     # engine fails the in-flight requests at ``--shutdown-timeout`` and the handlers get a
     # moment after it to send those last answers

@@ -36,7 +36,7 @@ WIDENED_DTYPES = (torch.bfloat16, torch.float16)
 WIDEN_ROWS = 64  # rows from which bf16 / fp16 weights are widened in chunks for torch's fp32 GEMM
 WIDEN_CHUNK_BYTES = 8 << 20  # fp32 weight rows widened at a time
 MIN_CHUNK_ROWS = 16
-DECODE_ROWS = 64  # rows below which decode_linear runs the native kernel (= SMALL_STEP_ROWS)
+DECODE_ROWS = 64  # rows below which decode_linear runs the native kernel
 
 
 def _product(op: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
