@@ -106,6 +106,18 @@ def test_n_with_a_seed_is_reproducible_and_stop_strings_never_leak(server: Serve
             text = r.choices[0].text
             assert r.choices[0].finish_reason == "stop"
         assert text == cut and stop not in text
+    # n samples that stop at different times: each choice ends exactly once, with its text
+    finishes: dict[int, list[str]] = {}
+    texts: dict[int, str] = {}
+    for ch in c.completions.create(model=server.model, prompt=PROMPT, max_tokens=30,
+                                   temperature=1.0, seed=3, n=4, stop=["e"], stream=True):
+        for x in ch.choices:
+            texts[x.index] = texts.get(x.index, "") + x.text
+            if x.finish_reason is not None:
+                finishes.setdefault(x.index, []).append(x.finish_reason)
+    assert sorted(finishes) == [0, 1, 2, 3] and all(len(f) == 1 for f in finishes.values()), \
+        finishes
+    assert all("e" not in t for t in texts.values()), texts
     first = greedy(llm, tok.encode(PROMPT), 3)
     r = c.completions.create(model=server.model, prompt=PROMPT, max_tokens=30, temperature=0,
                              extra_body={"stop_token_ids": [first[2]]})

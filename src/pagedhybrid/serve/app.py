@@ -164,12 +164,15 @@ def _refusal(item: EngineRefusal) -> ApiError:
                     f"{type(exc).__name__}: {exc}", None, "internal_error", "server_error")
 
 
-def _apply(state: ServerState, item: Any, choices: dict[str, Choice]) -> tuple[Choice, str]:
+def _apply(state: ServerState, item: Any, choices: dict[str, Choice]
+           ) -> tuple[Choice, str] | None:
+    """Apply one engine item to its choice: (choice, new safe text), or None for an output of a
+    choice that is already done (a stop string ended it; its abort output is stale)."""
     if isinstance(item, EngineRefusal):
         raise _refusal(item)
     c = choices[item.request_id]
     if c.done:
-        return c, ""
+        return None
     try:
         delta, stopped = c.update(item)
     except Exception as exc:  # detokenisation of this choice failed: it fails alone
@@ -393,10 +396,13 @@ def create_app(state: ServerState) -> FastAPI:
                         yield out.chunk(out.entry(c.index, "", None, None, role=True))
                 while not all(c.done for c in choices.values()):
                     try:
-                        c, delta = _apply(state, await sink.get(), choices)
+                        applied = _apply(state, await sink.get(), choices)
                     except ApiError as exc:
                         yield sse(exc.body())
                         break
+                    if applied is None:
+                        continue
+                    c, delta = applied
                     if not job.chat and job.echo_texts and not c.echoed:
                         c.echoed = True
                         yield out.chunk(out.entry(c.index, *out.echo_part(c), None))
