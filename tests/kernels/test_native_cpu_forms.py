@@ -93,7 +93,7 @@ def test_forcing_a_form_and_saying_which_runs(form: str) -> None:
         widen = form != "avx512_bf16"
         assert dense.preferred_linear(torch.bfloat16) is (dense.linear if widen else
                                                           dense.decode_linear)
-        assert dense.preferred_linear(torch.float32) is dense.decode_linear
+        assert dense.preferred_linear(torch.float32) is None
     st = native.status()  # unforced: the fastest
     assert st.isa == HERE[0] and not st.forced and "(" in native.cpu_form()
 

@@ -53,6 +53,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-state-checkpoints", type=int, default=None,
                    help="rows of the state-checkpoint pool (default: as many as state slots)")
     g.add_argument("--backend", default="auto", help="kernels: auto | native | torch")
+    g.add_argument("--adaptive-threads", action=argparse.BooleanOptionalAction, default=True,
+                   help="one thread while other processes keep the cores busy (default on)")
     g.add_argument("--batch-invariant", action="store_true",
                    help="logits bitwise independent of the batch (rollout == training recompute)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3", "fp8"],
@@ -97,7 +99,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
             "state_checkpoint_interval": args.state_checkpoint_interval,
             "num_state_checkpoints": args.num_state_checkpoints, "backend": args.backend,
             "kv_cache_dtype": args.kv_cache_dtype, "kv_quant": args.kv_quant,
-            "kv_scales": args.kv_scales, "batch_invariant": args.batch_invariant}
+            "kv_scales": args.kv_scales, "batch_invariant": args.batch_invariant,
+            "adaptive_threads": args.adaptive_threads}
 
 
 def _record(out: RequestOutput, prompt: str | None = None) -> dict[str, object]:

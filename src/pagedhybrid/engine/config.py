@@ -46,6 +46,10 @@ class EngineConfig:
     property through the kernel registry (``native_batch_invariant``; a backend that does not
     declare it is refused at construction, never substituted). ``Engine.score`` /
     ``LLM.score`` then reproduce the sampled tokens' logprobs exactly.
+
+    ``adaptive_threads`` (on by default; off in batch-invariant mode): the engine drops to one
+    thread while other processes keep the cores busy and returns to its threads when they leave
+    room (``engine/contention.py``).
     """
 
     block_size: int = 16
@@ -68,6 +72,7 @@ class EngineConfig:
     kv_quant: str = "per-channel"  # per-channel | per-tensor (quantized pages)
     kv_scales: str | None = None  # scale file; default: kv_scales/ in the checkpoint
     batch_invariant: bool = False
+    adaptive_threads: bool = True  # one thread while other processes keep the cores busy
 
     def __post_init__(self) -> None:
         given = [n for n in ("num_blocks", "cache_memory_bytes", "cache_memory_fraction")

@@ -39,13 +39,14 @@ from typing import NamedTuple
 import torch
 
 from pagedhybrid.engine.config import EngineConfig, PoolSizes
+from pagedhybrid.engine.contention import ThreadGovernor
 from pagedhybrid.engine.request import Request
 from pagedhybrid.engine.sampling import SampledToken, bad_word_bans, logprob_dicts, sample
 from pagedhybrid.engine.scheduler import SchedulerOutput
 from pagedhybrid.engine.stats import EngineStats
 from pagedhybrid.errors import ContractViolation
 from pagedhybrid.kernels.backend import Needs, Selection, select
-from pagedhybrid.kernels.native import cpu_form
+from pagedhybrid.kernels.native import cpu_form, set_pool_threads
 from pagedhybrid.kernels.step import StepMetadata
 from pagedhybrid.kvquant import (
     KVScales,
@@ -148,6 +149,9 @@ class ModelRunner:
             num_checkpoints=sizes.num_checkpoints, kv_dtype=kvd,
             kv_scales=self._kv_scales(kvd) if is_quantized(kvd) else None)
         model.check_cache(self.cache)  # once: steps pass their validated metadata
+        self.governor: ThreadGovernor | None = None
+        if config.adaptive_threads and not config.batch_invariant:
+            self.governor = ThreadGovernor(torch.get_num_threads(), self._set_threads)
 
 
     def kernel_summary(self) -> str:
@@ -179,9 +183,16 @@ class ModelRunner:
 
     # -- one step ----------------------------------------------------------------------------------
     @torch.no_grad()
+    def _set_threads(self, n: int) -> None:
+        torch.set_num_threads(n)
+        if self.kernels.backend.name.startswith("native"):
+            set_pool_threads(n)
+
     def run(self, scheduled: SchedulerOutput) -> StepResult:
         st = self.stats
         t0 = time.perf_counter()
+        if self.governor is not None:
+            self.governor.tick()
         step = build_batch(scheduled, self.cache, self.config.device)
         for s in scheduled.sequences:  # prefix hits start from their checkpointed state
             if s.restore is not None:

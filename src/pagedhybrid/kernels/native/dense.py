@@ -15,12 +15,11 @@ whatever the number of rows), for ``kernels/native/invariant.py``.
 
 ``preferred_linear(dtype)`` says what the ``native`` bundle multiplies with in ``dtype`` on the
 chosen CPU form (``kernels.native.status()``): ``linear`` for bf16 / fp16 models on a form without
-BF16 dot instructions; ``decode_linear`` otherwise -- the native kernel for fewer than
-``DECODE_ROWS`` rows, torch's GEMM from there on. At decode sizes the native kernel is 0.6-0.9x
-torch's time for bf16 even where oneDNN has vdpbf16ps (its per-call overhead dominates such small
-products) and about even for fp32; and it runs on the native thread pool, which never waits for
-a descheduled thread -- beside a busy process torch's two-thread GEMM of a decode step was 10-40x
-slower than alone, the native kernel 1.0-1.3x (``benchmarks/ops.py --only forms``).
+BF16 dot instructions; for bf16 / fp16 on a form with them ``decode_linear`` -- the native kernel
+below ``DECODE_ROWS`` rows (at 1-4 rows 0.6-0.9x the time of oneDNN's bf16 GEMM, whose per-call
+overhead dominates such small products), torch's GEMM from there on; None (torch's GEMM) for
+fp32, where MKL's is as fast or faster at every size (``benchmarks/latency.py``: the native kernel
+made fp32 decode 1.2x and a 16-request batch 1.5x slower).
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ WIDENED_DTYPES = (torch.bfloat16, torch.float16)
 WIDEN_ROWS = 64  # rows from which bf16 / fp16 weights are widened in chunks for torch's fp32 GEMM
 WIDEN_CHUNK_BYTES = 8 << 20  # fp32 weight rows widened at a time
 MIN_CHUNK_ROWS = 16
-DECODE_ROWS = 64  # rows below which decode_linear runs the native kernel
+DECODE_ROWS = 8  # rows below which decode_linear runs the native kernel
 
 
 def _product(op: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -99,7 +98,6 @@ def preferred_linear(dtype: torch.dtype) -> Callable[[torch.Tensor, torch.Tensor
                                                      torch.Tensor] | None:
     """What a ``dtype`` model's projections multiply with on the chosen form (module
     docstring); None (torch's) when the native kernels are not loaded."""
-    st = status()
-    if not st.available:
+    if not status().available or dtype not in WIDENED_DTYPES:
         return None
-    return linear if dtype in WIDENED_DTYPES and not bf16_dot() else decode_linear
+    return decode_linear if bf16_dot() else linear
