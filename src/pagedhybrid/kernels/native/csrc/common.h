@@ -187,10 +187,9 @@ class Helpers {
   int64_t n_ = 0, grain_ = 1;
 };
 
-// The threads of parallel_items (0: torch.get_num_threads()), set by the op set_num_threads:
-// the engine runs torch's own ops on one thread in decode steps (tiny element-wise ops gain
-// nothing from a team, and a team's join barrier stalls on a shared core) while these kernels
-// keep every thread.
+// The threads of parallel_items (0: torch.get_num_threads()), set by the op set_num_threads --
+// the engine's thread governor (engine/contention.py) drops torch and this pool to one thread
+// together while other processes keep the cores busy.
 inline std::atomic<int>& pool_threads() {
   static std::atomic<int> n{0};
   return n;
