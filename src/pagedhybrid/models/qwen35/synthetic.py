@@ -1,9 +1,19 @@
-"""Synthetic checkpoints for tests and benchmarks: random weights, byte tokenizer.
+"""Synthetic checkpoints for tests and benchmarks: random weights, byte tokenizer, published shapes.
 
 ``random_weights(config, seed)`` draws every parameter of a checkpoint (HF names, float32) with
 scales that keep activations O(1); ``write_checkpoint(path, config, weights)`` writes an HF
 folder (``config.json``, ``model.safetensors`` and the byte-tokenizer marker) that the ordinary
-loader reads. ``tiny_byte_config()`` is the small byte-level shape the tests build on:
+loader reads. ``write_random_checkpoint(path, config, seed)`` writes the same weights (the same
+seed gives the same values, cast to ``dtype``, bf16 by default) as an HF *sharded* checkpoint
+(``model-0000i-of-0000N.safetensors`` + ``model.safetensors.index.json``), drawing one tensor at
+a time (``iter_random_weights``) so a model of billions of parameters never sits in memory whole:
+at most one shard (``shard_bytes``, or one larger tensor) plus the float32 draw of one tensor.
+
+``PUBLISHED`` holds the text-model geometry of the published Qwen3.5 checkpoints (0.8B, 2B, 27B;
+sources beside each entry). The 27B is structural only (building it on the meta device is free,
+writing it is not); ``per_layer(config)`` keeps one layer of each type at the full widths.
+
+``tiny_byte_config()`` is the small byte-level shape the tests build on:
 hidden 64, 6 layers with ``full_attention_interval`` 3 (layers 2 and 5 full, 4 linear),
 4 query / 2 KV heads of dim 32 (partial rotary 0.25 -> rotary_dim 8, mrope_section [2, 1, 1]),
 linear heads 2 key / 4 value of dim 16, conv kernel 4, vocabulary 258 (256 bytes + BOS 256 +
@@ -13,14 +23,28 @@ EOS 257), tied embeddings. (The built-in default model is a trained checkpoint i
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
-from pagedhybrid.models.qwen35.config import Qwen35Config
+from pagedhybrid.dtypes import logical_name
+from pagedhybrid.models.qwen35.config import (
+    FULL_ATTENTION,
+    LINEAR_ATTENTION,
+    QWEN35_27B_TEXT_CONFIG,
+    TEXT_MODEL_TYPE,
+    Qwen35Config,
+)
 from pagedhybrid.models.qwen35.tokenizer import BYTE_BOS, BYTE_EOS, BYTE_TOKENIZER_FILE
+
+DEFAULT_SHARD_BYTES = 1 << 30
+INDEX_FILE = "model.safetensors.index.json"
 
 
 def tiny_byte_config() -> Qwen35Config:
@@ -52,37 +76,144 @@ def tiny_byte_config() -> Qwen35Config:
     )
 
 
-def random_weights(config: Qwen35Config, seed: int) -> dict[str, torch.Tensor]:
-    """Every parameter of the checkpoint randomised (float32), keyed by HF name."""
+# -- published geometries --------------------------------------------------------------------------
+def _small_text_config(hidden_size: int, intermediate_size: int) -> dict[str, Any]:
+    """The ``text_config`` of Qwen3.5-0.8B / -2B: they differ only in the two widths."""
+    return {
+        "model_type": TEXT_MODEL_TYPE, "vocab_size": 248320, "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size, "num_hidden_layers": 24,
+        "full_attention_interval": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
+        "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 16,
+        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+        "tie_word_embeddings": True, "max_position_embeddings": 262144, "rms_norm_eps": 1e-6,
+        "eos_token_id": 248044, "dtype": "bfloat16",
+        # interleaved MRoPE [11, 11, 10], theta 1e7, partial 0.25: as in every Qwen3.5 text model
+        "rope_parameters": QWEN35_27B_TEXT_CONFIG["rope_parameters"],
+    }
+
+
+PUBLISHED: dict[str, Qwen35Config] = {
+    # Qwen/Qwen3.5-0.8B (https://huggingface.co/Qwen/Qwen3.5-0.8B): model card "Model Overview"
+    # (hidden 1024, 24 layers = 6 x (3 Gated DeltaNet + 1 attention), DeltaNet 16 V / 16 QK heads
+    # of 128, attention 8 Q / 2 KV of 256, rotary 64, FFN 3584, vocab 248320 tied); the
+    # text_config fields as mirrored in wlejon/brolm tests/test_qwen35_config.cpp (mrope_section,
+    # rope_theta 1e7, max_position_embeddings 262144) and hvasconcelos/mlxforge's config test
+    # (mlx-community/Qwen3.5-0.8B-4bit: text_config eos_token_id 248044).
+    "0.8B": Qwen35Config.from_dict(_small_text_config(1024, 3584), source="Qwen3.5-0.8B"),
+    # Qwen/Qwen3.5-2B (https://huggingface.co/Qwen/Qwen3.5-2B, and -2B-Base): model card "Model
+    # Overview" (hidden 2048, FFN 6144, DeltaNet 16 V / 16 QK heads, tied 248320 output; the
+    # rest as the 0.8B). (A slime Megatron-bridge test comment says 32
+    # value heads; the card, and two independent presets, say 16.)
+    "2B": Qwen35Config.from_dict(_small_text_config(2048, 6144), source="Qwen3.5-2B"),
+    # Qwen/Qwen3.5-27B: config.QWEN35_27B_TEXT_CONFIG (hidden 5120 per the model card commit
+    # 3b2962802c14; 24 Q / 4 KV heads, DeltaNet 48 V / 16 QK, FFN 17408, untied; the same card
+    # values as Qwen/Qwen3.6-27B's; THUDM/slime scripts/models/qwen3.5-27B.sh agrees).
+    "27B": Qwen35Config.from_dict(QWEN35_27B_TEXT_CONFIG | {"dtype": "bfloat16"},
+                                  source="Qwen3.5-27B"),
+}
+
+
+def per_layer(config: Qwen35Config,
+              layers: Sequence[str] = (LINEAR_ATTENTION, FULL_ATTENTION)) -> Qwen35Config:
+    """``config`` with only ``layers`` (one per entry, in order) at its full widths: the
+    geometry of single layers of a model too large to build whole."""
+    for kind in layers:
+        if kind not in (FULL_ATTENTION, LINEAR_ATTENTION):
+            raise ValueError(f"layer type {kind!r} is not {FULL_ATTENTION!r} or "
+                             f"{LINEAR_ATTENTION!r}")
+    return dataclasses.replace(config, num_hidden_layers=len(layers), layer_types=tuple(layers))
+
+
+# -- random weights --------------------------------------------------------------------------------
+def _scale_(name: str, noise: torch.Tensor) -> torch.Tensor:
+    """Checkpoint tensor ``name`` from its standard-normal draw (scaled in place), at scales that
+    keep activations O(1)."""
+    if name.endswith(("A_log", "dt_bias")):
+        return noise.mul_(0.5)  # decay rate exp(A_log) around 1
+    if name.endswith("linear_attn.norm.weight"):
+        return noise.mul_(0.1).add_(1.0)  # raw-weight gated norm
+    if name.endswith("norm.weight"):
+        return noise.mul_(0.1)  # offset norms: (1 + w)
+    if name.endswith("embed_tokens.weight"):
+        return noise
+    return noise.div_(noise.shape[-1] ** 0.5)  # [out, in] projections, conv1d [C, 1, K]
+
+
+def _checkpoint_shapes(config: Qwen35Config) -> dict[str, tuple[int, ...]]:
     from pagedhybrid.models.qwen35.model import build
 
-    shapes = build(config, torch.float32, "meta").expected_shapes()
+    return build(config, torch.float32, "meta").expected_shapes()
+
+
+def iter_random_weights(config: Qwen35Config, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 tensor) of every checkpoint parameter in sorted name order, drawn one
+    at a time from one generator seeded with ``seed``."""
+    shapes = _checkpoint_shapes(config)
     gen = torch.Generator().manual_seed(seed)
-    out: dict[str, torch.Tensor] = {}
     for name in sorted(shapes):
-        shape = shapes[name]
-        noise = torch.randn(shape, generator=gen)
-        if name.endswith("A_log"):
-            value = noise * 0.5  # decay rate exp(A_log) around 1
-        elif name.endswith("dt_bias"):
-            value = noise * 0.5
-        elif name.endswith("linear_attn.norm.weight"):
-            value = 1.0 + 0.1 * noise  # raw-weight gated norm
-        elif name.endswith("norm.weight"):
-            value = 0.1 * noise  # offset norms: (1 + w)
-        elif name.endswith("conv1d.weight"):
-            value = noise / shape[-1] ** 0.5
-        elif name.endswith("embed_tokens.weight"):
-            value = noise
-        else:
-            value = noise / shape[-1] ** 0.5  # [out, in] projections
-        out[name] = value.contiguous()
-    return out
+        yield name, _scale_(name, torch.randn(shapes[name], generator=gen))
+
+
+def random_weights(config: Qwen35Config, seed: int) -> dict[str, torch.Tensor]:
+    """Every parameter of the checkpoint randomised (float32), keyed by HF name."""
+    return dict(iter_random_weights(config, seed))
+
+
+# -- writing ---------------------------------------------------------------------------------------
+def _write_folder(path: Path, config: Qwen35Config) -> None:
+    """``config.json`` and the byte-tokenizer marker of a checkpoint folder."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")
+    (path / BYTE_TOKENIZER_FILE).write_text(
+        json.dumps({"type": "bytes", "bos_token_id": BYTE_BOS, "eos_token_id": BYTE_EOS}) + "\n")
 
 
 def write_checkpoint(path: Path, config: Qwen35Config, weights: dict[str, torch.Tensor]) -> None:
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")
+    _write_folder(path, config)
     save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
-    (path / BYTE_TOKENIZER_FILE).write_text(
-        json.dumps({"type": "bytes", "bos_token_id": BYTE_BOS, "eos_token_id": BYTE_EOS}) + "\n")
+
+
+def _plan_shards(sizes: Sequence[tuple[str, int]], shard_bytes: int) -> list[list[str]]:
+    """Consecutive names per shard: a shard is closed when the next tensor would take it past
+    ``shard_bytes`` (a larger tensor gets a shard of its own), as HF shards."""
+    shards: list[list[str]] = [[]]
+    filled = 0
+    for name, nbytes in sizes:
+        if shards[-1] and filled + nbytes > shard_bytes:
+            shards.append([])
+            filled = 0
+        shards[-1].append(name)
+        filled += nbytes
+    return shards
+
+
+def write_random_checkpoint(path: Path, config: Qwen35Config, seed: int, *,
+                            dtype: torch.dtype = torch.bfloat16,
+                            shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[Path]:
+    """Write ``random_weights(config, seed)`` in ``dtype`` as an HF sharded checkpoint folder
+    (``config.json`` recording ``dtype``, the byte-tokenizer marker, the shards and
+    ``model.safetensors.index.json`` with ``metadata.total_size`` and ``weight_map``), one
+    tensor drawn at a time; returns the shard paths."""
+    path = Path(path)
+    _write_folder(path, dataclasses.replace(config, checkpoint_dtype=logical_name(dtype)))
+    shapes = _checkpoint_shapes(config)
+    sizes = [(name, math.prod(shapes[name]) * dtype.itemsize) for name in sorted(shapes)]
+    plan = _plan_shards(sizes, shard_bytes)
+    weights = iter_random_weights(config, seed)
+    weight_map: dict[str, str] = {}
+    files: list[Path] = []
+    for i, names in enumerate(plan, start=1):
+        file = path / f"model-{i:05d}-of-{len(plan):05d}.safetensors"
+        shard: dict[str, torch.Tensor] = {}
+        for name in names:
+            drawn, value = next(weights)
+            assert drawn == name, (drawn, name)  # both in sorted name order
+            shard[name] = value.to(dtype)
+            del value  # one float32 draw alive at a time
+        save_file(shard, str(file), metadata={"format": "pt"})
+        del shard
+        weight_map.update(dict.fromkeys(names, file.name))
+        files.append(file)
+    index = {"metadata": {"total_size": sum(n for _, n in sizes)}, "weight_map": weight_map}
+    (path / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return files
