@@ -1,0 +1,74 @@
+"""A Qwen3.5-0.8B-geometry checkpoint (random bf16 weights, sharded, 248,320-token vocabulary):
+loaded without a second copy of the weights, and served by ``LLM`` with no memory options."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedhybrid.engine import LLM, SamplingParams
+from pagedhybrid.engine.memory import available_memory
+from pagedhybrid.models.qwen35.synthetic import INDEX_FILE, PUBLISHED, write_random_checkpoint
+
+LOAD_RSS_BOUND = 1.2  # peak RSS growth while loading, in units of the weights' bytes
+
+_LOAD = """
+import json, resource, sys, torch
+from pagedhybrid.models.qwen35 import load
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+before = rss()
+model = load(sys.argv[1], dtype=torch.bfloat16)
+total = sum(float(p.float().sum()) for p in model.parameters())  # every weight page read
+weights = sum(p.numel() * p.element_size() for p in model.parameters())
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"before": before, "peak": peak, "weights": weights, "finite": total == total}))
+"""
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("qwen35-0.8b")
+    write_random_checkpoint(path, PUBLISHED["0.8B"], seed=0, shard_bytes=512 << 20)
+    return path
+
+
+def test_the_checkpoint_is_sharded_bf16_at_the_published_size(ckpt: Path) -> None:
+    index = json.loads((ckpt / INDEX_FILE).read_text())
+    shards = set(index["weight_map"].values())
+    assert len(shards) >= 3
+    assert index["metadata"]["total_size"] == 2 * 752_393_024  # bf16, the text model's params
+
+
+def test_loading_maps_the_weights_without_a_second_copy(ckpt: Path) -> None:
+    done = subprocess.run([sys.executable, "-c", _LOAD, str(ckpt)], capture_output=True,
+                          text=True, timeout=600, check=True)
+    r = json.loads(done.stdout.strip().splitlines()[-1])
+    grown = r["peak"] - r["before"]
+    assert r["finite"]
+    assert grown <= LOAD_RSS_BOUND * r["weights"], (
+        f"peak RSS grew by {grown / 2**30:.2f} GiB while loading "
+        f"{r['weights'] / 2**30:.2f} GiB of weights")
+
+
+def test_llm_with_no_memory_options_starts_and_answers(ckpt: Path) -> None:
+    free = available_memory()
+    llm = LLM(ckpt, dtype="bfloat16")
+    plan = llm.engine.memory
+    assert plan.budget is not None and plan.cache_bytes <= plan.budget
+    assert plan.weights + plan.workspace + plan.cache_bytes <= free
+    assert llm.engine.model.dtype == torch.bfloat16
+    assert llm.engine.model.config.vocab_size == 248320
+    assert plan.sizes.num_slots == 32 and plan.concurrent(4096) >= 1
+    out = llm.generate([list(range(100, 140))], SamplingParams(max_tokens=4, ignore_eos=True),
+                       use_progress=False)
+    assert len(out[0].token_ids) == 4
+    assert all(0 <= t < 248320 for t in out[0].token_ids)
