@@ -142,7 +142,9 @@ CACHES = [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.float8
 
 @pytest.mark.parametrize("form", HERE)
 @pytest.mark.parametrize("cache", CACHES, ids=str)
-@pytest.mark.parametrize(("hq", "hkv", "d"), [(8, 2, 128), (6, 3, 40)])
+# head_dim 256 as in every Qwen3.5: 8 query / 2 KV heads (0.8B, 2B), 24 / 4 (27B), and GQA 8:1
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(8, 2, 128), (6, 3, 40), (8, 2, 256), (24, 4, 256),
+                                              (8, 1, 256)])
 def test_paged_attention(form: str, cache: torch.dtype, hq: int, hkv: int, d: int) -> None:
     lib = native.form_library(form)
     gen = torch.Generator().manual_seed(d + hq)
@@ -191,7 +193,10 @@ def _gdn_reference(x: dict[str, torch.Tensor], init: torch.Tensor, scale: float
 
 
 @pytest.mark.parametrize("form", HERE)
-@pytest.mark.parametrize(("hk", "hv", "dk", "dv"), [(2, 6, 128, 128), (1, 2, 24, 7)])
+# Qwen3.5's GDN layers: 16 key heads of 128 with 16 (0.8B / 2B), 32 (4B) or 48 (27B) value heads
+@pytest.mark.parametrize(("hk", "hv", "dk", "dv"), [(2, 6, 128, 128), (1, 2, 24, 7),
+                                                    (16, 16, 128, 128), (16, 32, 128, 128),
+                                                    (16, 48, 128, 128)])
 def test_gated_delta_decode(form: str, hk: int, hv: int, dk: int, dv: int) -> None:
     lib = native.form_library(form)
     gen = torch.Generator().manual_seed(dk)
