@@ -10,6 +10,8 @@
 * ``EngineConfig`` (``config.py``) -- pool sizes and batching limits.
 * ``plan_memory`` / ``MemoryPlan`` (``memory.py``) -- the cache budget from the model and the
   machine (or the options), split into pages, slots and checkpoints; the start-up line.
+* ``ThreadGovernor`` (``contention.py``) -- one thread while other processes keep the cores busy,
+  the engine's threads again when they leave room (the runner ticks it before each step).
 * ``ModelRunner`` (``runner.py``) -- owns the model, its kernel bundle and the cache; runs one
   scheduled step (prepare -> model -> sampler) and ``score`` (the training-side recompute).
 * ``IncrementalDetokenizer`` (``detokenizer.py``) -- each request's text, O(new tokens) a step;
