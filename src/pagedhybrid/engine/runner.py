@@ -153,16 +153,20 @@ class ModelRunner:
         if config.adaptive_threads and not config.batch_invariant:
             self.governor = ThreadGovernor(torch.get_num_threads(), self._set_threads)
 
+    @property
+    def _native(self) -> bool:
+        return self.kernels.backend.name.startswith("native")
 
     def kernel_summary(self) -> str:
         """What runs: the bundle and why, the native kernels' CPU form, the projections."""
         parts = [self.kernels.reason]
-        if self.kernels.backend.name.startswith("native"):
+        if self._native:
             parts.append(f"CPU form {cpu_form()}")
         mm = self.kernels.backend.linear_for(self.model.dtype)
         parts.append("projections: " + ("torch" if mm is None else
                                         f"{mm.__module__.rsplit('.', 1)[-1]}.{mm.__name__}"))
         return "; ".join(parts)
+
     def _kv_scales(self, kvd: torch.dtype) -> dict[int, KVScales]:
         cfg, mc = self.config, self.model.config
         path = cfg.kv_scales
@@ -181,13 +185,13 @@ class ModelRunner:
                                 mc.head_dim, kvd, cfg.kv_quant)
         return {i: KVScales(s.k.to(cfg.device), s.v.to(cfg.device)) for i, s in scales.items()}
 
-    # -- one step ----------------------------------------------------------------------------------
-    @torch.no_grad()
     def _set_threads(self, n: int) -> None:
         torch.set_num_threads(n)
-        if self.kernels.backend.name.startswith("native"):
+        if self._native:
             set_pool_threads(n)
 
+    # -- one step ----------------------------------------------------------------------------------
+    @torch.no_grad()
     def run(self, scheduled: SchedulerOutput) -> StepResult:
         st = self.stats
         t0 = time.perf_counter()
@@ -236,14 +240,14 @@ class ModelRunner:
                      else []) for r in reqs]
         params = [r.params for r in reqs]
         gens = [r.generator for r in reqs]
-        states = [None if g is None else g.get_state() for g in gens]
+        # only random rows draw noise: their generators' states, to restore if the batch fails
+        states = [(g, g.get_state()) for g, p in zip(gens, params, strict=True) if not p.greedy]
         try:
             toks = sample(rows, params, gens, reqs, banned if any(banned) else None)
             return {r.request_id: t for r, t in zip(reqs, toks, strict=True)}, []
         except Exception:  # find the row that fails, keep the others
-            for g, st in zip(gens, states, strict=True):
-                if g is not None and st is not None:
-                    g.set_state(st)  # the batch may have drawn some rows' noise already
+            for g, st in states:
+                g.set_state(st)  # the batch may have drawn some rows' noise already
             sampled, failed = {}, []
             for j, r in enumerate(reqs):
                 try:
