@@ -14,6 +14,10 @@ Only the public model API is used (``build``, ``PagedHybridCache.allocate``,
 
     python benchmarks/decode_profile.py [--dtype bf16] [--batch 16] [--context 2048]
 
+``--published 0.8B`` (or ``2B``) profiles the published checkpoint's whole geometry instead
+(``synthetic.PUBLISHED``: 24 layers, 8 query / 2 KV heads of 256, 16 / 16 GDN heads of 128,
+the 248,320-token tied output projection), so the table shows the share of the vocabulary.
+
 The native kernels run in the CPU form ``kernels.native.status()`` picks (printed; force one with
 ``PAGEDHYBRID_CPU_FEATURES=avx512_bf16|avx512|avx2``). ``--linear native`` multiplies every
 projection with ``kernels.native.dense.linear`` (fp32 registers; bf16 weights widened) instead
@@ -57,6 +61,8 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--intermediate", type=int, default=4096)
+    ap.add_argument("--published", choices=["0.8B", "2B"], default=None,
+                    help="the whole published geometry instead of the scaled 27B stack")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--linear", choices=["torch", "native"], default="torch")
@@ -70,7 +76,11 @@ def main() -> int:
 
     torch.set_num_threads(a.threads)
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
-    cfg = config(a.hidden, a.intermediate)
+    if a.published:
+        from pagedhybrid.models.qwen35.synthetic import PUBLISHED
+        cfg = PUBLISHED[a.published]
+    else:
+        cfg = config(a.hidden, a.intermediate)
     model = build(cfg, dtype, "cpu")
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -135,8 +145,10 @@ def main() -> int:
     table = [{"op": e.key, "self_ms": e.self_cpu_time_total / 1e3,
               "share": e.self_cpu_time_total / total, "calls": e.count} for e in rows[:20]]
     median = statistics.median(times)
-    print(f"# {a.label}: decode step B={a.batch} ctx={a.context} {a.dtype}, 16 layers "
-          f"(12 GDN + 4 full), hidden {a.hidden}, {a.threads} threads, {a.busy} busy, kernels "
+    shape = (f"Qwen3.5-{a.published} geometry (24 layers, vocab {cfg.vocab_size})"
+             if a.published else f"16 layers (12 GDN + 4 full), hidden {a.hidden}")
+    print(f"# {a.label}: decode step B={a.batch} ctx={a.context} {a.dtype}, {shape}, "
+          f"{a.threads} threads, {a.busy} busy, kernels "
           f"{form}, linear {a.linear}: median {median * 1e3:.1f} ms/step (min "
           f"{min(times) * 1e3:.1f}; {a.batch / median:.1f} tok/s)")
     print(f"{'op':55s} {'self ms':>9s} {'share':>7s} {'calls':>6s}")

@@ -61,8 +61,8 @@ HELDOUT_EVERY = 40
 CHAT_FRACTION = 0.15  # chat exchanges per training chapter
 SPECIALS = ("<|endoftext|>", "<|bos|>", "<|im_start|>", "<|im_end|>")
 EOS, BOS, IM_START, IM_END = range(4)
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
+CHAT_TEMPLATE = (  # BOS first: every training document began with it
+    "{{ bos_token }}{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"

@@ -75,7 +75,8 @@ def test_windows_score_every_token_once(n: int, context: int, data: st.DataObjec
 
 
 def test_engine_perplexity_equals_hf(ids: list[int], hf_model: Qwen3_5ForCausalLM) -> None:
-    engine = load_engine(None, max_model_len=CONTEXT + 1, max_num_batched_tokens=96)
+    engine = load_engine(None, dtype="float32", max_model_len=CONTEXT + 1,
+                         max_num_batched_tokens=96)
     ours = engine_perplexity(engine, ids, CONTEXT, STRIDE)
     ref = hf_perplexity(hf_model, ids, CONTEXT, STRIDE)
     assert ours.tokens == len(ids) - 1 and ours.windows == len(windows(len(ids), CONTEXT,
@@ -91,7 +92,8 @@ def test_prompt_logprobs_match_hf_through_chunks_and_preemption(
     """Prompt logprobs are HF's log-softmax at every prompt position, whether the prompt is
     prefilled in small chunks, shares steps with others or is preempted and recomputed."""
     prompts = [ids[:70], ids[100:160], ids[200:203], ids[5:6]]
-    engine = load_engine(None, max_num_batched_tokens=24, num_blocks=9, block_size=16,
+    engine = load_engine(None, dtype="float32", max_num_batched_tokens=24, num_blocks=9,
+                         block_size=16,
                          max_model_len=100)
     params = SamplingParams(temperature=0.0, max_tokens=12, prompt_logprobs=2, ignore_eos=True)
     for i, p in enumerate(prompts):
@@ -151,7 +153,8 @@ def test_onnxruntime_package_perplexity_tracks_torch(default_package: Path, ids:
     """The fp16 export on the WebGPU EP (every node it takes) scores the text within 1% of the
     fp32 torch engine; pinned to PagedAttention-only placement it is closer still."""
     short = ids[:200]
-    torch_ppl = engine_perplexity(load_engine(None, max_model_len=65), short, 64, 32)
+    torch_ppl = engine_perplexity(load_engine(None, dtype="float32", max_model_len=65), short, 64,
+                                  32)
     ort_ppl = package_perplexity(default_package, default_model_dir(), short, 64, 32)
     pinned = package_perplexity(default_package, default_model_dir(), short, 64, 32,
                                 placement="paged_only")

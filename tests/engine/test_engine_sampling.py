@@ -40,6 +40,48 @@ def test_filtered_probs_match_direct_formulation(t: float, k: int, p: float) -> 
         assert got[row].tolist() == pytest.approx(want, abs=1e-5)
 
 
+def test_top_p_over_a_flat_wide_row_widens_its_search() -> None:
+    """A near-flat 5000-token row: the top-p prefix is longer than the first topk width (1024),
+    so the search widens; the result is the sort-based formulation's."""
+    logits = torch.randn(2, 5000, generator=torch.Generator().manual_seed(4)).mul_(0.05)
+    logits[1, :10] += 10.0  # the second row peaked: its prefix fits the first width
+    got = _filtered_probs(logits, torch.ones(2), torch.zeros(2, dtype=torch.int64),
+                          torch.tensor([0.9, 0.9]))
+    for row in range(2):
+        want = reference_probs(logits[row].double().tolist(), 1.0, 0, 0.9)
+        assert got[row].tolist() == pytest.approx(want, abs=1e-6)
+    assert int((got[0] > 0).sum()) > 1024 and int((got[1] > 0).sum()) <= 1024
+
+
+@pytest.mark.parametrize(("name", "params", "copies"), [
+    ("greedy", SamplingParams(temperature=0.0), 0),
+    ("greedy with logprobs", SamplingParams(temperature=0.0, logprobs=5), 0),
+    ("top-k, top-p, min-p", SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05,
+                                           logprobs=2), 1),
+    ("top-p alone", SamplingParams(temperature=1.0, top_p=0.95), 1),
+])
+def test_sampling_at_248k_allocates_at_most_one_working_copy(
+        name: str, params: SamplingParams, copies: int) -> None:
+    """At Qwen3.5's vocabulary (248,320) a step's sampling allocates no ``[rows, V]`` fp32
+    buffer for greedy rows and logprobs, and one (the working copy) for random rows; the noise
+    buffer is the caller's, reused from step to step. (The sort-based sampler allocated 14.)"""
+    from torch.profiler import ProfilerActivity, profile
+
+    rows, vocab = 8, 248_320
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)).mul_(4.0)
+    gens = [torch.Generator().manual_seed(i) for i in range(rows)]
+    noise = torch.empty(0)
+    first = sample(logits, [params] * rows, gens, noise=noise)  # sizes the noise buffer
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        again = sample(logits, [params] * rows, gens, noise=noise)
+    big = [(e.name, e.self_cpu_memory_usage) for e in prof.events()
+           if e.self_cpu_memory_usage >= rows * vocab * 4]
+    assert len(big) == copies, (name, big)
+    assert len(again) == len(first) == rows
+    if params.greedy:
+        assert [t.token_id for t in again] == logits.argmax(-1).tolist()
+
+
 def test_greedy_is_argmax() -> None:
     logits = torch.randn(5, 30, generator=torch.Generator().manual_seed(0))
     out = sample(logits, [GREEDY] * 5, [torch.Generator()] * 5)

@@ -123,7 +123,9 @@ def test_chat_template_renders_as_hf(hf_pair):
         ours = tok.apply_chat_template(messages, add_generation_prompt=gen)
         assert ours == hf_tok.apply_chat_template(messages, add_generation_prompt=gen,
                                                   tokenize=False)
-    assert ours.startswith("<|im_start|>system\n")
+    assert ours.startswith("<|bos|><|im_start|>system\n")
+    ids = hf_tok.apply_chat_template(messages, tokenize=True)["input_ids"]
+    assert ids == tok.encode(ours, add_special_tokens=False)
 
 
 def test_trained_model_writes_english(hf_pair):

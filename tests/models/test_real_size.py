@@ -1,5 +1,6 @@
-"""A Qwen3.5-0.8B-geometry checkpoint (random bf16 weights, sharded, 248,320-token vocabulary):
-loaded without a second copy of the weights, and served by ``LLM`` with no memory options."""
+"""A Qwen3.5-0.8B-geometry checkpoint (random bf16 weights, sharded, 248,320-token vocabulary,
+the published tokenizer): loaded without a second copy of the weights, and served by ``LLM``
+with no options at all (dtype auto keeps it bf16; memory sized from the machine)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 
 from pagedhybrid.engine import LLM, SamplingParams
 from pagedhybrid.engine.memory import available_memory
-from pagedhybrid.models.qwen35.synthetic import INDEX_FILE, PUBLISHED, write_random_checkpoint
+from pagedhybrid.models.qwen35.synthetic import INDEX_FILE, published_checkpoint
 
 LOAD_RSS_BOUND = 1.2  # RSS growth while loading and reading, in units of the weights' bytes
 
@@ -42,9 +43,8 @@ print(json.dumps({"before": before, "loaded": loaded, "read": read, "weights": w
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("qwen35-0.8b")
-    write_random_checkpoint(path, PUBLISHED["0.8B"], seed=0, shard_bytes=512 << 20)
-    return path
+    # one folder per test session, shared with tests/serve/test_server_real_size.py
+    return published_checkpoint(tmp_path_factory.getbasetemp() / "qwen35-0.8B", "0.8B")
 
 
 def test_the_checkpoint_is_sharded_bf16_at_the_published_size(ckpt: Path) -> None:
@@ -73,9 +73,9 @@ def test_loading_maps_the_weights_without_a_second_copy(ckpt: Path) -> None:
         f"peak RSS grew by {peak / 2**30:.2f} GiB while loading {w / 2**30:.2f} GiB of weights")
 
 
-def test_llm_with_no_memory_options_starts_and_answers(ckpt: Path) -> None:
+def test_llm_with_no_options_starts_and_answers(ckpt: Path) -> None:
     free = available_memory()
-    llm = LLM(ckpt, dtype="bfloat16")
+    llm = LLM(ckpt)
     plan = llm.engine.memory
     assert plan.budget is not None and plan.cache_bytes <= plan.budget
     assert plan.weights + plan.workspace + plan.cache_bytes <= free
@@ -86,3 +86,10 @@ def test_llm_with_no_memory_options_starts_and_answers(ckpt: Path) -> None:
                        use_progress=False)
     assert len(out[0].token_ids) == 4
     assert all(0 <= t < 248320 for t in out[0].token_ids)
+    tok = llm.engine.tokenizer
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Hello 世界"}])
+    out = llm.generate([tok.encode(prompt, add_special_tokens=False)],
+                       SamplingParams(max_tokens=3, ignore_eos=True, logprobs=2),
+                       use_progress=False)[0]
+    assert len(out.token_ids) == 3 and len(out.logprobs) == 3
+    assert all(len(top) >= 2 for top in out.logprobs)

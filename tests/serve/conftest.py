@@ -100,12 +100,14 @@ def flood(s: Server, n: int, max_tokens: int, timeout: float) -> list[httpx.Resp
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    # float32: answers compared with the in-process LLM's under other batch compositions
+    # (bf16, the built-in model's own dtype, rounds differently per batch)
     s = start_server(tmp_path_factory.mktemp("serve"), "--max-num-seqs", "16",
-                     "--max-waiting", "512")
+                     "--max-waiting", "512", "--dtype", "float32")
     yield s
     s.stop()
 
 
 @pytest.fixture(scope="session")
 def llm() -> LLM:
-    return LLM(None, max_num_seqs=16)
+    return LLM(None, dtype="float32", max_num_seqs=16)

@@ -37,9 +37,9 @@ def install() -> None:
     patch(Qwen35ForCausalLM, "forward_packed", lambda f: lambda self, batch, *a, **k: (
         _raise("step") if bool((batch.input_ids == STEP).any()) else f(self, batch, *a, **k)))
     patch(runner_mod, "sample", lambda f: lambda logits, params, gens, history=None,
-          banned=None: (_raise("sampling") if history is not None and any(
+          *rest: (_raise("sampling") if history is not None and any(
               SAMPLE in h.prompt_token_ids for h in history)
-              else f(logits, params, gens, history, banned)))
+              else f(logits, params, gens, history, *rest)))
     patch(Request, "append", lambda f: lambda self, tok, eos, n: (
         _raise("finishing") if FINISH in self.prompt_token_ids else f(self, tok, eos, n)))
     patch(ServerMetrics, "on_step", lambda f: lambda self, engine, outs: (

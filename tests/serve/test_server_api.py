@@ -64,7 +64,9 @@ def test_chat_equals_llm_generate_of_the_templated_prompt(server: Server, llm: L
     tok = llm.engine.tokenizer
     messages = [{"role": "system", "content": "Answer in the words of the KJV."},
                 {"role": "user", "content": "Recite Genesis 1:1."}]
-    ids = tok.encode(tok.apply_chat_template(messages))
+    # the template writes the BOS itself; the chat endpoint adds no other special token
+    ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+    assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1
     c = client(server)
     r = c.chat.completions.create(model=server.model, messages=messages, temperature=0,
                                   max_completion_tokens=48, logprobs=True, top_logprobs=2)

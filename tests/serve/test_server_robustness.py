@@ -162,7 +162,14 @@ def test_unknown_paths_methods_and_the_vllm_endpoints(server: Server, llm: LLM) 
     assert len(t["token_strs"]) == t["count"] and t["max_model_len"] > 0
     msgs = [{"role": "user", "content": "hi"}]
     t = httpx.post(f"{server.base}/tokenize", timeout=30, json={"messages": msgs}).json()
-    assert t["tokens"] == tok.encode(tok.apply_chat_template(msgs))
+    assert t["tokens"] == tok.encode(tok.apply_chat_template(msgs), add_special_tokens=False)
+    assert t["tokens"].count(tok.bos_token_id) == 1  # from the template, not added again
+    t2 = httpx.post(f"{server.base}/tokenize", timeout=30,
+                    json={"messages": msgs, "add_special_tokens": True}).json()
+    assert t2["tokens"] == [tok.bos_token_id, *t["tokens"]]  # the field takes effect
+    r = httpx.post(f"{server.url}/chat/completions", timeout=30, json={
+        "model": server.model, "messages": msgs, "chat_template_kwargs": {"messages": []}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
     d = httpx.post(f"{server.base}/detokenize", timeout=30,
                    json={"model": server.model, "tokens": tok.encode(PROMPT)}).json()
     assert d["prompt"] == tok.decode(tok.encode(PROMPT))

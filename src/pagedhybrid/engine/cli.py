@@ -29,7 +29,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None,
                    help="HF Qwen3.5 checkpoint folder (default: the built-in default model)")
-    g.add_argument("--dtype", default="float32", choices=DTYPE_SPELLINGS)
+    g.add_argument("--dtype", default="auto", choices=DTYPE_SPELLINGS,
+                   help="weights and activations (default auto: the checkpoint's dtype)")
     g.add_argument("--block-size", type=int, default=16, help="KV page size (power of 2, >=16)")
     g.add_argument("--num-blocks", type=int, default=None, help="KV pages (default: memory)")
     g.add_argument("--cache-memory-bytes", type=int, default=None,

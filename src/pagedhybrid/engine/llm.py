@@ -27,15 +27,21 @@ from pagedhybrid.errors import ContractViolation, UnsupportedConfiguration
 Prompt = str | Sequence[int]
 
 MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what a model may be loaded in
-# their accepted names (--dtype choices): logical ("float32") and short ("fp32") spellings
-DTYPE_SPELLINGS = dtypes.spellings(MODEL_DTYPES, kinds=("logical", "cli"))
+# their accepted names (--dtype choices): "auto" (the checkpoint's dtype), logical ("float32")
+# and short ("fp32") spellings
+DTYPE_SPELLINGS = ("auto", *dtypes.spellings(MODEL_DTYPES, kinds=("logical", "cli")))
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: str | None = None) -> torch.dtype:
+    """``dtype`` as a torch dtype; ``"auto"`` is the dtype the checkpoint records
+    (``config.json`` ``dtype``/``torch_dtype``: a bf16 checkpoint stays bf16, as vLLM and
+    transformers load it), float32 when it records none the engine serves."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in DTYPE_SPELLINGS:
         raise ContractViolation("LLM", "dtype", f"must be one of {list(DTYPE_SPELLINGS)}", dtype)
+    if dtype == "auto":
+        dtype = checkpoint_dtype if checkpoint_dtype in DTYPE_SPELLINGS else "float32"
     return dtypes.to_torch(dtype)
 
 
@@ -59,13 +65,14 @@ class Throughput:
                 f"prompt {self.prompt_tps:.1f} tok/s, generated {self.generated_tps:.1f} tok/s")
 
 
-def load_engine(model: str | Path | None = None, *, dtype: str | torch.dtype = "float32",
+def load_engine(model: str | Path | None = None, *, dtype: str | torch.dtype = "auto",
                 **config: object) -> Engine:
     """An ``Engine`` over a checkpoint folder (None = the built-in default model)."""
-    from pagedhybrid.models.qwen35 import default_model_dir, load, load_tokenizer
+    from pagedhybrid.models.qwen35 import Qwen35Config, default_model_dir, load, load_tokenizer
 
     model_dir = default_model_dir() if model is None else Path(model)
-    net = load(model_dir, dtype=resolve_dtype(dtype))
+    checkpoint_dtype = Qwen35Config.from_model_dir(model_dir).checkpoint_dtype
+    net = load(model_dir, dtype=resolve_dtype(dtype, checkpoint_dtype))
     try:
         tokenizer = load_tokenizer(model_dir, net.config.vocab_size)
     except UnsupportedConfiguration:
@@ -76,9 +83,10 @@ def load_engine(model: str | Path | None = None, *, dtype: str | torch.dtype = "
 class LLM:
     """Offline generation. Keyword options are ``EngineConfig`` fields (block_size, num_blocks,
     cache_memory_bytes, num_state_slots, max_num_seqs, max_num_batched_tokens, max_model_len,
-    seed, batch_invariant, kv_cache_dtype, ...) plus ``dtype``."""
+    seed, batch_invariant, kv_cache_dtype, ...) plus ``dtype`` (default ``"auto"``: the
+    checkpoint's own)."""
 
-    def __init__(self, model: str | Path | None = None, *, dtype: str | torch.dtype = "float32",
+    def __init__(self, model: str | Path | None = None, *, dtype: str | torch.dtype = "auto",
                  engine: Engine | None = None, **config: object) -> None:
         self.engine = engine if engine is not None else load_engine(model, dtype=dtype, **config)
         self.last_throughput: Throughput | None = None

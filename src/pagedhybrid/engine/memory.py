@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from pagedhybrid.dtypes import logical_name
 from pagedhybrid.engine.config import EngineConfig, PoolSizes, page_bytes, slot_bytes
 from pagedhybrid.errors import CapacityError
 from pagedhybrid.models.qwen35.config import Qwen35Config
@@ -98,6 +99,7 @@ class MemoryPlan:
     slot_bytes: int
     block_size: int
     warnings: tuple[str, ...] = ()
+    dtype: str = ""  # the model's (weights and activations)
 
     @property
     def cache_bytes(self) -> int:
@@ -113,7 +115,7 @@ class MemoryPlan:
         s = self.sizes
         budget = "" if self.budget is None else f" of {self.budget / _GIB:.2f} GiB ({self.source})"
         typical = min(TYPICAL_CONTEXT, s.max_model_len)
-        return (f"memory: weights {self.weights / _GIB:.2f} GiB; cache "
+        return (f"memory: weights {self.weights / _GIB:.2f} GiB {self.dtype}; cache "
                 f"{self.cache_bytes / _GIB:.2f} GiB{budget}: {s.num_blocks} KV pages x "
                 f"{self.block_size} tokens ({self.page_bytes} B each, "
                 f"{s.num_blocks * self.block_size} tokens), {s.num_slots} state slots and "
@@ -141,7 +143,8 @@ def plan_memory(config: Qwen35Config, cfg: EngineConfig, dtype: torch.dtype,
              warnings: tuple[str, ...] = ()) -> MemoryPlan:
         max_len = cfg.max_model_len or min(limit, blocks * bs)
         return MemoryPlan(PoolSizes(int(blocks), int(slots), int(max_len), int(checkpoints)),
-                          budget, source, weights, workspace, per_page, per_slot, bs, warnings)
+                          budget, source, weights, workspace, per_page, per_slot, bs, warnings,
+                          logical_name(dtype))
 
     if cfg.num_blocks is not None:
         return plan(cfg.num_blocks, None, "num_blocks")

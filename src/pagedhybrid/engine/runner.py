@@ -130,6 +130,7 @@ class ModelRunner:
                  stats: EngineStats, eos_token_ids: Sequence[int] = ()) -> None:
         self.model, self.config, self.stats = model, config, stats
         self.eos_token_ids = tuple(eos_token_ids)
+        self._noise = torch.empty(0)  # the random rows' exponential draws, reused every step
         mc = model.config
         kvd = config.page_dtype(model.dtype)
         # what the engine needs goes into the choice: auto never picks a bundle that cannot
@@ -214,12 +215,14 @@ class ModelRunner:
         failed: list[tuple[Request, str]] = []
         if step.sampling:
             reqs = [scheduled.sequences[i].request for i in step.sampling]
-            logits = logits[step.sample_rows]  # [S, V]
+            if step.sample_rows != list(range(logits.shape[0])):
+                logits = logits[step.sample_rows]  # [S, V] (rows of prompt logprobs left out)
             finite = torch.isfinite(logits).all(dim=-1).tolist()  # [S]
             ok = [j for j, f in enumerate(finite) if f]
             failed = [(reqs[j], "non-finite logits") for j, f in enumerate(finite) if not f]
             if ok:
-                sampled, errors = self._sample(logits[ok], [reqs[j] for j in ok])
+                sampled, errors = self._sample(logits if len(ok) == len(finite) else logits[ok],
+                                               [reqs[j] for j in ok])
                 failed.extend(errors)
         t3 = time.perf_counter()
         st.build_s += t1 - t0
@@ -243,7 +246,8 @@ class ModelRunner:
         # only random rows draw noise: their generators' states, to restore if the batch fails
         states = [(g, g.get_state()) for g, p in zip(gens, params, strict=True) if not p.greedy]
         try:
-            toks = sample(rows, params, gens, reqs, banned if any(banned) else None)
+            toks = sample(rows, params, gens, reqs, banned if any(banned) else None,
+                          self._noise)
             return {r.request_id: t for r, t in zip(reqs, toks, strict=True)}, []
         except Exception:  # find the row that fails, keep the others
             for g, st in states:
@@ -252,7 +256,7 @@ class ModelRunner:
             for j, r in enumerate(reqs):
                 try:
                     (tok,) = sample(rows[j:j + 1], params[j:j + 1], gens[j:j + 1], reqs[j:j + 1],
-                                    banned[j:j + 1])
+                                    banned[j:j + 1], self._noise)
                     sampled[r.request_id] = tok
                 except Exception as exc:
                     failed.append((r, f"sampling failed: {type(exc).__name__}: {exc}"))

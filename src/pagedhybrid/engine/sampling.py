@@ -22,15 +22,18 @@ not depend on the other rows (batch-invariant), in vLLM v1's order:
    tokens seen in the prompt or the output; then ``l -= frequency * count_out + presence *
    [count_out > 0]``;
 3. greedy rows (temperature 0): ``argmax`` of the processed logits;
-4. random rows: ``l = logits / T``; sort descending; ``min_p`` drops tokens whose probability is
-   below ``min_p`` times the best one; top-k masks sorted positions ``>= k``; top-p keeps the
-   shortest prefix whose mass reaches ``p`` (always at least one token); ``softmax`` of the masked
-   sorted logits, scattered back to vocabulary order;
+4. random rows, in one working copy of their logits (the step's only ``[rows, V]`` fp32 copy:
+   every later stage works in place on it): ``softmax(l / T)``; ``min_p`` zeroes tokens whose
+   probability is below ``min_p`` times the best one; top-k zeroes tokens below the k-th largest
+   probability; top-p zeroes tokens after the shortest prefix (by descending probability) whose
+   mass reaches ``p`` (always at least one token), the prefix found from ``topk`` of a growing
+   width (1024, x4, ...; the whole row only for a flat distribution), never a sort of the row;
 5. each random row draws its own exponential noise ``q ~ Exp(1)^V`` from its own generator
-   (the request's seeded ``torch.Generator``, or the engine's shared one) and picks
-   ``argmax(probs / q)`` (the exponential-race form of categorical sampling). A request draws
-   exactly V numbers per generated token from its own generator, so a seeded request samples the
-   same tokens whatever else is in the batch (given the same logits).
+   (the request's seeded ``torch.Generator``, or the engine's shared one) into a buffer the
+   caller keeps across steps (``noise``), and picks ``argmax(probs / q)`` (the exponential-race
+   form of categorical sampling; no renormalisation needed). A request draws exactly V numbers
+   per generated token from its own generator, so a seeded request samples the same tokens
+   whatever else is in the batch (given the same logits).
 
 Logprobs are always those of the raw model distribution (before processors and penalties).
 """
@@ -273,25 +276,48 @@ def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
     return out
 
 
+TOP_P_WIDTH = 1024  # the first topk width searched for the top-p prefix
+
+
+def _top_p_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """``[R, 1]``: per row of normalised ``probs [R, V]``, the smallest probability of the
+    shortest descending prefix whose mass reaches ``top_p`` (0 for rows with ``top_p >= 1``);
+    the prefix comes from ``topk`` widths 1024, 4096, ... (the row whole only when needed)."""
+    vocab = probs.shape[1]
+    off = top_p >= 1.0  # [R]
+    width = min(TOP_P_WIDTH, vocab)
+    while True:
+        top = probs.topk(width, dim=1).values  # [R, W] descending
+        before = top.cumsum(dim=1) - top  # mass strictly before each position
+        count = (before < top_p[:, None]).sum(dim=1)  # [R] >= 1: the prefix length
+        if width == vocab or bool(((count < width) | off).all()):
+            floor = top.gather(1, (count - 1).clamp(min=0)[:, None])  # [R, 1]
+            return floor.masked_fill_(off[:, None], 0.0)
+        width = min(4 * width, vocab)
+
+
 def _filtered_probs(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor,
-                    top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
-    """Temperature, min-p, top-k and top-p applied row-wise; probabilities in vocab order."""
+                    top_p: torch.Tensor, min_p: torch.Tensor | None = None, *,
+                    inplace: bool = False) -> torch.Tensor:
+    """Temperature, min-p, top-k and top-p applied row-wise; probabilities in vocab order.
+    Works in one copy of ``logits`` (in ``logits`` itself with ``inplace``)."""
     vocab = logits.shape[1]
-    scaled = logits / temps[:, None]  # [R, V]
-    sorted_l, order = scaled.sort(dim=-1, descending=True)  # [R, V], [R, V]
+    t = temps[:, None].to(logits.dtype)
+    probs = logits.div_(t) if inplace else logits / t  # [R, V]: the one working copy
+    probs.sub_(probs.amax(dim=1, keepdim=True)).exp_()
+    probs.div_(probs.sum(dim=1, keepdim=True))  # softmax(l / T), in place
     if min_p is not None and bool((min_p > 0).any()):
-        probs_sorted = sorted_l.softmax(dim=-1)  # [R, V]
-        sorted_l = sorted_l.masked_fill(probs_sorted < probs_sorted[:, :1] * min_p[:, None],
-                                        float("-inf"))
-    pos = torch.arange(vocab)[None, :]  # [1, V]
-    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
-    sorted_l = sorted_l.masked_fill(pos >= k[:, None], float("-inf"))
-    probs_sorted = sorted_l.softmax(dim=-1)  # [R, V]
-    # Keep a token when the mass strictly before it is below p (the first token always stays).
-    before = probs_sorted.cumsum(dim=-1) - probs_sorted  # [R, V]
-    sorted_l = sorted_l.masked_fill(before >= top_p[:, None], float("-inf"))
-    probs_sorted = sorted_l.softmax(dim=-1)  # [R, V]
-    return torch.empty_like(probs_sorted).scatter_(1, order, probs_sorted)  # [R, V]
+        probs.masked_fill_(probs < probs.amax(dim=1, keepdim=True) * min_p[:, None], 0.0)
+    limited = (top_k > 0) & (top_k < vocab)  # [R]
+    if bool(limited.any()):
+        widest = int(top_k[limited].max())
+        kth = probs.topk(widest, dim=1).values.gather(
+            1, (top_k.clamp(1, widest) - 1)[:, None])  # [R, 1]: the k-th largest
+        probs.masked_fill_(probs < kth.masked_fill_(~limited[:, None], 0.0), 0.0)
+    if bool((top_p < 1.0).any()):
+        probs.div_(probs.sum(dim=1, keepdim=True))
+        probs.masked_fill_(probs < _top_p_floor(probs, top_p), 0.0)
+    return probs.div_(probs.sum(dim=1, keepdim=True))
 
 
 def logprob_dicts(logits: torch.Tensor, tokens: Sequence[int], k: int
@@ -317,10 +343,12 @@ def logprob_dicts(logits: torch.Tensor, tokens: Sequence[int], k: int
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
            generators: Sequence[torch.Generator], history: Sequence[TokenHistory] | None = None,
-           banned: Sequence[Sequence[int]] | None = None) -> list[SampledToken]:
+           banned: Sequence[Sequence[int]] | None = None,
+           noise: torch.Tensor | None = None) -> list[SampledToken]:
     """Pick one token per row of ``logits`` ``[B, V]`` (see the module docstring).
     ``history`` (one per row) feeds the penalties, ``banned`` (one list per row) the ids that
-    may not be sampled now."""
+    may not be sampled now; ``noise`` is a float32 buffer kept across steps for the random
+    rows' draws (resized as needed; a fresh one when None)."""
     rows = logits.shape[0]
     if len(params) != rows or len(generators) != rows or (
             history is not None and len(history) != rows) or (
@@ -329,24 +357,29 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
                                 "need one per logits row", (rows, len(params), len(generators)))
     if history is None and any(p.penalized for p in params):
         raise ContractViolation("sample", "history", "is needed by penalized rows", None)
-    raw = logits.float()  # [B, V]
-    proc = process_logits(raw, params, history, banned)  # [B, V]
+    raw = logits.float()  # [B, V] (the logits themselves when they are fp32)
+    proc = process_logits(raw, params, history, banned)  # [B, V] (a copy only if processed)
     tokens = proc.argmax(dim=-1)  # [B] greedy choice for every row first
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
+        every = len(random_rows) == rows
         idx = torch.tensor(random_rows)
         sel = [params[i] for i in random_rows]
         probs = _filtered_probs(
-            proc[idx],
+            proc if every else proc[idx],
             torch.tensor([p.temperature for p in sel], dtype=torch.float32),
             torch.tensor([p.top_k for p in sel], dtype=torch.int64),
             torch.tensor([p.top_p for p in sel], dtype=torch.float32),
             torch.tensor([p.min_p for p in sel], dtype=torch.float32),
-        )  # [R, V]
+            inplace=not every or proc is not raw)  # [R, V]: never the caller's logits
         vocab = raw.shape[1]
-        noise = torch.stack([torch.empty(vocab, dtype=torch.float32).exponential_(
-            generator=generators[i]) for i in random_rows])  # [R, V], each from its own stream
-        tokens[idx] = (probs / noise).argmax(dim=-1)
+        buf = torch.empty(0) if noise is None else noise
+        if buf.numel() < len(random_rows) * vocab:
+            buf.resize_(len(random_rows) * vocab)
+        race = buf[:len(random_rows) * vocab].view(len(random_rows), vocab)  # [R, V]
+        for j, i in enumerate(random_rows):  # each row from its own stream
+            race[j].exponential_(generator=generators[i])
+        tokens[idx] = probs.div_(race).argmax(dim=-1)
     ids = tokens.tolist()  # the step's one host copy of the tokens
     out = []
     for i, p in enumerate(params):

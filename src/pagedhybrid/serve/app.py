@@ -309,11 +309,9 @@ def create_app(state: ServerState) -> FastAPI:
     async def tokenize(request: Request, body: TokenizeRequest) -> dict[str, Any]:
         check_auth(state, request)
         check_model(state, body.model)
-        if body.messages is not None:
-            text = render_chat(body.messages, body.add_generation_prompt)
-            ids = state.tokenizer.encode(text)
-        else:
-            ids = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        text = body.prompt if body.messages is None else render_chat(
+            body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+        ids = state.tokenizer.encode(text, add_special_tokens=body.special_tokens())
         return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
                 "token_strs": [token_text(state.tokenizer, t) for t in ids]
                 if body.return_token_strs else None}
@@ -328,11 +326,12 @@ def create_app(state: ServerState) -> FastAPI:
                            f"[0, {state.vocab_size}): {bad[:5]}", "tokens")
         return {"prompt": state.tokenizer.decode(body.tokens)}
 
-    def render_chat(messages: Sequence[Any], add_generation_prompt: bool) -> str:
+    def render_chat(messages: Sequence[Any], add_generation_prompt: bool,
+                    kwargs: dict[str, Any] | None) -> str:
         try:
             return str(state.tokenizer.apply_chat_template(
                 [m.for_template() for m in messages],
-                add_generation_prompt=add_generation_prompt))
+                add_generation_prompt=add_generation_prompt, **(kwargs or {})))
         except Exception as exc:  # a template that cannot render these messages
             raise ApiError(400, f"messages cannot be rendered by the chat template: "
                            f"{type(exc).__name__}: {exc}", "messages") from None
@@ -444,7 +443,9 @@ def create_app(state: ServerState) -> FastAPI:
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
         check_auth(state, request)
         check_model(state, body.model)
-        ids = state.tokenizer.encode(render_chat(body.messages, body.add_generation_prompt))
+        ids = state.tokenizer.encode(
+            render_chat(body.messages, body.add_generation_prompt, body.chat_template_kwargs),
+            add_special_tokens=body.add_special_tokens)
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else \
             body.max_tokens
         max_tokens = limit if limit is not None else max(1, state.max_model_len - len(ids))

