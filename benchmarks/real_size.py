@@ -14,7 +14,8 @@ run loads the bf16 files as fp32). Systems:
 Per run: ``load_s`` = from process start of the measurement until the first 1-token answer
 (the page cache of the checkpoint is dropped first with ``posix_fadvise(DONTNEED)``, so the
 weights come from disk, and a lazily mapped load pays for its first touch), against
-``read_s`` = reading the shard files cold, in 64 MiB chunks; peak RSS (VmHWM); TTFT of 1k/8k
+``read_s`` = reading the shard files cold, in 64 MiB chunks; peak RSS (VmHWM of the process and
+its children: vLLM's engine core is one); TTFT of 1k/8k
 random-token prompts (max_tokens 1); decode tok/s at batch 1 and 16 = extra tokens / (time of
 an N-token run - time of a 1-token run of the same shape), prompts 32 tokens, N = ``--tokens``;
 concurrent 4k-token sequences (pagedhybrid's plan; vLLM's own report where it gives one). The
@@ -43,11 +44,25 @@ BATCH = 16
 
 
 # ============================================ workers ============================================
-def _vm(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
+def _vm(field: str, pid: str = "self") -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return 0
+
+
+def _tree_peak() -> int:
+    """VmHWM of this process and its descendants (vLLM runs the model in a child process)."""
+    todo, total = [str(os.getpid())], 0
+    while todo:
+        pid = todo.pop()
+        total += _vm("VmHWM", pid)
+        for task in Path(f"/proc/{pid}/task").glob("*/children"):
+            todo += task.read_text().split()
+    return total
 
 
 def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
@@ -137,7 +152,7 @@ WORKERS = {"pagedhybrid": worker_pagedhybrid, "hf": worker_hf, "vllm": worker_vl
 def worker_main(spec_json: str) -> int:
     spec = json.loads(spec_json)
     res = WORKERS[spec["system"]](spec)
-    res["peak_rss"] = _vm("VmHWM")
+    res["peak_rss"] = _tree_peak()
     print("RESULT " + json.dumps(res), flush=True)
     return 0
 

@@ -82,6 +82,24 @@ def test_the_form_comes_from_the_cpu_flags_or_the_environment() -> None:
         == ("avx2",)
 
 
+def timed_choice(form: str):
+    """bf16 projections: ``linear`` on a form without BF16 dot instructions; with them, torch's
+    bf16 GEMM from WIDEN_ROWS rows on where it was timed faster (``dense`` docstring)."""
+    if form != "avx512_bf16":
+        return dense.linear
+    return dense.decode_linear if dense.bf16_gemm_timing() < 1 else dense.mixed_linear
+
+
+def test_the_timed_choice_follows_the_measurement(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dense, "bf16_dot", lambda: True)
+    for timing, choice in ((0.8, dense.decode_linear), (1.3, dense.mixed_linear)):
+        monkeypatch.setattr(dense, "bf16_gemm_timing", lambda t=timing: t)
+        assert dense.preferred_linear(torch.bfloat16) is choice, timing
+    monkeypatch.setattr(dense, "bf16_dot", lambda: False)
+    assert dense.preferred_linear(torch.bfloat16) is dense.linear
+    assert dense.preferred_linear(torch.float32) is None
+
+
 @pytest.mark.parametrize("form", HERE)
 def test_forcing_a_form_and_saying_which_runs(form: str) -> None:
     with forced(form):
@@ -90,9 +108,7 @@ def test_forcing_a_form_and_saying_which_runs(form: str) -> None:
         assert st.form == native.FORM_DESCRIPTIONS[form]
         assert native.cpu_form() == f"{st.form}, forced by {native.ENV_FORM}"
         assert native.library().cpu_form() == form
-        widen = form != "avx512_bf16"
-        assert dense.preferred_linear(torch.bfloat16) is (dense.linear if widen else
-                                                          dense.decode_linear)
+        assert dense.preferred_linear(torch.bfloat16) is timed_choice(form)
         assert dense.preferred_linear(torch.float32) is None
     st = native.status()  # unforced: the fastest
     assert st.isa == HERE[0] and not st.forced and "(" in native.cpu_form()
@@ -340,19 +356,21 @@ def test_the_step_seam_agrees_with_the_reference_in_every_form(dtype: torch.dtyp
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_decode_linear_in_every_form(dtype: torch.dtype) -> None:
-    """``dense.decode_linear``: the native kernel below DECODE_ROWS rows, torch's GEMM from
-    there on -- both agree with torch's product."""
+    """``dense.decode_linear`` (the native kernel below DECODE_ROWS rows, torch's GEMM from
+    there on) and ``dense.mixed_linear`` (the widened fp32 GEMM from WIDEN_ROWS rows on) agree
+    with torch's product."""
     gen = torch.Generator().manual_seed(4)
     w = (torch.randn(40, 264, generator=gen) * 0.1).to(dtype)
     tol = 1e-2 if dtype == torch.bfloat16 else (2e-3 if dtype == torch.float16 else 1e-5)
-    for rows in (1, 3, dense.DECODE_ROWS - 1, dense.DECODE_ROWS, 40):
+    for rows in (1, 3, dense.DECODE_ROWS - 1, dense.DECODE_ROWS, 40, dense.WIDEN_ROWS + 3):
         x = torch.randn(rows, 264, generator=gen).to(dtype)
         for form in HERE:
-            with forced(form):
-                got = dense.decode_linear(x, w)
-            assert got.dtype == dtype and got.shape == (rows, 40)
-            torch.testing.assert_close(got.double(), x.double() @ w.double().T, rtol=tol,
-                                       atol=tol)
+            for fn in (dense.decode_linear, dense.mixed_linear):
+                with forced(form):
+                    got = fn(x, w)
+                assert got.dtype == dtype and got.shape == (rows, 40)
+                torch.testing.assert_close(got.double(), x.double() @ w.double().T, rtol=tol,
+                                           atol=tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -435,12 +453,12 @@ def test_the_engine_multiplies_with_the_forms_preferred_linear(form: str, tmp_pa
     want = torch.tensor(ref.score([prompt], [completion])[0])
     with forced(form):
         engine = Engine(load(tmp_path, dtype=torch.bfloat16), EngineConfig(backend="native"))
-        widen = form != "avx512_bf16"
+        choice = timed_choice(form)
         mms = {m.matmul for m in engine.model.modules() if hasattr(m, "matmul")}
-        assert mms == ({dense.linear} if widen else {dense.decode_linear})
+        assert mms == {choice}
         summary = engine.runner.kernel_summary()
         assert f"CPU form {native.FORM_DESCRIPTIONS[form]}" in summary, summary
-        assert summary.endswith("projections: dense.linear" if widen else
-                                "projections: dense.decode_linear"), summary
+        assert f"projections: dense.{choice.__name__}" in summary, summary
+        assert ("timed at start" in summary) == (form == "avx512_bf16"), summary
         got = torch.tensor(engine.score([prompt], [completion])[0])
     assert torch.allclose(got, want, atol=0.1, rtol=0), (got - want).abs().max()

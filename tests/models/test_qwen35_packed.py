@@ -262,3 +262,31 @@ def test_ops_are_called_through_the_backend_seam(tiny_checkpoint):
     cache = PagedHybridCache.allocate(cfg, num_pages=2, block_size=BLOCK, num_slots=1)
     model.forward_packed(PackedBatch.from_sequences([[1, 2]], [0], [[1]], [0]), cache)
     assert calls == {"causal_conv": n_lin, "gated_delta": n_lin, "attention": n_full}
+
+
+def test_large_pools_are_zero_and_cost_nothing_until_used() -> None:
+    """A cache of 2 GiB is allocated without writing it: resident memory grows only by the
+    pages a sequence touches, and every pool reads as zeros."""
+    from pathlib import Path
+
+    from pagedhybrid.models.qwen35.synthetic import tiny_byte_config
+
+    def anon() -> int:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+        raise AssertionError("no RssAnon")
+
+    cfg = tiny_byte_config()
+    per_page = 2 * 16 * cfg.num_key_value_heads * cfg.head_dim * 4 * len(cfg.full_attention_layers)
+    pages = (2 << 30) // per_page
+    before = anon()
+    cache = PagedHybridCache.allocate(cfg, num_pages=pages, block_size=16, num_slots=4)
+    grown = anon() - before
+    assert grown < 64 << 20, grown  # not the 2 GiB
+    layer = cfg.full_attention_layers[0]
+    k = cache.key_cache[layer]
+    assert k.dtype == torch.float32 and k.shape[0] == pages
+    k[-1].fill_(1.0)  # a write lands, and touches one page's worth
+    assert float(k[-1].sum()) == k[-1].numel() and float(k[:-1][::997].abs().sum()) == 0.0
+    assert anon() - before < 128 << 20

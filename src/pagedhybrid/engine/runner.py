@@ -46,7 +46,7 @@ from pagedhybrid.engine.scheduler import SchedulerOutput
 from pagedhybrid.engine.stats import EngineStats
 from pagedhybrid.errors import ContractViolation
 from pagedhybrid.kernels.backend import Needs, Selection, select
-from pagedhybrid.kernels.native import cpu_form, set_pool_threads
+from pagedhybrid.kernels.native import cpu_form, dense, set_pool_threads
 from pagedhybrid.kernels.step import StepMetadata
 from pagedhybrid.kvquant import (
     KVScales,
@@ -166,6 +166,9 @@ class ModelRunner:
         mm = self.kernels.backend.linear_for(self.model.dtype)
         parts.append("projections: " + ("torch" if mm is None else
                                         f"{mm.__module__.rsplit('.', 1)[-1]}.{mm.__name__}"))
+        if mm is not None and self._native and dense.bf16_dot():
+            parts[-1] += (f" (timed at start: torch's bf16 GEMM {dense.bf16_gemm_timing():.2f}x"
+                          " the widened fp32 GEMM's time at 256 rows)")
         return "; ".join(parts)
 
     def _kv_scales(self, kvd: torch.dtype) -> dict[int, KVScales]:

@@ -15,15 +15,24 @@ whatever the number of rows), for ``kernels/native/invariant.py``.
 
 ``preferred_linear(dtype)`` says what the ``native`` bundle multiplies with in ``dtype`` on the
 chosen CPU form (``kernels.native.status()``): ``linear`` for bf16 / fp16 models on a form without
-BF16 dot instructions; for bf16 / fp16 on a form with them ``decode_linear`` -- the native kernel
-below ``DECODE_ROWS`` rows (at 1-4 rows 0.6-0.9x the time of oneDNN's bf16 GEMM, whose per-call
-overhead dominates such small products), torch's GEMM from there on; None (torch's GEMM) for
-fp32, where MKL's is as fast or faster at every size (``benchmarks/latency.py``: the native kernel
-made fp32 decode 1.2x and a 16-request batch 1.5x slower).
+BF16 dot instructions; None (torch's GEMM) for fp32, where MKL's is as fast or faster at every
+size (``benchmarks/latency.py``: the native kernel made fp32 decode 1.2x and a 16-request batch
+1.5x slower). On a form with BF16 dot instructions it depends on how good oneDNN's bf16 GEMM is
+on the machine, which the CPU flags do not tell. Below ``DECODE_ROWS`` rows the native kernel
+runs (oneDNN's per-call overhead dominates such small products), up to ``WIDEN_ROWS`` torch's bf16
+GEMM (the 0.8B geometry decoded 16 sequences at 38 tok/s with it, 21 with the native packed form);
+from ``WIDEN_ROWS`` rows on whichever of torch's bf16 GEMM and ``linear``'s widened fp32 GEMM the
+first call timed faster (``bf16_gemm_timing``: a [4096, 1024] bf16 weight at 256 rows, medians of
+5, ~0.1 s once per process, form and thread count): ``decode_linear`` (torch's) or
+``mixed_linear`` (the widened fp32 GEMM: an AVX512-BF16 Xeon without AMX timed torch's bf16 GEMM
+1.1-1.5x slower, and prefilled 512 tokens of the 0.8B geometry in 4.7 s instead of 6.2).
 """
 
 from __future__ import annotations
 
+import functools
+import statistics
+import time
 from collections.abc import Callable
 
 import torch
@@ -75,6 +84,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return _product("linear", x, weight)
 
 
+def mixed_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The native kernel below ``DECODE_ROWS`` rows, torch's GEMM below ``WIDEN_ROWS``, the
+    widened fp32 GEMM of ``linear`` from there on."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    if rows < DECODE_ROWS:
+        return _product("linear", x, weight)
+    if rows < WIDEN_ROWS or weight.dtype not in WIDENED_DTYPES:
+        return F.linear(x, weight)
+    return _widened_gemm(x, weight)
+
+
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """As ``linear``, in one fixed reduction order per output element whatever the number of
     rows (``linear_invariant``: the batch-invariant mode's projection)."""
@@ -94,10 +114,31 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
+@functools.cache
+def _bf16_gemm_timing(form: str, threads: int) -> float:
+    weight = torch.randn(4096, 1024, generator=torch.Generator().manual_seed(0)).bfloat16()
+    x = torch.randn(256, 1024, generator=torch.Generator().manual_seed(1)).bfloat16()
+    times: dict[str, list[float]] = {"torch": [], "widened": []}
+    for _ in range(6):  # the first round warms both up and is dropped
+        for name, fn in (("torch", F.linear), ("widened", _widened_gemm)):
+            t0 = time.perf_counter()
+            fn(x, weight)
+            times[name].append(time.perf_counter() - t0)
+    return statistics.median(times["torch"][1:]) / statistics.median(times["widened"][1:])
+
+
+def bf16_gemm_timing() -> float:
+    """Time of torch's bf16 GEMM over the widened fp32 GEMM's at 256 rows on this machine
+    (> 1: torch's is slower), measured once per form and thread count."""
+    return _bf16_gemm_timing(status().isa, torch.get_num_threads())
+
+
 def preferred_linear(dtype: torch.dtype) -> Callable[[torch.Tensor, torch.Tensor],
                                                      torch.Tensor] | None:
     """What a ``dtype`` model's projections multiply with on the chosen form (module
     docstring); None (torch's) when the native kernels are not loaded."""
     if not status().available or dtype not in WIDENED_DTYPES:
         return None
-    return decode_linear if bf16_dot() else linear
+    if not bf16_dot():
+        return linear
+    return decode_linear if bf16_gemm_timing() < 1.0 else mixed_linear

@@ -26,6 +26,8 @@ for a checkpoint; ``restore_checkpoint(row, slot)`` copies one into a slot (a pr
 
 from __future__ import annotations
 
+import math
+import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
@@ -198,6 +200,20 @@ class PackedBatch(NamedTuple):
             num_pages=cache.num_pages, num_slots=cache.num_slots)
 
 
+LAZY_ZEROS_BYTES = 1 << 20  # CPU pools from this size on are mapped, not written
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu"
+          ) -> torch.Tensor:
+    """A zero tensor; on the CPU a large one lies in anonymous mapped memory, whose pages the
+    kernel zeroes when first touched, so a cache of gigabytes costs no time (and no resident
+    memory) until sequences use it -- instead of a write of every byte at start-up."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if torch.device(device).type != "cpu" or nbytes < LAZY_ZEROS_BYTES:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
+
+
 @dataclass(frozen=True)
 class PagedHybridCache:
     """KV pages of the full-attention layers and state pools of the linear layers."""
@@ -271,6 +287,8 @@ class PagedHybridCache:
             if fill is None:
                 return torch.randn(shape, generator=generator, dtype=torch.float32).to(dt).to(
                     device)
+            if fill == 0.0:
+                return zeros(shape, dt, device)
             return torch.full(shape, fill, dtype=torch.float32, device=device).to(dt)
 
         full, lin = config.full_attention_layers, config.linear_attention_layers
