@@ -99,10 +99,10 @@ def test_a_row_whose_sampling_raises_fails_alone(llm: LLM,
     want = {p: alone(llm, p) for p in ("In the beginning", "And the earth")}
     real = engine_mod.sample
 
-    def picky(logits, params, gens, history=None, banned=None):  # type: ignore[no-untyped-def]
+    def picky(logits, params, gens, *rest):  # type: ignore[no-untyped-def]
         if any(p.seed == 666 for p in params):
             raise ValueError("bad row")
-        return real(logits, params, gens, history, banned)
+        return real(logits, params, gens, *rest)
 
     monkeypatch.setattr(engine_mod, "sample", picky)
     eng = llm.engine
@@ -125,8 +125,8 @@ def test_rows_sampled_again_after_a_failed_batch_draw_the_same_noise(
     want = llm.generate(["In the beginning"], seeded, use_progress=False)[0].token_ids
     real = engine_mod.sample
 
-    def late(logits, params, gens, history=None, banned=None):  # type: ignore[no-untyped-def]
-        out = real(logits, params, gens, history, banned)  # noise drawn for every row
+    def late(logits, params, gens, *rest):  # type: ignore[no-untyped-def]
+        out = real(logits, params, gens, *rest)  # noise drawn for every row
         if any(p.seed == 666 for p in params):
             raise ValueError("bad row")
         return out
