@@ -60,9 +60,14 @@ class Server:
 
 
 def start_server(tmp: Path, *args: str, name: str = "default-model",
-                 launcher: Path | None = None) -> Server:
+                 launcher: Path | None = None, dtype: str | None = "float32") -> Server:
     """A real server process; ``launcher`` runs a script instead of ``-m pagedhybrid`` (the
-    fault-injection wrapper)."""
+    fault-injection wrapper). ``dtype`` float32 by default: answers are compared with the
+    in-process ``LLM``'s under other batch compositions, and bf16 (the built-in model's own
+    dtype, what ``--dtype auto`` loads) rounds differently per batch; None: the server's
+    default."""
+    if dtype is not None:
+        args = ("--dtype", dtype, *args)
     port = free_port()
     log = tmp / f"server-{port}.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -100,14 +105,12 @@ def flood(s: Server, n: int, max_tokens: int, timeout: float) -> list[httpx.Resp
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    # float32: answers compared with the in-process LLM's under other batch compositions
-    # (bf16, the built-in model's own dtype, rounds differently per batch)
     s = start_server(tmp_path_factory.mktemp("serve"), "--max-num-seqs", "16",
-                     "--max-waiting", "512", "--dtype", "float32")
+                     "--max-waiting", "512")
     yield s
     s.stop()
 
 
 @pytest.fixture(scope="session")
 def llm() -> LLM:
-    return LLM(None, dtype="float32", max_num_seqs=16)
+    return LLM(None, dtype="float32", max_num_seqs=16)  # as the servers (start_server)

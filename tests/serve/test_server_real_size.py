@@ -26,7 +26,8 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = start_server(tmp_path_factory.mktemp("serve-0.8b"), str(ckpt), name="qwen35-0.8b")
+    s = start_server(tmp_path_factory.mktemp("serve-0.8b"), str(ckpt), name="qwen35-0.8b",
+                     dtype=None)  # no option at all: dtype auto
     yield s
     s.stop()
 
