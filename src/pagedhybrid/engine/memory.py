@@ -98,8 +98,8 @@ class MemoryPlan:
     page_bytes: int
     slot_bytes: int
     block_size: int
+    dtype: str  # the model's (weights and activations)
     warnings: tuple[str, ...] = ()
-    dtype: str = ""  # the model's (weights and activations)
 
     @property
     def cache_bytes(self) -> int:
@@ -143,8 +143,8 @@ def plan_memory(config: Qwen35Config, cfg: EngineConfig, dtype: torch.dtype,
              warnings: tuple[str, ...] = ()) -> MemoryPlan:
         max_len = cfg.max_model_len or min(limit, blocks * bs)
         return MemoryPlan(PoolSizes(int(blocks), int(slots), int(max_len), int(checkpoints)),
-                          budget, source, weights, workspace, per_page, per_slot, bs, warnings,
-                          logical_name(dtype))
+                          budget, source, weights, workspace, per_page, per_slot, bs,
+                          logical_name(dtype), warnings)
 
     if cfg.num_blocks is not None:
         return plan(cfg.num_blocks, None, "num_blocks")

@@ -23,7 +23,7 @@ runs (oneDNN's per-call overhead dominates such small products), up to ``WIDEN_R
 GEMM (the 0.8B geometry decoded 16 sequences at 38 tok/s with it, 21 with the native packed form);
 from ``WIDEN_ROWS`` rows on whichever of torch's bf16 GEMM and ``linear``'s widened fp32 GEMM the
 first call timed faster (``bf16_gemm_timing``: a [4096, 1024] bf16 weight at 256 rows, medians of
-5, ~0.1 s once per process, form and thread count): ``decode_linear`` (torch's) or
+5, ~0.1 s once per process and form): ``decode_linear`` (torch's) or
 ``mixed_linear`` (the widened fp32 GEMM: an AVX512-BF16 Xeon without AMX timed torch's bf16 GEMM
 1.1-1.5x slower, and prefilled 512 tokens of the 0.8B geometry in 4.7 s instead of 6.2).
 """
@@ -85,14 +85,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def mixed_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The native kernel below ``DECODE_ROWS`` rows, torch's GEMM below ``WIDEN_ROWS``, the
-    widened fp32 GEMM of ``linear`` from there on."""
-    rows = x.numel() // max(x.shape[-1], 1)
-    if rows < DECODE_ROWS:
-        return _product("linear", x, weight)
-    if rows < WIDEN_ROWS or weight.dtype not in WIDENED_DTYPES:
-        return F.linear(x, weight)
-    return _widened_gemm(x, weight)
+    """``decode_linear`` below ``WIDEN_ROWS`` rows (the native kernel, then torch's GEMM),
+    ``linear`` (the widened fp32 GEMM) from there on."""
+    if x.numel() < WIDEN_ROWS * x.shape[-1]:
+        return decode_linear(x, weight)
+    return linear(x, weight)
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -115,7 +112,7 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _bf16_gemm_timing(form: str, threads: int) -> float:
+def _bf16_gemm_timing(form: str) -> float:
     weight = torch.randn(4096, 1024, generator=torch.Generator().manual_seed(0)).bfloat16()
     x = torch.randn(256, 1024, generator=torch.Generator().manual_seed(1)).bfloat16()
     times: dict[str, list[float]] = {"torch": [], "widened": []}
@@ -129,8 +126,9 @@ def _bf16_gemm_timing(form: str, threads: int) -> float:
 
 def bf16_gemm_timing() -> float:
     """Time of torch's bf16 GEMM over the widened fp32 GEMM's at 256 rows on this machine
-    (> 1: torch's is slower), measured once per form and thread count."""
-    return _bf16_gemm_timing(status().isa, torch.get_num_threads())
+    (> 1: torch's is slower), measured once per form: the figure the start-up line reports is
+    the one the projections were chosen by."""
+    return _bf16_gemm_timing(status().isa)
 
 
 def preferred_linear(dtype: torch.dtype) -> Callable[[torch.Tensor, torch.Tensor],
