@@ -12,14 +12,16 @@ over ``/v1/completions``. Per rate and server: output tokens/s, TTFT and inter-t
 latency p50/p99, and the highest rate sustained with p99 TTFT under 2 s. Writes JSON.
 
 ``--guidellm`` instead runs the real guidellm 0.8 (``guidellm run`` with a scenario file)
-against ``pagedhybrid serve``: its sweep profile (synchronous, throughput with at most
-``--guidellm-max-concurrency`` requests in flight, then ``--guidellm-sweep-size`` - 2 constant
-rates between the two), each strategy for ``--guidellm-seconds``, on its synthetic data
+against ``pagedhybrid serve`` started with its defaults (requests queue, no ``--max-waiting``):
+its sweep profile (synchronous, throughput with guidellm's own concurrency -- 512 requests in
+flight -- or ``--guidellm-max-concurrency``, then ``--guidellm-sweep-size`` - 2 constant rates
+between the two), each strategy for ``--guidellm-seconds``, on its synthetic data
 (``prompt_tokens`` / ``output_tokens``, ``ignore_eos``) streamed over ``/v1/completions`` (or
 ``--guidellm-format chat``). Its tokenizer is the built-in model folder and it runs with
 ``HF_HUB_OFFLINE=1`` / ``TRANSFORMERS_OFFLINE=1``, so nothing is downloaded. Prints guidellm's
-console tables and a one-line-per-strategy summary (requests/s, output tok/s, TTFT, ITL), and
-saves guidellm's JSON report (``--guidellm-out``).
+console tables and a one-line-per-strategy summary (requests done / cut off by the strategy's
+time limit / errored, requests/s, output tok/s, TTFT, ITL), and saves guidellm's JSON report
+(``--guidellm-out``).
 
     python benchmarks/serve.py [--rates 0.5 1 2 4 8 16] [--seconds 20]
     python benchmarks/serve.py --guidellm [--guidellm-seconds 15] [--guidellm-sweep-size 4]
@@ -110,9 +112,9 @@ def guidellm_sweep(a: argparse.Namespace) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     out = Path(a.guidellm_out)
     port = free_port()
+    # the server's defaults: requests queue (no --max-waiting), --max-num-seqs as shipped
     proc = start([sys.executable, "-m", "pagedhybrid", "serve", "--port", str(port),
-                  "--served-model-name", "m", "--max-num-seqs", "64", "--max-waiting", "4096"],
-                 port, logs / "serve-guidellm-server.log")
+                  "--served-model-name", "m"], port, logs / "serve-guidellm-server.log")
     rc = 1
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -120,7 +122,8 @@ def guidellm_sweep(a: argparse.Namespace) -> int:
                 "backend": {"kind": "openai_http", "target": f"http://127.0.0.1:{port}",
                             "model": "m", "request_format": GUIDELLM_FORMATS[a.guidellm_format]},
                 "profile": {"kind": "sweep", "sweep_size": a.guidellm_sweep_size,
-                            "max_concurrency": a.guidellm_max_concurrency},
+                            **({"max_concurrency": a.guidellm_max_concurrency}
+                               if a.guidellm_max_concurrency else {})},
                 "data": [{"kind": "synthetic_text", "prompt_tokens": a.guidellm_prompt_tokens,
                           "output_tokens": a.guidellm_output_tokens}],
                 "tokenizer": {"kind": "huggingface_auto", "model": str(model_dir)},
@@ -181,8 +184,9 @@ def main() -> int:
     g.add_argument("--guidellm-seconds", type=float, default=15.0, help="per sweep strategy")
     g.add_argument("--guidellm-sweep-size", type=int, default=4,
                    help="strategies: synchronous, throughput and N-2 constant rates")
-    g.add_argument("--guidellm-max-concurrency", type=int, default=16,
-                   help="concurrent requests at most (throughput step, and the rates)")
+    g.add_argument("--guidellm-max-concurrency", type=int, default=0,
+                   help="concurrent requests at most (throughput step, and the rates); "
+                        "0: guidellm's own default (its throughput step opens 512)")
     g.add_argument("--guidellm-prompt-tokens", type=int, default=64)
     g.add_argument("--guidellm-output-tokens", type=int, default=64)
     g.add_argument("--guidellm-out", default="benchmarks/results/serve_guidellm.json")
