@@ -37,11 +37,18 @@ class Server:
     def url(self) -> str:
         return f"{self.base}/v1"
 
+    def children(self) -> list[int]:
+        """The server's child processes (the engine process)."""
+        pid = self.proc.pid
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
     def rss_kib(self) -> int:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-        raise AssertionError("no VmRSS")
+        """Resident memory of the server and its engine process together."""
+        total = 0
+        for pid in (self.proc.pid, *self.children()):
+            status = Path(f"/proc/{pid}/status").read_text().splitlines()
+            total += next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
+        return total
 
     def metrics(self) -> dict[str, float]:
         text = httpx.get(f"{self.base}/metrics", timeout=30).text

@@ -1,6 +1,6 @@
 """Property-based fuzzing of a live server from its own OpenAPI schema with the real
 ``schemathesis`` CLI: thousands of generated bodies (valid and invalid) across every endpoint,
-no response >= 500, the engine thread alive, and a known greedy request answered correctly
+no response >= 500, the engine process alive, and a known greedy request answered correctly
 afterwards."""
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import socket
 import time
 from pathlib import Path
@@ -322,5 +324,35 @@ def test_injected_faults_fail_their_request_alone(tmp_path: Path, llm: LLM) -> N
         assert m["pagedhybrid:num_requests_running"] == 0
         assert m["pagedhybrid:num_requests_waiting"] == 0
         assert m["pagedhybrid:kv_cache_usage_perc"] == 0
+    finally:
+        assert s.stop() == 0
+
+
+def test_the_engine_runs_in_its_own_process_and_its_death_fails_requests_not_the_server(
+        tmp_path: Path) -> None:
+    """The engine is a child process of the server. Killed in the middle of a stream (as the
+    OOM killer would), the stream ends with ``finish_reason: "error"``, an error object naming
+    the exit and ``[DONE]``; ``/health`` turns 503 "error", new requests get a 503, and the
+    server still exits 0 on SIGTERM."""
+    s = start_server(tmp_path)
+    try:
+        (core,) = s.children()
+        with httpx.stream("POST", f"{s.url}/completions", timeout=120, json={
+                "model": s.model, "prompt": PROMPT, "max_tokens": 1500, "ignore_eos": True,
+                "stream": True}) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert json.loads(first[6:])["choices"][0]["finish_reason"] is None
+            os.kill(core, signal.SIGKILL)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-3][6:])["choices"][0]["finish_reason"] == "error"
+        err = json.loads(rest[-2][6:])["error"]
+        assert "engine process exited (code -9)" in err["message"], err
+        h = httpx.get(f"{s.base}/health", timeout=30)
+        assert (h.status_code, h.json()["status"]) == (503, "error")
+        r2 = httpx.post(f"{s.url}/completions", timeout=30, json={
+            "model": s.model, "prompt": PROMPT, "max_tokens": 3})
+        assert r2.status_code == 503 and "engine process exited" in r2.json()["error"]["message"]
     finally:
         assert s.stop() == 0

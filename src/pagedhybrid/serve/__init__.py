@@ -1,6 +1,6 @@
 """OpenAI-compatible HTTP server over the engine (FastAPI + uvicorn, Prometheus metrics).
 
-* ``loop.py``     -- ``EngineLoop``: the engine stepping on its own thread, fed from asyncio.
+* ``core.py``     -- the engine in its own process (vLLM's engine core), fed over pipes.
 * ``protocol.py`` -- OpenAI request bodies and the OpenAI error object.
 * ``app.py``      -- the endpoints: completions, chat completions, models, health, metrics.
 * ``responses.py`` -- the answers' shapes: choices, stop strings, logprobs, usage, chunks.

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP API over an ``EngineLoop`` (FastAPI): routes, checks, the wait.
+"""The OpenAI-compatible HTTP API (FastAPI) over the engine process (``core.EngineClient``):
+routes, checks, the wait.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (OpenAI's JSON, streaming
 as server-sent events ending with ``data: [DONE]``), ``GET /v1/models``,
@@ -42,7 +43,7 @@ from pagedhybrid import __version__
 from pagedhybrid.engine import SamplingParams
 from pagedhybrid.engine.sampling import wrap_seed
 from pagedhybrid.errors import ContractViolation, PagedHybridError
-from pagedhybrid.serve.loop import Closing, EngineLoop, EngineRefusal
+from pagedhybrid.serve.core import Closing, EngineClient, EngineRefusal
 from pagedhybrid.serve.metrics import ServerMetrics
 from pagedhybrid.serve.protocol import (
     ApiError,
@@ -58,7 +59,7 @@ MAX_CHOICES = 2048  # prompts x (best_of or n) of one request
 
 @dataclass
 class ServerState:
-    loop: EngineLoop
+    core: EngineClient
     tokenizer: Any
     model_name: str
     max_model_len: int
@@ -179,7 +180,7 @@ def _apply(state: ServerState, item: Any, choices: dict[str, Choice]
         c.error, c.finish_reason, delta, stopped = (
             f"detokenisation failed: {type(exc).__name__}: {exc}", "error", "", False)
     if stopped or (c.done and not item.finished):
-        state.loop.abort(c.request_id)
+        state.core.abort(c.request_id)
     now = time.perf_counter()
     m = state.metrics
     if item.new_token_ids:
@@ -199,7 +200,7 @@ def _unavailable(why: str) -> ApiError:
 
 
 def _error_chunk(state: ServerState, c: Choice) -> ApiError:
-    if state.loop.closing is not None and c.error == state.loop.closing:
+    if state.core.closing is not None and c.error == state.core.closing:
         return _unavailable(f"choice {c.index} was cut short: {c.error}")
     return ApiError(500, f"the computation of choice {c.index} failed: {c.error}", None,
                     "computation_failed", "server_error")
@@ -208,9 +209,9 @@ def _error_chunk(state: ServerState, c: Choice) -> ApiError:
 def create_app(state: ServerState) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state.loop.start()
+        state.core.start()
         yield
-        state.loop.stop()
+        state.core.stop()
 
     app = FastAPI(title="pagedhybrid", version=__version__, lifespan=lifespan)
 
@@ -271,8 +272,8 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        ok = state.loop.alive and not state.loop.degraded
-        return JSONResponse({"status": "ok" if ok else "degraded" if state.loop.alive
+        ok = state.core.alive and not state.core.degraded
+        return JSONResponse({"status": "ok" if ok else "degraded" if state.core.alive
                              else "error"}, status_code=200 if ok else 503)
 
     @app.get("/version")
@@ -351,10 +352,10 @@ def create_app(state: ServerState) -> FastAPI:
         params = [sampling_params(state, body, job.max_tokens, engine_lp,
                                   max(prompt_k) if prompt_k else None, i)
                   for i in range(best_of)]
-        if state.loop.closing is not None:
-            raise _unavailable(state.loop.closing)
+        if state.core.closing is not None:
+            raise _unavailable(state.core.closing)
         if state.max_waiting is not None and \
-                state.loop.num_waiting() + len(job.prompts) * best_of > state.max_waiting:
+                state.core.num_waiting() + len(job.prompts) * best_of > state.max_waiting:
             raise ApiError(503, f"the server has {state.max_waiting} requests waiting; retry "
                            "later", None, "server_overloaded", "server_error")
         stops = body.stop_strings()
@@ -366,7 +367,7 @@ def create_app(state: ServerState) -> FastAPI:
                 sub = f"{rid}-{p_i}-{i}"
                 choices[sub] = Choice(p_i * best_of + i, sub, stops, state.tokenizer,
                                       job.echo_only)
-                state.loop.submit(sub, ids, params[i], sink)
+                state.core.submit(sub, ids, params[i], sink)
         opts = body.stream_options
         out = Responses(rid, state.model_name, state.tokenizer, job, choices, best_of,
                         body.prompt_logprobs, bool(opts and opts.continuous_usage_stats))
@@ -374,7 +375,7 @@ def create_app(state: ServerState) -> FastAPI:
         def cleanup() -> None:
             for c in choices.values():
                 if not c.done:
-                    state.loop.abort(c.request_id)
+                    state.core.abort(c.request_id)
 
         if not body.stream:
             try:

@@ -1,12 +1,12 @@
 """``pagedhybrid serve [MODEL_DIR] [--host 127.0.0.1] [--port 8000] [--served-model-name NAME]
 [engine options as in generate] [--max-waiting N] [--api-key KEY] [--shutdown-timeout S]``.
 
-Loads the model (the built-in one by default) into an ``Engine``, runs it on its own thread
-(``EngineLoop``) and serves the OpenAI API with uvicorn on loopback by default. SIGTERM /
-SIGINT stop accepting connections, let in-flight requests finish for up to
-``--shutdown-timeout`` seconds (then fail them: each client gets a last answer -- 503, or a
-streamed error chunk -- never a cut connection), stop the engine thread and exit 0. The API key
-can also come from ``PAGEDHYBRID_API_KEY``.
+Loads the model (the built-in one by default) into an ``Engine`` in a process of its own
+(``core.EngineClient``, as vLLM's engine core) and serves the OpenAI API with uvicorn on
+loopback by default. SIGTERM / SIGINT stop accepting connections, let in-flight requests finish
+for up to ``--shutdown-timeout`` seconds (then fail them: each client gets a last answer -- 503,
+or a streamed error chunk -- never a cut connection), stop the engine process and exit 0. The
+API key can also come from ``PAGEDHYBRID_API_KEY``.
 """
 
 from __future__ import annotations
@@ -45,23 +45,29 @@ def register_subcommands(subparsers: Any) -> None:
 
 
 def build_state(args: argparse.Namespace) -> Any:
+    """Start the engine process and the server's state around it (tokenizer, metrics)."""
+    import functools
+
     from pagedhybrid.engine.cli import _engine_kwargs
     from pagedhybrid.engine.llm import load_engine
-    from pagedhybrid.models.qwen35 import default_model_dir
+    from pagedhybrid.models.qwen35 import default_model_dir, load_tokenizer
     from pagedhybrid.serve.app import ServerState
-    from pagedhybrid.serve.loop import EngineLoop
+    from pagedhybrid.serve.core import EngineClient
     from pagedhybrid.serve.metrics import ServerMetrics
 
     model_dir = Path(args.model_dir or args.model or default_model_dir())
-    engine = load_engine(model_dir, dtype=args.dtype, **_engine_kwargs(args))
-    if engine.tokenizer is None:
+    core = EngineClient.launch(functools.partial(load_engine, model_dir, dtype=args.dtype,
+                                                 **_engine_kwargs(args)))
+    info = core.info
+    if not info.has_tokenizer:
+        core.stop()
         raise PagedHybridError(f"{model_dir} has no tokenizer; the server needs one")
     name = args.served_model_name or model_dir.name
     metrics = ServerMetrics(name)
-    loop = EngineLoop(engine, metrics.on_step)
-    return ServerState(loop, engine.tokenizer, name, engine.scheduler.config.max_model_len,
-                       engine.model.config.vocab_size, metrics, args.api_key, args.max_waiting,
-                       str(model_dir))
+    core.on_step = metrics.on_step
+    return ServerState(core, load_tokenizer(model_dir, info.vocab_size), name,
+                       info.max_model_len, info.vocab_size, metrics, args.api_key,
+                       args.max_waiting, str(model_dir))
 
 
 def serve_main(args: argparse.Namespace) -> int:
@@ -74,19 +80,18 @@ def serve_main(args: argparse.Namespace) -> int:
     except PagedHybridError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    kernels = state.loop.engine.runner.kernel_summary()
+    info = state.core.info
     print(f"pagedhybrid serve: {state.model_name} on http://{args.host}:{args.port} "
-          f"(max_model_len {state.max_model_len}; kernels: {kernels})",
+          f"(max_model_len {state.max_model_len}; kernels: {info.kernel_summary})",
           file=sys.stderr, flush=True)
-    print(f"pagedhybrid serve: {state.loop.engine.memory.summary()}", file=sys.stderr,
-          flush=True)
+    print(f"pagedhybrid serve: {info.memory_summary}", file=sys.stderr, flush=True)
     # uvicorn cancels what still runs at its own deadline (a traceback per connection), so the
     # engine fails the in-flight requests at ``--shutdown-timeout`` and the handlers get a
     # moment after it to send those last answers
     config = uvicorn.Config(create_app(state), host=args.host, port=args.port,
                             log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout + _ANSWER_GRACE_S)
-    _GracefulServer(config, lambda: state.loop.close(
+    _GracefulServer(config, lambda: state.core.close(
         f"the server is shutting down (the {args.shutdown_timeout:g} s allowed to finish "
         "passed)"), args.shutdown_timeout).run()
     print("pagedhybrid serve: stopped", file=sys.stderr)

@@ -1,9 +1,10 @@
 """Prometheus metrics of the server, named after vLLM's with the ``pagedhybrid:`` prefix.
 
-Gauges (set after every engine step): ``num_requests_running``, ``num_requests_waiting``,
-``kv_cache_usage_perc`` (pages owned / pages), ``state_slot_usage_perc``, and for prefix
-caching ``prefix_cache_cached_pages`` / ``prefix_cache_cached_checkpoints``. Counters:
-``prompt_tokens_total``, ``generation_tokens_total``, ``num_preemptions_total``,
+Gauges (set after every engine step, from the core process's ``Snapshot``):
+``num_requests_running``, ``num_requests_waiting``, ``kv_cache_usage_perc`` (pages owned /
+pages), ``state_slot_usage_perc``, and for prefix caching ``prefix_cache_cached_pages`` /
+``prefix_cache_cached_checkpoints``. Counters: ``prompt_tokens_total``,
+``generation_tokens_total``, ``num_preemptions_total``,
 ``request_success_total{finished_reason}``, ``prefix_cache_queries_total`` /
 ``prefix_cache_hits_total`` (tokens looked up / served from the cache, as vLLM counts them),
 ``prefix_cache_evictions_total{kind=page|checkpoint}``. Histograms (seconds):
@@ -27,7 +28,8 @@ from prometheus_client import (
     generate_latest,
 )
 
-from pagedhybrid.engine import Engine, RequestOutput
+from pagedhybrid.engine import RequestOutput
+from pagedhybrid.serve.core import Snapshot
 
 P = "pagedhybrid:"
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -84,15 +86,14 @@ class ServerMetrics:
             metric.labels(model_name=self.model_name, **labels).inc(delta)
         self._seen[key] = now
 
-    def on_step(self, engine: Engine, outputs: Sequence[RequestOutput]) -> None:
-        """Engine-thread hook: gauges and step counters."""
+    def on_step(self, snap: Snapshot, outputs: Sequence[RequestOutput]) -> None:
+        """After each engine step (the core's ``Snapshot`` and the step's outputs): gauges and
+        step counters."""
         m = self.model_name
-        sched = engine.scheduler
-        self.running.labels(model_name=m).set(len(sched.running))
-        self.waiting.labels(model_name=m).set(len(sched.waiting))
-        self.kv_usage.labels(model_name=m).set(engine.blocks.num_owned / engine.blocks.capacity)
-        self.slot_usage.labels(model_name=m).set(engine.states.num_owned /
-                                                 engine.states.capacity)
+        self.running.labels(model_name=m).set(snap.running)
+        self.waiting.labels(model_name=m).set(snap.waiting)
+        self.kv_usage.labels(model_name=m).set(snap.kv_usage)
+        self.slot_usage.labels(model_name=m).set(snap.slot_usage)
         gen = sum(len(o.new_token_ids) for o in outputs)
         if gen:
             self.generation_tokens.labels(model_name=m).inc(gen)
@@ -100,8 +101,8 @@ class ServerMetrics:
             if o.finished:
                 self.success.labels(model_name=m, finished_reason=str(o.finish_reason)).inc()
                 self.prompt_tokens.labels(model_name=m).inc(len(o.prompt_token_ids))
-        self._inc(self.preemptions, "preemptions", engine.stats.preemptions)
-        pc = engine.prefix_cache_stats()
+        self._inc(self.preemptions, "preemptions", snap.preemptions)
+        pc = snap.prefix
         self._inc(self.prefix_queries, "queries", int(pc["query_tokens"]))
         self._inc(self.prefix_hits, "hits", int(pc["hit_tokens"]))
         self._inc(self.evictions, "page", int(pc["page_evictions"]), kind="page")

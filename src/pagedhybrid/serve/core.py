@@ -1,0 +1,425 @@
+"""The engine in a process of its own (vLLM's engine core), fed over pipes: the server's one
+bridge to ``Engine``.
+
+Why a process: with the engine on a thread of the HTTP process, every streamed token's JSON
+and socket work held the GIL the engine needed between its kernels, so each step waited for the
+event loop and online inter-token latency was 1.3-1.7x the offline figure. Here the two run on
+their own cores and share nothing but two pipes.
+
+``EngineClient.launch(factory)`` forks the core process, which builds its engine with
+``factory()`` (a refusal -- a config that does not fit, a missing checkpoint -- comes back as a
+``PagedHybridError`` from ``launch``) and reports ``CoreInfo``. In the server process
+``submit`` / ``abort`` / ``close`` are called on the event loop (``close`` from any thread) and
+return at once: a sender thread writes the messages, so a long step never blocks the event loop
+on a full pipe. The core reads them between steps, runs ``engine.step()`` while there is work
+(blocking on its pipe otherwise) and sends each step's outputs as deltas -- the new tokens, the
+new text, the new logprobs, the prompt once -- with a ``Snapshot`` of the engine for the
+metrics. ``EngineClient`` reads them on the event loop (``add_reader``), rebuilds each request's
+``RequestOutput`` (the same object the engine made) and puts it on the request's asyncio queue;
+``on_step(snapshot, outputs)`` runs there too (metrics). An ``add_request`` refusal comes back on
+the request's queue as an ``EngineRefusal``.
+
+Nothing one request does stops the core: any exception at intake refuses that request alone; a
+step that raises fails that step's requests inside ``Engine.step``; an exception anywhere else
+in an iteration is logged, the running requests fail with an error, the pools are checked and
+the core goes on (``degraded`` until the next good iteration). If the core process itself dies
+(a native crash, the kernel's OOM killer), every request in flight fails with an error naming
+its exit code and ``alive`` turns false; the HTTP process keeps answering (503 / ``/health``
+"error"). The core ignores SIGINT / SIGTERM (the server shuts it down over the pipe, after the
+in-flight requests had their time) and exits when the server process is gone (end of pipe).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing as mp
+import queue
+import signal
+import sys
+import threading
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any, NamedTuple
+
+from pagedhybrid.engine import Engine, RequestOutput, SamplingParams
+from pagedhybrid.engine.sampling import Logprob
+from pagedhybrid.errors import PagedHybridError
+
+
+class EngineRefusal(NamedTuple):
+    request_id: str
+    error: Exception
+
+
+class Closing(Exception):
+    """The server is shutting down: a request submitted now is refused (503)."""
+
+
+class Refused(PagedHybridError):
+    """The engine refused a request (its message and the field it names, from the core)."""
+
+    def __init__(self, message: str, what: str | None) -> None:
+        super().__init__(message)
+        self.what = what
+
+
+@dataclass(frozen=True)
+class CoreInfo:
+    """What the server needs to know of the engine, reported once it is built."""
+
+    max_model_len: int
+    vocab_size: int
+    has_tokenizer: bool
+    kernel_summary: str
+    memory_summary: str
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The engine after a step, for the metrics (``ServerMetrics.on_step``)."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    slot_usage: float = 0.0
+    preemptions: int = 0
+    prefix: dict[str, float | int] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, engine: Engine) -> Snapshot:
+        s = engine.scheduler
+        return cls(len(s.running), len(s.waiting), engine.blocks.num_owned /
+                   engine.blocks.capacity, engine.states.num_owned / engine.states.capacity,
+                   engine.stats.preemptions, engine.prefix_cache_stats())
+
+
+@dataclass(slots=True)
+class _Delta:
+    """One ``RequestOutput`` as sent: what it adds to what its request sent before."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...] | None  # with the request's first output only
+    new_token_ids: tuple[int, ...]
+    text: str | None  # the new text (None: no detokeniser)
+    finished: bool
+    finish_reason: Any
+    error: str | None
+    num_preemptions: int
+    num_cached_tokens: int
+    logprobs: list[dict[int, Logprob]] | None  # the new tokens' entries
+    prompt_logprobs: list[dict[int, Logprob] | None] | None  # once, when complete
+
+
+@dataclass
+class _Sent:
+    """Core side: how much of a request's output has been sent."""
+
+    prompt: bool = False
+    text: int = 0
+    logprobs: int = 0
+    prompt_logprobs: bool = False
+
+
+@dataclass
+class _Mirror:
+    """Server side: a request's output so far, rebuilt from its deltas."""
+
+    sink: asyncio.Queue[Any]
+    prompt: tuple[int, ...] = ()
+    sequence: list[int] = field(default_factory=list)  # prompt + generated
+    text: str | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+
+# -- the core process ---------------------------------------------------------------------------
+class _Core:
+    """The engine's loop in the core process."""
+
+    def __init__(self, engine: Engine, inbox: Connection, outbox: Connection) -> None:
+        self.engine = engine
+        self.inbox, self.outbox = inbox, outbox
+        self.sent: dict[str, _Sent] = {}
+        self.closing: str | None = None
+        self.stopping = False
+        self.degraded = False
+        self.taken = 0  # submissions read from the pipe
+
+    def run(self) -> None:
+        try:
+            while not self.stopping:
+                try:
+                    self._iterate()
+                    self.degraded = False
+                except (EOFError, OSError):  # the server process is gone
+                    return
+                except Exception as exc:  # one bad iteration must not end serving
+                    self._recover(exc)
+        finally:
+            for rid in list(self.engine.scheduler.requests):
+                self.engine.abort_request(rid)
+            if self.engine.has_unfinished_requests():
+                with contextlib.suppress(OSError):
+                    self._send(self.engine.step())
+
+    def _iterate(self) -> None:
+        if not self.engine.has_unfinished_requests():
+            self.inbox.poll(None)  # idle: sleep until the server writes
+        self._intake()
+        if self.stopping or not self.engine.has_unfinished_requests():
+            return
+        self._send(self.engine.step())
+
+    def _intake(self) -> None:
+        while self.inbox.poll(0):
+            msg = self.inbox.recv()
+            kind = msg[0]
+            if kind == "submit":
+                self._add(*msg[1:])
+            elif kind == "abort":
+                self.engine.abort_request(msg[1])  # frees its pages and slot now
+            elif kind == "close":
+                self.closing = msg[1]
+            elif kind == "stop":
+                self.stopping = True
+        if self.closing is not None and self.engine.scheduler.requests:
+            self._send(self.engine.fail_requests(
+                list(self.engine.scheduler.requests.values()), self.closing))
+
+    def _add(self, rid: str, prompt: list[int], params: SamplingParams) -> None:
+        self.taken += 1
+        try:
+            if self.closing is not None:
+                raise Closing(self.closing)
+            self.engine.add_request(rid, prompt, params)
+        except Exception as exc:  # any refusal concerns this request alone
+            if isinstance(exc, Closing):
+                kind, what = "closing", None
+            elif isinstance(exc, PagedHybridError):
+                kind = "invalid"
+                what = getattr(exc, "what", None) or getattr(exc, "where", None) or "prompt"
+            else:
+                kind, what = "internal", None
+            self.outbox.send(("refused", rid, kind, None if what is None else str(what),
+                              f"{type(exc).__name__}: {exc}" if kind == "internal"
+                              else str(exc)))
+
+    def _delta(self, o: RequestOutput) -> _Delta:
+        s = self.sent.setdefault(o.request_id, _Sent())
+        first, s.prompt = not s.prompt, True
+        text = None
+        if o.text is not None:
+            text, s.text = o.text[s.text:], len(o.text)
+        lps = None
+        if o.generated_logprobs is not None:
+            lps = list(o.generated_logprobs[s.logprobs:o.num_generated])
+            s.logprobs = o.num_generated
+        plp = None
+        if o.prompt_logprob_list is not None and not s.prompt_logprobs:
+            plp, s.prompt_logprobs = list(o.prompt_logprob_list), True
+        if o.finished:
+            self.sent.pop(o.request_id, None)
+        return _Delta(o.request_id, o.prompt_token_ids if first else None, o.new_token_ids,
+                      text, o.finished, o.finish_reason, o.error, o.num_preemptions,
+                      o.num_cached_tokens, lps, plp)
+
+    def _send(self, outputs: Sequence[RequestOutput]) -> None:
+        self.outbox.send(("out", [self._delta(o) for o in outputs], Snapshot.of(self.engine),
+                          self.degraded, self.taken))
+
+    def _recover(self, exc: Exception) -> None:
+        """An iteration raised outside ``Engine.step``: fail what was running (its outputs may
+        be lost), check the pools and carry on."""
+        self.degraded = True
+        print(f"pagedhybrid: engine loop error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        traceback.print_exc(file=sys.stderr)
+        why = f"internal error in the engine loop: {type(exc).__name__}: {exc}"
+        outs = self.engine.fail_requests(list(self.engine.scheduler.running), why)
+        self.engine.check_invariants()
+        with contextlib.suppress(Exception):
+            self._send(outs)
+
+
+def _core_main(factory: Callable[[], Engine], inbox: Connection, outbox: Connection,
+               server_ends: Sequence[Connection]) -> None:
+    for end in server_ends:  # so that the server's exit is an end of pipe here
+        end.close()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server decides when the core stops
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        engine = factory()
+        info = CoreInfo(engine.scheduler.config.max_model_len, engine.model.config.vocab_size,
+                        engine.tokenizer is not None, engine.runner.kernel_summary(),
+                        engine.memory.summary())
+    except BaseException as exc:
+        outbox.send(("failed", str(exc) if isinstance(exc, PagedHybridError)
+                     else f"{type(exc).__name__}: {exc}"))
+        return
+    outbox.send(("ready", info))
+    _Core(engine, inbox, outbox).run()
+
+
+# -- the server process -------------------------------------------------------------------------
+class EngineClient:
+    """The server's handle on the core process (``launch`` starts it)."""
+
+    def __init__(self, proc: Any, to_core: Connection, from_core: Connection,
+                 info: CoreInfo) -> None:
+        self.proc, self.info = proc, info
+        self._to_core, self._from_core = to_core, from_core
+        self._outgoing: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+        self._sender = threading.Thread(target=self._send_loop, name="pagedhybrid-to-core",
+                                        daemon=True)
+        self._mirrors: dict[str, _Mirror] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._submitted = 0
+        self._taken = 0
+        self._snapshot = Snapshot()
+        self.on_step: Callable[[Snapshot, Sequence[RequestOutput]], None] | None = None
+        self.error: str | None = None  # why the core is gone
+        self.closing: str | None = None  # why the server is shutting down (``close``)
+        self.degraded = False  # the core's last iteration failed outside a step
+
+    @classmethod
+    def launch(cls, factory: Callable[[], Engine]) -> EngineClient:
+        """Fork the core process, build the engine there, wait until it is ready."""
+        ctx = mp.get_context("fork")  # the core inherits the loaded modules (and test patches)
+        core_in, to_core = ctx.Pipe(duplex=False)
+        from_core, core_out = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_core_main, name="pagedhybrid-engine", daemon=True,
+                           args=(factory, core_in, core_out, (to_core, from_core)))
+        proc.start()
+        core_in.close()
+        core_out.close()
+        try:
+            msg = from_core.recv()
+        except EOFError:
+            proc.join(5)
+            raise PagedHybridError(f"the engine process exited (code {proc.exitcode}) while "
+                                   "loading the model") from None
+        if msg[0] == "failed":
+            proc.join(5)
+            raise PagedHybridError(msg[1])
+        return cls(proc, to_core, from_core, msg[1])
+
+    # -- event-loop side ----------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self._from_core.fileno(), self._readable)
+        self._sender.start()
+
+    def submit(self, request_id: str, prompt: list[int], params: SamplingParams,
+               sink: asyncio.Queue[Any] | None = None) -> asyncio.Queue[Any]:
+        """Queue a request; its outputs (or an ``EngineRefusal``) arrive on ``sink`` (a new
+        queue unless one is given: several requests may share one)."""
+        sink = sink if sink is not None else asyncio.Queue()
+        if self.error is not None:
+            sink.put_nowait(EngineRefusal(request_id, Closing(self.error)))
+            return sink
+        self._mirrors[request_id] = _Mirror(sink)
+        self._submitted += 1
+        self._outgoing.put(("submit", request_id, list(prompt), params))
+        return sink
+
+    def abort(self, request_id: str) -> None:
+        self._outgoing.put(("abort", request_id))
+
+    def close(self, why: str) -> None:
+        """Fail every request in the engine with ``why`` and refuse later ones (any thread)."""
+        self.closing = why
+        self._outgoing.put(("close", why))
+
+    @property
+    def alive(self) -> bool:
+        return self.error is None and self.proc.is_alive()
+
+    def num_waiting(self) -> int:
+        """Requests accepted but not running yet (queued in the engine or not yet read)."""
+        return self._submitted - self._taken + self._snapshot.waiting
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._loop is not None:
+            self._loop.remove_reader(self._from_core.fileno())
+        self._outgoing.put(("stop",))
+        self._outgoing.put(None)
+        self.proc.join(timeout)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+
+    def _send_loop(self) -> None:
+        while (msg := self._outgoing.get()) is not None:
+            try:
+                self._to_core.send(msg)
+            except OSError:  # the core is gone; ``_readable`` reports it
+                return
+
+    def _readable(self) -> None:
+        try:
+            while self._from_core.poll(0):
+                self._handle(self._from_core.recv())
+        except (EOFError, OSError):
+            self._core_died()
+
+    def _handle(self, msg: tuple[Any, ...]) -> None:
+        if msg[0] == "refused":
+            _, rid, kind, what, message = msg
+            mirror = self._mirrors.pop(rid, None)
+            if mirror is not None:
+                exc: Exception = Closing(message) if kind == "closing" else \
+                    Refused(message, what) if kind == "invalid" else RuntimeError(message)
+                mirror.sink.put_nowait(EngineRefusal(rid, exc))
+            return
+        _, deltas, self._snapshot, self.degraded, self._taken = msg
+        outputs = [o for o in map(self._output, deltas) if o is not None]
+        if self.on_step is not None:
+            try:
+                self.on_step(self._snapshot, outputs)
+            except Exception as exc:  # a hook (metrics) never fails requests
+                print(f"pagedhybrid: on_step hook failed: {type(exc).__name__}: {exc}",
+                      file=sys.stderr)
+
+    def _output(self, d: _Delta) -> RequestOutput | None:
+        m = self._mirrors.get(d.request_id)
+        if m is None:
+            return None
+        if d.prompt_token_ids is not None:
+            m.prompt = d.prompt_token_ids
+            m.sequence = list(d.prompt_token_ids)
+        m.sequence.extend(d.new_token_ids)
+        if d.text is not None:
+            m.text = (m.text or "") + d.text
+        if d.logprobs is not None:
+            if m.logprobs is None:
+                m.logprobs = []
+            m.logprobs.extend(d.logprobs)
+        if d.prompt_logprobs is not None:
+            m.prompt_logprobs = d.prompt_logprobs
+        out = RequestOutput(
+            d.request_id, m.prompt, d.new_token_ids, d.finished, d.finish_reason, text=m.text,
+            error=d.error, num_preemptions=d.num_preemptions,
+            num_cached_tokens=d.num_cached_tokens, num_generated=len(m.sequence) - len(m.prompt),
+            sequence=m.sequence, generated_logprobs=m.logprobs,
+            prompt_logprob_list=m.prompt_logprobs)
+        if d.finished:
+            del self._mirrors[d.request_id]
+        m.sink.put_nowait(out)
+        return out
+
+    def _core_died(self) -> None:
+        if self.error is not None:
+            return
+        if self._loop is not None:
+            self._loop.remove_reader(self._from_core.fileno())
+        self.proc.join(1)
+        self.error = f"the engine process exited (code {self.proc.exitcode})"
+        print(f"pagedhybrid: {self.error}", file=sys.stderr)
+        for rid, m in self._mirrors.items():
+            m.sink.put_nowait(RequestOutput(
+                rid, m.prompt, (), True, "error", m.text, self.error,
+                num_generated=len(m.sequence) - len(m.prompt), sequence=m.sequence,
+                generated_logprobs=m.logprobs, prompt_logprob_list=m.prompt_logprobs))
+        self._mirrors.clear()
