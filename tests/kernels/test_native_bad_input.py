@@ -303,6 +303,30 @@ POINTWISE: list[Corruption] = [
      r"out: must be contiguous"),
 ]
 
+def _norm() -> Args:
+    gen = torch.Generator().manual_seed(5)
+    return {"x": torch.randn(3, 12, generator=gen), "gate": torch.randn(3, 12, generator=gen),
+            "w": torch.randn(12, generator=gen), "out": torch.zeros(3, 12)}
+
+
+NORM: list[Corruption] = [
+    ("x dtype", _set("x", lambda a: a["x"].double()), r"x: must be float32 or bfloat16"),
+    ("x dims", _set("x", lambda a: a["x"].flatten()), r"x: must have 2 dimensions"),
+    ("x not contiguous", _set("x", lambda a: torch.randn(12, 3).t()), r"x: must be contiguous"),
+    ("out rows", _set("out", lambda a: torch.zeros(4, 12)), r"out: size\(0\) must equal"),
+    ("out dtype", _set("out", lambda a: a["out"].bfloat16()), r"out: must be Float"),
+]
+WEIGHTED: list[Corruption] = [
+    *NORM,
+    ("w size", _set("w", lambda a: torch.randn(11)), r"w: size\(0\) must equal x.size\(1\)"),
+    ("w dtype", _set("w", lambda a: a["w"].half()), r"w: must be float32 or bfloat16"),
+]
+GATED: list[Corruption] = [
+    *WEIGHTED,
+    ("gate shape", _set("gate", lambda a: torch.randn(3, 11)), r"gate: size\(1\) must equal"),
+    ("gate dtype", _set("gate", lambda a: a["gate"].bfloat16()), r"gate: must be Float"),
+]
+
 OPS: dict[str, tuple[Callable[[], Args], Callable[[Args], None], list[Corruption], str]] = {
     "paged_attention": (_attention, _run_attention, ATTENTION, "out"),
     "gated_delta_decode": (lambda: _gdn(False), _run_gdn, GDN, "pool"),
@@ -315,6 +339,12 @@ OPS: dict[str, tuple[Callable[[], Args], Callable[[Args], None], list[Corruption
                        POINTWISE, "out"),
     "sigmoid_invariant": (_pointwise, lambda a: library().sigmoid_invariant(a["x"], a["out"]),
                           POINTWISE, "out"),
+    "rms_norm": (_norm, lambda a: library().rms_norm(a["x"], a["w"], a["out"], 1e-6, True),
+                 WEIGHTED, "out"),
+    "gated_rms_norm": (_norm, lambda a: library().gated_rms_norm(a["x"], a["gate"], a["w"],
+                                                                  a["out"], 1e-6), GATED, "out"),
+    "l2_normalize": (_norm, lambda a: library().l2_normalize(a["x"], a["out"], 1e-6), NORM,
+                     "out"),
 }
 CASES = [(op, case) for op, (_, _, cases, _) in OPS.items() for case in cases]
 

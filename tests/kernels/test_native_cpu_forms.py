@@ -314,6 +314,42 @@ def test_pointwise(form: str) -> None:
         torch.testing.assert_close(out.double(), fn(x.double()), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("form", HERE)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("d", [7, 64, 256, 1000])
+def test_norms(form: str, dtype: torch.dtype, d: int) -> None:
+    """rms_norm (plain and offset), gated_rms_norm and l2_normalize against their formulas in
+    float64, to one rounding of the output; each row is the same alone as in a batch; a bad
+    argument is a ValueError naming the op and the argument."""
+    lib = native.form_library(form)
+    g = torch.Generator().manual_seed(d)
+    x = (torch.randn(9, d, generator=g) * 3).to(dtype)
+    gate = (torch.randn(9, d, generator=g) * 4).to(dtype)
+    w = (torch.randn(d, generator=g) * 0.5).to(dtype)
+    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 8e-3, "atol": 1e-5}
+    x64, g64, w64 = x.double(), gate.double(), w.double()
+    normed = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6)
+    for offset in (True, False):
+        out = torch.empty_like(x)
+        lib.rms_norm(x, w, out, 1e-6, offset)
+        want = normed * (1 + w64 if offset else w64)
+        torch.testing.assert_close(out.double(), want, **tol)
+        one = torch.empty_like(x[-1:])
+        lib.rms_norm(x[-1:].contiguous(), w, one, 1e-6, offset)
+        assert torch.equal(one[0], out[-1])
+    out = torch.empty_like(x)
+    lib.gated_rms_norm(x, gate, w, out, 1e-6)
+    torch.testing.assert_close(out.double(), normed * w64 * F.silu(g64), **tol)
+    l2 = torch.empty(x.shape, dtype=torch.float32)
+    lib.l2_normalize(x, l2, 1e-6)
+    want = x64 * torch.rsqrt(x64.pow(2).sum(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(l2.double(), want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"pagedhybrid\.rms_norm: w: size\(0\)"):
+        lib.rms_norm(x, w[:-1].contiguous(), torch.empty_like(x), 1e-6, True)
+    with pytest.raises(ValueError, match=r"pagedhybrid\.l2_normalize: out: must be Float"):
+        lib.l2_normalize(x, torch.empty(x.shape, dtype=torch.float64), 1e-6)
+
+
 # -- the forms side by side: one result, to float noise -------------------------------------------
 
 

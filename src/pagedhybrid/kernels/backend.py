@@ -45,6 +45,7 @@ from pagedhybrid.kernels.cpu import step as cpu_step
 from pagedhybrid.kernels.native import contract as native_contract
 from pagedhybrid.kernels.native import dense as native_dense
 from pagedhybrid.kernels.native import invariant as native_invariant
+from pagedhybrid.kernels.native import norms as native_norms
 from pagedhybrid.kernels.native import step as native_step
 from pagedhybrid.kernels.registry import (
     AUTO,
@@ -82,7 +83,8 @@ def _declare() -> KernelRegistry:
             BundleCapability(_DTYPES, native_pages, max_head_dim=NATIVE_MAX_HEAD_DIM,
                              in_place_state=True, paged_in_place=True, state_checkpoints=True),
             native_step.attention, native_step.causal_conv, native_step.gated_delta,
-            native_ops, _native_available, native_dense.preferred_linear),
+            native_ops, _native_available, native_dense.preferred_linear,
+            norms=native_norms.NATIVE_NORMS),
         Backend(
             "native_batch_invariant", "C++ kernels for every token and projection in "
             "batch-invariant forms (kernels/native/invariant.py)", "native_batch_invariant",
@@ -92,7 +94,8 @@ def _declare() -> KernelRegistry:
             native_invariant.attention, native_invariant.causal_conv,
             native_invariant.gated_delta, native_ops, _native_available,
             lambda dtype: native_invariant.linear,
-            pointwise=Pointwise(native_invariant.silu, native_invariant.sigmoid)),
+            pointwise=Pointwise(native_invariant.silu, native_invariant.sigmoid),
+            norms=native_norms.NATIVE_NORMS),
         Backend(
             "torch", "vectorised torch kernels (kernels/cpu)", "cpu_paged_attention",
             BundleCapability(_TORCH_DTYPES, (*_TORCH_DTYPES, *_QUANT), in_place_state=True,

@@ -6,7 +6,8 @@ A ``Backend`` (a kernel bundle) holds, for one implementation family:
   on a validated ``StepMetadata``, with KV pages and conv / recurrent state pools updated in place
   (signatures in ``kernels/cpu/step.py``), ``linear_for(dtype)`` (what every projection and the
   LM head multiply with in a ``dtype`` model; None = ``torch.nn.functional.linear``) and
-  ``pointwise`` (silu and sigmoid: torch's by default);
+  ``pointwise`` (silu and sigmoid) and ``norms`` (RMS, gated RMS and L2 norms; torch's for both
+  by default);
 * the three operator contracts with the signatures of ``pagedhybrid.ops`` (``ops``), each
   validating its call fully (contract entry points), with ``ops.coverage``: per op type an
   ``OpCoverage`` -- the dtypes and contract features its fast path computes, and each feature it
@@ -109,6 +110,43 @@ class Pointwise(NamedTuple):
 
 
 TORCH_POINTWISE = Pointwise(F.silu, torch.sigmoid)
+
+
+def _torch_rms(x: torch.Tensor, w: torch.Tensor, eps: float, offset: bool) -> torch.Tensor:
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * ((1.0 + w.float()) if offset else w.float())).to(x.dtype)
+
+
+def _torch_gated(x: torch.Tensor, gate: torch.Tensor, w: torch.Tensor, eps: float,
+                 silu: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * w.float() * silu(gate.float())).to(x.dtype)
+
+
+def _torch_l2(x: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return xf * torch.rsqrt((xf * xf).sum(dim=-1, keepdim=True) + eps)
+
+
+class Norms(NamedTuple):
+    """The row-wise normalisations the layers apply, over the last axis, fp32 math:
+
+    * ``rms(x, w, eps, offset)`` -- ``x * rsqrt(mean(x^2) + eps) * (1 + w if offset else w)``,
+      in ``x``'s dtype (HF ``Qwen3_5RMSNorm``: offset);
+    * ``gated(x, gate, w, eps, silu)`` -- ``x * rsqrt(mean(x^2) + eps) * w * silu(gate)``, in
+      ``x``'s dtype (HF ``Qwen3_5RMSNormGated``); ``silu`` is the bundle's ``pointwise.silu``
+      (a bundle with its own fused form may ignore it);
+    * ``l2(x, eps)`` -- ``x * rsqrt(sum(x^2) + eps)`` in fp32 (HF ``l2norm`` of q / k).
+    """
+
+    rms: Callable[[torch.Tensor, torch.Tensor, float, bool], torch.Tensor]
+    gated: Callable[..., torch.Tensor]
+    l2: Callable[[torch.Tensor, float], torch.Tensor]
+
+
+TORCH_NORMS = Norms(_torch_rms, _torch_gated, _torch_l2)
 
 
 @dataclass(frozen=True)
@@ -271,6 +309,7 @@ class Backend:
     available: Callable[[], str | None] = field(default=_always)
     linear_for: Callable[[torch.dtype], LinearFn | None] = field(default=_torch_linear)
     pointwise: Pointwise = TORCH_POINTWISE
+    norms: Norms = TORCH_NORMS
 
     @property
     def dtypes(self) -> tuple[torch.dtype, ...]:
@@ -374,6 +413,6 @@ class KernelRegistry:
             f"{needs.describe()}: {format_rejections(rejections)}")
 
 
-__all__ = ["AUTO", "TORCH_POINTWISE", "Backend", "BundleCapability", "ContractOps",
-           "KernelRegistry", "Needs", "Pointwise", "Selection", "dtype_name",
+__all__ = ["AUTO", "TORCH_NORMS", "TORCH_POINTWISE", "Backend", "BundleCapability", "ContractOps",
+           "KernelRegistry", "Needs", "Norms", "Pointwise", "Selection", "dtype_name",
            "format_rejections"]

@@ -49,15 +49,21 @@ DECODE_ROWS = 8  # rows below which decode_linear runs the native kernel
 
 def _product(op: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The kernel reads x in its dtype (or in fp32 beside bf16 / fp16 weights) and writes out in
-    it: no conversion pass, so no extra parallel region, around the call."""
-    lead, k = x.shape[:-1], x.shape[-1]
+    it: no conversion pass, so no extra parallel region, around the call. At decode each call
+    is a few microseconds of work, so no-op conversions and views are skipped, not dispatched."""
+    k = x.shape[-1]
     xd = x.dtype if x.dtype in (weight.dtype, torch.float32) else torch.float32
-    x2 = x.reshape(-1, k).to(xd).contiguous()  # [M, K]
-    m, n = x2.shape[0], weight.shape[0]
-    out = torch.empty(m, n, dtype=xd)  # [M, N]
-    if m:
-        getattr(library(), op)(x2, weight.contiguous(), out)
-    return out.view(*lead, n).to(x.dtype)
+    x2 = x if x.dim() == 2 else x.reshape(-1, k)  # [M, K]
+    if x2.dtype != xd:
+        x2 = x2.to(xd)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    out = torch.empty(x2.shape[0], weight.shape[0], dtype=xd)  # [M, N]
+    if x2.shape[0]:
+        getattr(library(), op)(x2, weight if weight.is_contiguous() else weight.contiguous(), out)
+    if x.dim() != 2:
+        out = out.view(*x.shape[:-1], weight.shape[0])
+    return out if xd == x.dtype else out.to(x.dtype)
 
 
 def _widened_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

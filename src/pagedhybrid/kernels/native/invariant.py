@@ -33,9 +33,12 @@ output element:
   4*20, ... in the gated norm) got other bits than the same token elsewhere; here every element
   runs the same lane code, the tail loaded zero-filled into a full vector.
 
-What stays on torch is row-wise or element-wise with exactly rounded arithmetic (norms,
-RoPE, residuals, the per-row log-softmax of sampling), which does not mix rows; the tests check
-the whole model bitwise, head dims and value / key head dims of any size included.
+* the RMS, gated RMS and q / k L2 norms -- the native ``norms.cpp`` ops the ``native`` bundle
+  uses too: one thread reduces a row in one fixed order, whatever the batch.
+
+What stays on torch is row-wise or element-wise with exactly rounded arithmetic (RoPE,
+residuals, the per-row log-softmax of sampling), which does not mix rows; the tests check the
+whole model bitwise, head dims and value / key head dims of any size included.
 Speed (``benchmarks/engine.py --batch-invariant``, 2 cores): the fp32 linear kernel runs at the
 FMA peak. On a Xeon that is torch's fp32 GEMM speed for decode batches, 0.85x for prefill, so
 the fp32 mode cost nothing measurable (1.00x); on an AMD EPYC, where torch's fp32 GEMM is slower

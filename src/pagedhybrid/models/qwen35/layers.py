@@ -13,7 +13,9 @@
   bundle's (``matmul``, set from ``Backend.linear`` when the model's backend is set; None =
   ``F.linear``); at TP world size 1 they are plain projections.
 * SiLU and sigmoid are the kernel bundle's too (``pointwise``, set from ``Backend.pointwise``;
-  torch's by default): the batch-invariant bundle's compute every element alike.
+  torch's by default): the batch-invariant bundle's compute every element alike. So are the two
+  norms' arithmetic (``norms``, from ``Backend.norms``: torch's formulas above by default, one
+  native call per norm in the native bundles).
 
 Parameter names equal HF's so ``state_dict()`` keys are the checkpoint keys.
 """
@@ -23,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedhybrid.kernels.backend import TORCH_POINTWISE, Pointwise
+from pagedhybrid.kernels.registry import TORCH_NORMS, TORCH_POINTWISE, Norms, Pointwise
 from pagedhybrid.parallel.linear import (
     ColumnParallelLinear,
     ParallelConfig,
@@ -33,19 +35,20 @@ from pagedhybrid.parallel.linear import (
 
 
 class OffsetRMSNorm(nn.Module):
+    norms: Norms = TORCH_NORMS  # the backend's (set with the model's backend)
+
     def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * (1.0 + self.weight.float())).to(x.dtype)
+        return self.norms.rms(x, self.weight, self.eps, True)
 
 
 class GatedRMSNorm(nn.Module):
     pointwise: Pointwise = TORCH_POINTWISE  # the backend's silu (set with the model's backend)
+    norms: Norms = TORCH_NORMS
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
@@ -53,10 +56,7 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        y = y * self.weight.float() * self.pointwise.silu(gate.float())
-        return y.to(x.dtype)
+        return self.norms.gated(x, gate, self.weight, self.eps, self.pointwise.silu)
 
 
 class MLP(nn.Module):

@@ -9,10 +9,10 @@ Tokens come packed ``x[T, hidden]`` with ``cu_seqlens int32[B+1]`` (the dense pa
    carrying the last ``K-1`` inputs per channel: conv state ``[B, conv_dim, K-1]``.
 3. Split ``[Hk·Dk, Hk·Dk, Hv·Dv]`` -> ``q, k [T, Hk, Dk]``, ``v [T, Hv, Dv]``.
 4. Per-head L2 norm of q and k exactly as HF (and flash-linear-attention): in fp32,
-   ``x * rsqrt(sum(x^2) + 1e-6)`` (``l2_normalize``). The op contract's own ``qk_l2_norm=1`` is
-   ONNX Runtime's (eps 1e-12), which drifts from HF when q/k are small, so the model normalises
-   outside the op and calls it with ``qk_l2_norm=0``; q, k and v reach the op in fp32, as HF's
-   rule casts them (lossless for v).
+   ``x * rsqrt(sum(x^2) + 1e-6)`` (the bundle's ``norms.l2``). The op contract's own
+   ``qk_l2_norm=1`` is ONNX Runtime's (eps 1e-12), which drifts from HF when q/k are small, so
+   the model normalises outside the op and calls it with ``qk_l2_norm=0``; q, k and v reach the
+   op in fp32, as HF's rule casts them (lossless for v).
 5. ``GatedDeltaNet`` (``gate_activation=qwen``: ``g = -exp(A_log)·softplus(a + dt_bias)`` in fp32;
    ``beta = sigmoid(b)``; scale ``Dk^-0.5``; value head ``hv`` reads key head ``hv // (Hv/Hk)``)
    with the fp32 recurrent state ``[B, Hv, Dv, Dk]`` (V-major). ``a`` and ``b`` are passed raw in
@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from pagedhybrid.kernels.backend import Backend
+from pagedhybrid.kernels.registry import TORCH_NORMS, Norms
 from pagedhybrid.kernels.step import StepMetadata
 from pagedhybrid.models.qwen35.config import Qwen35Config
 from pagedhybrid.models.qwen35.layers import GatedRMSNorm
@@ -53,13 +54,9 @@ from pagedhybrid.parallel.linear import (
 QK_L2_NORM_EPS = 1e-6  # HF ``l2norm`` / flash-linear-attention
 
 
-def l2_normalize(x: torch.Tensor) -> torch.Tensor:
-    """``x * rsqrt(sum(x^2) + 1e-6)`` over the last axis, in fp32 (HF ``l2norm``)."""
-    xf = x.float()
-    return xf * torch.rsqrt((xf * xf).sum(dim=-1, keepdim=True) + QK_L2_NORM_EPS)
-
-
 class GatedDeltaNet(nn.Module):
+    norms: Norms = TORCH_NORMS  # the backend's (set with the model's backend): q / k L2 norm
+
     def __init__(self, config: Qwen35Config, dtype: torch.dtype,
                  parallel: ParallelConfig) -> None:
         super().__init__()
@@ -115,8 +112,10 @@ class GatedDeltaNet(nn.Module):
         mixed = backend.causal_conv(qkv, self.conv1d.weight, conv_pool, meta, "silu",
                                     ck_conv)  # [T, conv_dim]
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = l2_normalize(q.reshape(t, self.num_k_heads, self.head_k_dim))  # fp32 [T, Hk, Dk]
-        k = l2_normalize(k.reshape(t, self.num_k_heads, self.head_k_dim))  # fp32 [T, Hk, Dk]
+        q = self.norms.l2(q.reshape(t, self.num_k_heads, self.head_k_dim),
+                          QK_L2_NORM_EPS)  # fp32 [T, Hk, Dk]
+        k = self.norms.l2(k.reshape(t, self.num_k_heads, self.head_k_dim),
+                          QK_L2_NORM_EPS)  # fp32 [T, Hk, Dk]
         v = v.reshape(t, self.num_v_heads, self.head_v_dim).float()  # fp32 [T, Hv, Dv]
         core = backend.gated_delta(q, k, v, a, b, self.A_log, self.dt_bias, recurrent_pool, meta,
                                    self.head_k_dim ** -0.5, ck_rec)  # fp32 [T, Hv, Dv]

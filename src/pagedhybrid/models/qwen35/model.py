@@ -149,7 +149,7 @@ class Qwen35ForCausalLM(nn.Module):
     @backend.setter
     def backend(self, value: Backend) -> None:
         """The kernel bundle of every layer: its step seam, its ``linear_for(dtype)`` for
-        every projection and the LM head, and its ``pointwise`` silu / sigmoid."""
+        every projection and the LM head, its ``pointwise`` silu / sigmoid and its ``norms``."""
         self._backend = value
         matmul = value.linear_for(self.dtype)
         for m in self.modules():
@@ -157,6 +157,8 @@ class Qwen35ForCausalLM(nn.Module):
                 m.matmul = matmul
             if hasattr(m, "pointwise"):
                 m.pointwise = value.pointwise
+            if hasattr(m, "norms"):
+                m.norms = value.norms
 
     # -- weights ----------------------------------------------------------------------------------
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
