@@ -4,10 +4,14 @@ Each rank loads its TP rank straight from a checkpoint on disk (the parallel lay
 loaders), for ``tiny_byte_config`` (2 KV heads, 2 linear key heads: one of each per rank) and a
 variant with 1 KV head and 1 linear key head (replicated on both ranks).
 
-Tolerance: ``max |TP2 - TP1| <= 1e-5 * max |logits|``. The random test model has logits up to
-~40, where fp32 itself only resolves ~4e-6; its own dense and packed TP=1 forwards already differ
+Tolerance: ``max |TP2 - TP1| <= 5e-5 * max |logits|``. The random test model has logits up to
+~50, where fp32 itself only resolves ~4e-6; its own dense and packed TP=1 forwards already differ
 by ~1e-5 absolute, so an absolute 1e-5 would test rounding luck, not the sharding (a sharding
-error moves logits by O(1)).
+error moves logits by O(1)). The TP=2 all-reduce changes the summation order of each row-parallel
+projection, and this chaotic random model amplifies that rounding by a factor that depends on
+every kernel's rounding: measured 8e-5 to 8.8e-4 absolute (up to 1.7e-5 relative) across the
+torch and native norm kernels, so the bound sits 3x above that and still ~1000x below a sharding
+error.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ def test_tp2_logits_match_tp1(tp_run: list[dict[str, Any]], variant: str, step: 
         err = (got - ref).abs().max().item()
         scale = ref.abs().max().item()
         assert scale > 1.0  # real logits, not zeros
-        assert err <= 1e-5 * scale, f"{step}: max |TP2 - TP1| = {err:.3e} (scale {scale:.1f})"
+        assert err <= 5e-5 * scale, f"{step}: max |TP2 - TP1| = {err:.3e} (scale {scale:.1f})"
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

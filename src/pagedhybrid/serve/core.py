@@ -205,7 +205,7 @@ class _Core:
                 kind, what = "internal", None
             self.outbox.send(("refused", rid, kind, None if what is None else str(what),
                               f"{type(exc).__name__}: {exc}" if kind == "internal"
-                              else str(exc)))
+                              else str(exc), self.taken))
 
     def _delta(self, o: RequestOutput) -> _Delta:
         s = self.sent.setdefault(o.request_id, _Sent())
@@ -366,7 +366,7 @@ class EngineClient:
 
     def _handle(self, msg: tuple[Any, ...]) -> None:
         if msg[0] == "refused":
-            _, rid, kind, what, message = msg
+            _, rid, kind, what, message, self._taken = msg
             mirror = self._mirrors.pop(rid, None)
             if mirror is not None:
                 exc: Exception = Closing(message) if kind == "closing" else \
