@@ -9,6 +9,8 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -356,3 +358,25 @@ def test_the_engine_runs_in_its_own_process_and_its_death_fails_requests_not_the
         assert r2.status_code == 503 and "engine process exited" in r2.json()["error"]["message"]
     finally:
         assert s.stop() == 0
+
+
+def test_a_folder_without_a_tokenizer_is_refused_at_once_and_the_engine_process_goes(
+        tmp_path: Path) -> None:
+    """``serve`` on a checkpoint with no tokenizer: exit 2 naming the cause, within seconds of
+    the load (the engine process is told to stop over its pipe, not waited out and killed)."""
+    from pagedhybrid.models.qwen35.synthetic import (
+        random_weights,
+        tiny_byte_config,
+        write_checkpoint,
+    )
+    from pagedhybrid.models.qwen35.tokenizer import BYTE_TOKENIZER_FILE
+
+    cfg = tiny_byte_config()
+    write_checkpoint(tmp_path / "ckpt", cfg, random_weights(cfg, seed=1))
+    (tmp_path / "ckpt" / BYTE_TOKENIZER_FILE).unlink()  # token ids only: no tokenizer at all
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "pagedhybrid", "serve", str(tmp_path / "ckpt"),
+                        "--port", "1"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "has no tokenizer" in r.stderr, r.stderr
+    # the engine process used to be waited out (10 s more) and killed here
+    assert time.monotonic() - t0 < 12, time.monotonic() - t0  # ~6 s here

@@ -43,7 +43,7 @@ from pagedhybrid import __version__
 from pagedhybrid.engine import SamplingParams
 from pagedhybrid.engine.sampling import wrap_seed
 from pagedhybrid.errors import ContractViolation, PagedHybridError
-from pagedhybrid.serve.core import Closing, EngineClient, EngineRefusal
+from pagedhybrid.serve.core import Closing, EngineClient, EngineInternalError, EngineRefusal
 from pagedhybrid.serve.metrics import ServerMetrics
 from pagedhybrid.serve.protocol import (
     ApiError,
@@ -161,8 +161,9 @@ def _refusal(item: EngineRefusal) -> ApiError:
     if isinstance(exc, PagedHybridError):
         param = getattr(exc, "what", None) or getattr(exc, "where", None) or "prompt"
         return ApiError(400, str(exc), str(param))
-    return ApiError(500, f"internal error while admitting the request: "
-                    f"{type(exc).__name__}: {exc}", None, "internal_error", "server_error")
+    detail = str(exc) if isinstance(exc, EngineInternalError) else f"{type(exc).__name__}: {exc}"
+    return ApiError(500, f"internal error while admitting the request: {detail}", None,
+                    "internal_error", "server_error")
 
 
 def _apply(state: ServerState, item: Any, choices: dict[str, Choice]

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import multiprocessing as mp
 import queue
 import signal
@@ -56,6 +57,10 @@ class EngineRefusal(NamedTuple):
 
 class Closing(Exception):
     """The server is shutting down: a request submitted now is refused (503)."""
+
+
+class EngineInternalError(RuntimeError):
+    """The engine failed to admit a request for a reason of its own (the message names it)."""
 
 
 class Refused(PagedHybridError):
@@ -147,13 +152,16 @@ class _Core:
         self.stopping = False
         self.degraded = False
         self.taken = 0  # submissions read from the pipe
+        self.snapshot = Snapshot()
 
     def run(self) -> None:
         try:
             while not self.stopping:
                 try:
                     self._iterate()
-                    self.degraded = False
+                    if self.degraded:  # a good iteration after a failed one: say so at once
+                        self.degraded = False
+                        self._send([])
                 except (EOFError, OSError):  # the server process is gone
                     return
                 except Exception as exc:  # one bad iteration must not end serving
@@ -167,7 +175,8 @@ class _Core:
 
     def _iterate(self) -> None:
         if not self.engine.has_unfinished_requests():
-            self.inbox.poll(None)  # idle: sleep until the server writes
+            # idle: sleep until the server writes (degraded: come back soon to clear it)
+            self.inbox.poll(0.05 if self.degraded else None)
         self._intake()
         if self.stopping or not self.engine.has_unfinished_requests():
             return
@@ -205,7 +214,7 @@ class _Core:
                 kind, what = "internal", None
             self.outbox.send(("refused", rid, kind, None if what is None else str(what),
                               f"{type(exc).__name__}: {exc}" if kind == "internal"
-                              else str(exc), self.taken))
+                              else str(exc), self.taken, len(self.engine.scheduler.waiting)))
 
     def _delta(self, o: RequestOutput) -> _Delta:
         s = self.sent.setdefault(o.request_id, _Sent())
@@ -227,7 +236,12 @@ class _Core:
                       o.num_cached_tokens, lps, plp)
 
     def _send(self, outputs: Sequence[RequestOutput]) -> None:
-        self.outbox.send(("out", [self._delta(o) for o in outputs], Snapshot.of(self.engine),
+        try:  # the metrics' view; a failure here never loses the step's outputs
+            self.snapshot = Snapshot.of(self.engine)
+        except Exception as exc:
+            print(f"pagedhybrid: engine snapshot failed: {type(exc).__name__}: {exc}",
+                  file=sys.stderr)
+        self.outbox.send(("out", [self._delta(o) for o in outputs], self.snapshot,
                           self.degraded, self.taken))
 
     def _recover(self, exc: Exception) -> None:
@@ -300,6 +314,10 @@ class EngineClient:
             proc.join(5)
             raise PagedHybridError(f"the engine process exited (code {proc.exitcode}) while "
                                    "loading the model") from None
+        except BaseException:  # interrupted while loading (Ctrl-C): the core goes too
+            proc.kill()
+            proc.join(5)
+            raise
         if msg[0] == "failed":
             proc.join(5)
             raise PagedHybridError(msg[1])
@@ -341,10 +359,16 @@ class EngineClient:
         return self._submitted - self._taken + self._snapshot.waiting
 
     def stop(self, timeout: float = 10.0) -> None:
-        if self._loop is not None:
+        """Stop the core (what it still sends is not read: the handlers are done) and close
+        both pipes. Before ``start`` (no sender yet) the end of its pipe stops it."""
+        if self._loop is not None and not self._from_core.closed:
             self._loop.remove_reader(self._from_core.fileno())
-        self._outgoing.put(("stop",))
-        self._outgoing.put(None)
+        self._from_core.close()  # the core's last sends fail instead of filling the pipe
+        if self._sender.is_alive():
+            self._outgoing.put(("stop",))
+            self._outgoing.put(None)
+            self._sender.join(timeout)
+        self._to_core.close()
         self.proc.join(timeout)
         if self.proc.is_alive():
             self.proc.kill()
@@ -356,6 +380,16 @@ class EngineClient:
                 self._to_core.send(msg)
             except OSError:  # the core is gone; ``_readable`` reports it
                 return
+            except Exception as exc:  # this message could not be sent: its request fails
+                if msg[0] == "submit" and self._loop is not None:
+                    self._loop.call_soon_threadsafe(self._unsent, msg[1], exc)
+
+    def _unsent(self, request_id: str, exc: Exception) -> None:
+        self._submitted -= 1
+        mirror = self._mirrors.pop(request_id, None)
+        if mirror is not None:
+            mirror.sink.put_nowait(EngineRefusal(request_id, EngineInternalError(
+                f"the request could not be sent to the engine: {type(exc).__name__}: {exc}")))
 
     def _readable(self) -> None:
         try:
@@ -366,11 +400,12 @@ class EngineClient:
 
     def _handle(self, msg: tuple[Any, ...]) -> None:
         if msg[0] == "refused":
-            _, rid, kind, what, message, self._taken = msg
+            _, rid, kind, what, message, self._taken, waiting = msg
+            self._snapshot = dataclasses.replace(self._snapshot, waiting=waiting)
             mirror = self._mirrors.pop(rid, None)
             if mirror is not None:
                 exc: Exception = Closing(message) if kind == "closing" else \
-                    Refused(message, what) if kind == "invalid" else RuntimeError(message)
+                    Refused(message, what) if kind == "invalid" else EngineInternalError(message)
                 mirror.sink.put_nowait(EngineRefusal(rid, exc))
             return
         _, deltas, self._snapshot, self.degraded, self._taken = msg
@@ -416,6 +451,7 @@ class EngineClient:
             self._loop.remove_reader(self._from_core.fileno())
         self.proc.join(1)
         self.error = f"the engine process exited (code {self.proc.exitcode})"
+        self._submitted = self._taken  # nothing is waiting any more
         print(f"pagedhybrid: {self.error}", file=sys.stderr)
         for rid, m in self._mirrors.items():
             m.sink.put_nowait(RequestOutput(
