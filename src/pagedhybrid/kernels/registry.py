@@ -112,17 +112,19 @@ class Pointwise(NamedTuple):
 TORCH_POINTWISE = Pointwise(F.silu, torch.sigmoid)
 
 
-def _torch_rms(x: torch.Tensor, w: torch.Tensor, eps: float, offset: bool) -> torch.Tensor:
+def _rms_scaled(x: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def _torch_rms(x: torch.Tensor, w: torch.Tensor, eps: float, offset: bool) -> torch.Tensor:
+    y = _rms_scaled(x, eps)
     return (y * ((1.0 + w.float()) if offset else w.float())).to(x.dtype)
 
 
 def _torch_gated(x: torch.Tensor, gate: torch.Tensor, w: torch.Tensor, eps: float,
                  silu: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * w.float() * silu(gate.float())).to(x.dtype)
+    return (_rms_scaled(x, eps) * w.float() * silu(gate.float())).to(x.dtype)
 
 
 def _torch_l2(x: torch.Tensor, eps: float) -> torch.Tensor:

@@ -42,8 +42,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagedhybrid import __version__
 from pagedhybrid.engine import SamplingParams
 from pagedhybrid.engine.sampling import wrap_seed
-from pagedhybrid.errors import ContractViolation, PagedHybridError
-from pagedhybrid.serve.core import Closing, EngineClient, EngineInternalError, EngineRefusal
+from pagedhybrid.errors import ContractViolation
+from pagedhybrid.serve.core import Closing, EngineClient, EngineRefusal, Refused
 from pagedhybrid.serve.metrics import ServerMetrics
 from pagedhybrid.serve.protocol import (
     ApiError,
@@ -158,11 +158,9 @@ def _refusal(item: EngineRefusal) -> ApiError:
     exc = item.error
     if isinstance(exc, Closing):
         return _unavailable(str(exc))
-    if isinstance(exc, PagedHybridError):
-        param = getattr(exc, "what", None) or getattr(exc, "where", None) or "prompt"
-        return ApiError(400, str(exc), str(param))
-    detail = str(exc) if isinstance(exc, EngineInternalError) else f"{type(exc).__name__}: {exc}"
-    return ApiError(500, f"internal error while admitting the request: {detail}", None,
+    if isinstance(exc, Refused):  # the core named the field
+        return ApiError(400, str(exc), exc.what)
+    return ApiError(500, f"internal error while admitting the request: {exc}", None,
                     "internal_error", "server_error")
 
 

@@ -66,7 +66,7 @@ class EngineInternalError(RuntimeError):
 class Refused(PagedHybridError):
     """The engine refused a request (its message and the field it names, from the core)."""
 
-    def __init__(self, message: str, what: str | None) -> None:
+    def __init__(self, message: str, what: str) -> None:
         super().__init__(message)
         self.what = what
 
