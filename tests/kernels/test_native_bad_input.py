@@ -204,6 +204,153 @@ def _run_gdn(a: Args) -> None:
         library().gated_delta_decode(*[a[n] for n in names], a["out"], a["scale"])
 
 
+# -- the fused Gated DeltaNet decode mixer -------------------------------------------------------
+
+QKV = 2 * HK * DK + HV * DV
+
+
+def _mixer() -> Args:
+    gen = torch.Generator().manual_seed(6)
+    proj = torch.randn(2, QKV + HV * DV + 2 * HV, generator=gen)  # row views of one projection
+    return {"qkv": proj[:, :QKV], "z": proj[:, QKV:QKV + HV * DV],
+            "a": proj[:, QKV + HV * DV:QKV + HV * DV + HV], "b": proj[:, -HV:],
+            "conv_weight": torch.randn(QKV, 4, generator=gen),
+            "conv_pool": torch.randn(S, QKV, 3, generator=gen),
+            "a_log": torch.randn(HV, generator=gen), "dt_bias": torch.randn(HV, generator=gen),
+            "pool": torch.randn(S, HV, DV, DK, generator=gen), "slots": torch.tensor([3, 1]),
+            "fresh": torch.tensor([False, True]), "norm_weight": torch.randn(DV, generator=gen),
+            "out": torch.zeros(2, HV * DV), "key_heads": HK}
+
+
+MIXER: list[Corruption] = [
+    *SLOT_CASES,
+    ("key heads", _set("key_heads", lambda a: 3),
+     r"key_heads: head ratio: the value heads \(4\) must be a multiple of the key heads "
+     r"\(got 3\)"),
+    ("qkv width", _set("qkv", lambda a: a["qkv"][:, 1:]),
+     r"qkv: size\(1\) must equal 2 key_heads Dk \+ Hv Dv = 64"),
+    ("qkv dtype", lambda a: a.update({k: a[k].double() for k in ("qkv", "z", "a", "b")}),
+     r"qkv: dtype must be float32 or bfloat16 \(got Double\)"),
+    ("z columns strided", _set("z", lambda a: torch.randn(2, 2 * HV * DV)[:, ::2]),
+     r"z: rows must be contiguous"),
+    ("a dtype", _set("a", lambda a: a["a"].bfloat16()), r"a: must be Float \(got BFloat16\)"),
+    ("conv pool rows", _set("conv_pool", lambda a: torch.randn(S + 1, QKV, 3)),
+     r"conv_pool: must have the recurrent pool's 4 rows"),
+    ("conv weight channels", _set("conv_weight", lambda a: torch.randn(QKV - 1, 4)),
+     r"conv_weight: size\(0\) must equal the channels of qkv"),
+    ("norm weight size", _set("norm_weight", lambda a: torch.randn(DV + 1)),
+     r"norm_weight: size\(0\) must equal the value head size of pool"),
+    ("out dtype", _set("out", lambda a: a["out"].bfloat16()), r"out: must be Float"),
+]
+
+
+def _run_mixer(a: Args) -> None:
+    names = ["qkv", "z", "a", "b", "conv_weight", "conv_pool", "a_log", "dt_bias", "pool",
+             "slots", "fresh", "norm_weight", "out", "key_heads"]
+    library().gdn_decode_mixer(*[a[n] for n in names], DK ** -0.5, 1e-6, 1e-6)
+
+
+# -- whole decoder layers of a decode step --------------------------------------------------------
+
+HID, INTER = 16, 12
+
+
+def _tail(gen: torch.Generator, in_dim: int) -> Args:
+    return {"post_norm": torch.randn(HID, generator=gen),
+            "gate_up": torch.randn(2 * INTER, HID, generator=gen),
+            "down": torch.randn(HID, INTER, generator=gen)}
+
+
+def _gdn_layer() -> Args:
+    gen = torch.Generator().manual_seed(7)
+    return {"h": torch.randn(2, HID, generator=gen), "input_norm": torch.randn(HID, generator=gen),
+            "in_proj": torch.randn(QKV + HV * DV + 2 * HV, HID, generator=gen),
+            "conv_weight": torch.randn(QKV, 4, generator=gen),
+            "conv_pool": torch.randn(S, QKV, 3, generator=gen),
+            "a_log": torch.randn(HV, generator=gen), "dt_bias": torch.randn(HV, generator=gen),
+            "pool": torch.randn(S, HV, DV, DK, generator=gen), "slots": torch.tensor([3, 1]),
+            "fresh": torch.tensor([False, True]), "gated_norm": torch.randn(DV, generator=gen),
+            "out_proj": torch.randn(HID, HV * DV, generator=gen), **_tail(gen, HV * DV),
+            "key_heads": HK, "out": None}
+
+
+def _run_gdn_layer(a: Args) -> None:
+    names = ["h", "input_norm", "in_proj", "conv_weight", "conv_pool", "a_log", "dt_bias", "pool",
+             "slots", "fresh", "gated_norm", "out_proj", "post_norm", "gate_up", "down",
+             "key_heads"]
+    a["out"] = library().gdn_decode_layer(*[a[n] for n in names], DK ** -0.5, 1e-6, 1e-6, 1e-6,
+                                          True)
+
+
+_IN_MIXER = r"in pagedhybrid\.gdn_decode_mixer: "
+GDN_LAYER: list[Corruption] = [
+    *[(name, mutate, _IN_MIXER + message) for name, mutate, message in SLOT_CASES],
+    ("h dtype", lambda a: a.update(h=a["h"].double()),
+     r"h: dtype must be float32 or bfloat16 \(got Double\)"),
+    ("in_proj rows", _set("in_proj", lambda a: a["in_proj"][1:].contiguous()),
+     r"in_proj: must stack \[qkv \| z \| b \| a\]"),
+    ("key heads", _set("key_heads", lambda a: 3), _IN_MIXER + r"key_heads: head ratio"),
+    ("out_proj width", _set("out_proj", lambda a: torch.randn(HID, HV * DV + 1)),
+     r"out_proj: size\(1\) must equal the mixer's output width = 32"),
+    ("gate_up rows", _set("gate_up", lambda a: torch.randn(2 * INTER + 2, HID)),
+     r"gate_up: size\(0\) must equal 2 down.size\(1\)"),
+    ("down dtype", _set("down", lambda a: a["down"].bfloat16()), r"down: must be Float"),
+    ("post norm size", _set("post_norm", lambda a: torch.randn(HID + 1)),
+     r"post_norm: size\(0\) must equal the hidden size of h"),
+    ("input norm size", _set("input_norm", lambda a: torch.randn(HID - 1)),
+     r"in pagedhybrid\.rms_norm: w: size\(0\) must equal x.size\(1\)"),
+]
+
+RD = 8  # rotary dims
+
+
+def _attention_layer() -> Args:
+    gen = torch.Generator().manual_seed(8)
+    a = _attention()
+    return {"h": torch.randn(2, HID, generator=gen), "input_norm": torch.randn(HID, generator=gen),
+            "qkv_proj": torch.randn(2 * HQ * D + 2 * HKV * D, HID, generator=gen),
+            "q_norm": torch.randn(D, generator=gen), "k_norm": torch.randn(D, generator=gen),
+            "cos": torch.randn(2, RD, generator=gen), "sin": torch.randn(2, RD, generator=gen),
+            "key_cache": a["key_cache"], "value_cache": a["value_cache"],
+            "write_slots": torch.tensor([4 * BS + 4, 2 * BS + 3]),
+            "block_table": a["block_table"], "cu_seqlens": torch.tensor([0, 1, 2],
+                                                                         dtype=torch.int32),
+            "past_lens": torch.tensor([20, 3], dtype=torch.int32), "seqs": a["seqs"],
+            "o_proj": torch.randn(HID, HQ * D, generator=gen), **_tail(gen, HQ * D),
+            "heads": HQ, "kv_heads": HKV, "out": None}
+
+
+def _run_attention_layer(a: Args) -> None:
+    names = ["h", "input_norm", "qkv_proj", "q_norm", "k_norm", "cos", "sin", "key_cache",
+             "value_cache", "write_slots", "block_table", "cu_seqlens", "past_lens", "seqs",
+             "o_proj", "post_norm", "gate_up", "down", "heads", "kv_heads"]
+    a["out"] = library().attention_decode_layer(*[a[n] for n in names], D ** -0.5, 1e-6,
+                                                KV_SPLIT, True)
+
+
+_IN_ATTENTION = r"in pagedhybrid\.paged_attention: "
+ATTENTION_LAYER: list[Corruption] = [
+    ("page past the pool", _table(0, 1, P), _IN_ATTENTION + r"block_table: block_table\[0\]\[1\]"),
+    ("negative page", _table(1, 0, -1), _IN_ATTENTION + r"block_table: block_table\[1\]\[0\]"),
+    ("write slot past the pages", _set("write_slots", lambda a: torch.tensor([0, P * BS])),
+     r"write_slots: write_slots\[1\] = 96 is outside the pages' 96 slots"),
+    ("write slot dtype", _set("write_slots", lambda a: a["write_slots"].int()),
+     r"write_slots: must be Long"),
+    ("head ratio", _set("heads", lambda a: 3), r"heads: head ratio"),
+    ("qkv rows", _set("qkv_proj", lambda a: a["qkv_proj"][1:].contiguous()),
+     r"qkv_proj: must stack \[q_proj \| k_proj \| v_proj\]"),
+    ("cos width", lambda a: a.update(cos=torch.randn(2, 7), sin=torch.randn(2, 7)),
+     r"cos: cos and sin must be \[N, rotary_dim\]"),
+    ("cache dtype", lambda a: a.update(key_cache=a["key_cache"].bfloat16(),
+                                       value_cache=a["value_cache"].bfloat16()),
+     r"key_cache: must be \[P, bs, Hkv, D\] pages of h's dtype"),
+    ("o_proj width", _set("o_proj", lambda a: torch.randn(HID, HQ * D - 1)),
+     r"o_proj: size\(1\) must equal the mixer's output width = 128"),
+    ("value cache shape", _set("value_cache", lambda a: a["value_cache"][:-1].contiguous()),
+     _IN_ATTENTION + r"value_cache"),
+]
+
+
 # -- causal conv ---------------------------------------------------------------------------------
 
 C, K = 6, 4
@@ -331,6 +478,10 @@ OPS: dict[str, tuple[Callable[[], Args], Callable[[Args], None], list[Corruption
     "paged_attention": (_attention, _run_attention, ATTENTION, "out"),
     "gated_delta_decode": (lambda: _gdn(False), _run_gdn, GDN, "pool"),
     "gated_delta_varlen": (lambda: _gdn(True), _run_gdn, GDN_VARLEN, "pool"),
+    "gdn_decode_mixer": (_mixer, _run_mixer, MIXER, "pool"),
+    "gdn_decode_layer": (_gdn_layer, _run_gdn_layer, GDN_LAYER, "pool"),
+    "attention_decode_layer": (_attention_layer, _run_attention_layer, ATTENTION_LAYER,
+                               "key_cache"),
     "causal_conv_decode": (lambda: _conv(False), _run_conv, CONV, "pool"),
     "causal_conv_varlen": (lambda: _conv(True), _run_conv, CONV_VARLEN, "pool"),
     "linear_invariant": (_linear, _run_linear, LINEAR, "out"),

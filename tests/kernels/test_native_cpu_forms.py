@@ -350,6 +350,52 @@ def test_norms(form: str, dtype: torch.dtype, d: int) -> None:
         lib.l2_normalize(x, torch.empty(x.shape, dtype=torch.float64), 1e-6)
 
 
+@pytest.mark.parametrize("form", HERE)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("hk", "hv", "dk", "dv"), [(2, 4, 64, 64), (1, 2, 24, 7),
+                                                    (16, 48, 128, 128)])
+def test_fused_gdn_decode_mixer_equals_the_separate_ops(form: str, dtype: torch.dtype, hk: int,
+                                                        hv: int, dk: int, dv: int) -> None:
+    """gdn_decode_mixer on row views of one merged projection computes every bit of its output
+    and of both pools as causal_conv_decode, l2_normalize (q, k), gated_delta_decode, the
+    rounding to the model dtype and gated_rms_norm do one after the other."""
+    lib = native.form_library(form)
+    gen = torch.Generator().manual_seed(hv * dk + dv)
+    b, kk = 3, 4
+    c, vd = 2 * hk * dk + hv * dv, hv * dv
+    proj = torch.randn(b, c + vd + 2 * hv, generator=gen).to(dtype)  # [qkv | z | a | b]
+    qkv, z = proj[:, :c], proj[:, c:c + vd]
+    a, bb = proj[:, c + vd:c + vd + hv], proj[:, c + vd + hv:]
+    w = (torch.randn(c, kk, generator=gen) * 0.5).to(dtype)
+    cpool = torch.randn(5, c, kk - 1, generator=gen).to(dtype)
+    a_log, dt_bias = torch.randn(hv, generator=gen) * 0.5, torch.randn(hv, generator=gen)
+    pool = torch.randn(5, hv, dv, dk, generator=gen)
+    nw = (torch.randn(dv, generator=gen) * 0.5 + 1).to(dtype)
+    slots, fresh = torch.tensor([4, 0, 2]), torch.tensor([False, True, False])
+    scale = dk ** -0.5
+
+    cp1, sp1 = cpool.clone(), pool.clone()
+    mixed = torch.empty(b, c, dtype=dtype)
+    lib.causal_conv_decode(qkv.contiguous(), w, None, cp1, slots, fresh, mixed, True)
+    qn, kn = (torch.empty(b * hk, dk) for _ in "qk")
+    lib.l2_normalize(mixed[:, :hk * dk].reshape(b * hk, dk).contiguous(), qn, 1e-6)
+    lib.l2_normalize(mixed[:, hk * dk:2 * hk * dk].reshape(b * hk, dk).contiguous(), kn, 1e-6)
+    core = torch.empty(b, hv, dv)
+    lib.gated_delta_decode(qn.view(b, hk, dk), kn.view(b, hk, dk),
+                           mixed[:, 2 * hk * dk:].float().reshape(b, hv, dv).contiguous(),
+                           a.float().contiguous(), bb.float().contiguous(), a_log, dt_bias, sp1,
+                           slots, fresh, core, scale)
+    want = torch.empty(b * hv, dv, dtype=dtype)
+    lib.gated_rms_norm(core.to(dtype).view(b * hv, dv), z.reshape(b * hv, dv), nw, want, 1e-6)
+
+    cp2, sp2 = cpool.clone(), pool.clone()
+    got = torch.empty(b, vd, dtype=dtype)
+    lib.gdn_decode_mixer(qkv, z, a, bb, w, cp2, a_log, dt_bias, sp2, slots, fresh, nw, got, hk,
+                         scale, 1e-6, 1e-6)
+    assert torch.equal(got, want.view(b, vd))
+    assert torch.equal(cp2, cp1) and torch.equal(sp2, sp1)
+
+
 # -- the forms side by side: one result, to float noise -------------------------------------------
 
 

@@ -84,7 +84,9 @@ def _declare() -> KernelRegistry:
                              in_place_state=True, paged_in_place=True, state_checkpoints=True),
             native_step.attention, native_step.causal_conv, native_step.gated_delta,
             native_ops, _native_available, native_dense.preferred_linear,
-            norms=native_norms.NATIVE_NORMS),
+            norms=native_norms.NATIVE_NORMS, gdn_decode=native_step.gdn_decode,
+            gdn_decode_layer=native_step.gdn_decode_layer,
+            attention_decode_layer=native_step.attention_decode_layer),
         Backend(
             "native_batch_invariant", "C++ kernels for every token and projection in "
             "batch-invariant forms (kernels/native/invariant.py)", "native_batch_invariant",

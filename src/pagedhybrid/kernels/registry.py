@@ -7,7 +7,10 @@ A ``Backend`` (a kernel bundle) holds, for one implementation family:
   (signatures in ``kernels/cpu/step.py``), ``linear_for(dtype)`` (what every projection and the
   LM head multiply with in a ``dtype`` model; None = ``torch.nn.functional.linear``) and
   ``pointwise`` (silu and sigmoid) and ``norms`` (RMS, gated RMS and L2 norms; torch's for both
-  by default);
+  by default); optionally ``gdn_decode``, the Gated DeltaNet mixer of a decode-only step fused
+  into one call, and ``gdn_decode_layer`` / ``attention_decode_layer``, a whole decoder layer of
+  either kind (signatures in ``kernels/native/step.py``; each returns None for a step it does not
+  fuse, and the model then runs the layer's ops one by one);
 * the three operator contracts with the signatures of ``pagedhybrid.ops`` (``ops``), each
   validating its call fully (contract entry points), with ``ops.coverage``: per op type an
   ``OpCoverage`` -- the dtypes and contract features its fast path computes, and each feature it
@@ -312,6 +315,9 @@ class Backend:
     linear_for: Callable[[torch.dtype], LinearFn | None] = field(default=_torch_linear)
     pointwise: Pointwise = TORCH_POINTWISE
     norms: Norms = TORCH_NORMS
+    gdn_decode: Callable[..., torch.Tensor | None] | None = None
+    gdn_decode_layer: Callable[..., torch.Tensor | None] | None = None
+    attention_decode_layer: Callable[..., torch.Tensor | None] | None = None
 
     @property
     def dtypes(self) -> tuple[torch.dtype, ...]:

@@ -16,6 +16,10 @@ and as tensors (for the kernels), so no layer converts tensors to lists or re-va
   into row ``row`` of the layer's checkpoint pools (``offset`` = its new-token count: the state
   at the end of the chunk).
 
+``GdnLayerWeights`` / ``AttentionLayerWeights`` are what a bundle's ``gdn_decode_layer`` /
+``attention_decode_layer`` read of one decoder layer (the model gathers them; the kernels never
+see a module).
+
 ``StepMetadata.build`` checks everything a kernel could trip over -- lengths, that every page a
 sequence touches is mapped and inside the pool, that state slots are in range and distinct --
 and raises ``ContractViolation`` naming the field; kernels only assert. ``memo(key, fn)`` keeps
@@ -26,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -193,3 +197,44 @@ class StepMetadata:
         state row b is sequence b, no pages)."""
         return cls.build([seq_len] * batch, [past] * batch, None, range(batch), block_size=1,
                          num_pages=0, num_slots=batch)
+
+
+class GdnLayerWeights(NamedTuple):
+    """A Gated DeltaNet decoder layer's tensors for ``gdn_decode_layer``: the model dtype's, but
+    ``a_log`` / ``dt_bias`` float32; ``in_proj`` stacks ``[qkv | z | b | a]`` and ``gate_up``
+    ``[gate | up]`` (the layer's ``StackedLinear`` buffers)."""
+
+    input_norm: torch.Tensor
+    in_proj: torch.Tensor
+    conv: torch.Tensor  # [C, 1, K]
+    a_log: torch.Tensor
+    dt_bias: torch.Tensor
+    gated_norm: torch.Tensor
+    out_proj: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    key_heads: int
+    scale: float
+    l2_eps: float
+    gated_eps: float
+    rms_eps: float
+
+
+class AttentionLayerWeights(NamedTuple):
+    """A full-attention decoder layer's tensors for ``attention_decode_layer`` (model dtype):
+    ``qkv`` stacks ``[q_proj | k_proj | v_proj]`` and ``gate_up`` ``[gate | up]`` (the layer's
+    ``StackedLinear`` buffers); one ``rms_eps`` for its four norms (the config's)."""
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    o_proj: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    heads: int
+    kv_heads: int
+    scale: float
+    rms_eps: float

@@ -117,6 +117,21 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
+def native_rows(matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+                weight_dtype: torch.dtype, rows: int) -> bool | None:
+    """What ``matmul`` (a bundle's ``linear_for`` choice) multiplies ``rows`` rows with: True --
+    the native ``linear`` kernel, False -- torch's GEMM (``F.linear``), None -- another form
+    (the widened fp32 GEMM, the batch-invariant kernel)."""
+    widened = weight_dtype in WIDENED_DTYPES and rows >= WIDEN_ROWS
+    if matmul is None:
+        return False
+    if matmul is linear:
+        return None if widened else True
+    if matmul is decode_linear or (matmul is mixed_linear and not widened):
+        return rows < DECODE_ROWS
+    return None
+
+
 @functools.cache
 def _bf16_gemm_timing(form: str) -> float:
     weight = torch.randn(4096, 1024, generator=torch.Generator().manual_seed(0)).bfloat16()

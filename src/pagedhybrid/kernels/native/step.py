@@ -8,15 +8,28 @@
   native kernels (a fresh sequence reads zeros, its row is only written); sequences with more
   than one new token run the torch stream conv / chunked WY form on their pool rows.
 Mixed steps split by sequence; rows of the two groups are disjoint, so they never interact.
+* gdn_decode -- a step of decode sequences only: the whole Gated DeltaNet mixer between the
+  input projections and ``out_proj`` (conv + SiLU, q / k L2 norms, the recurrent step, the gated
+  RMS norm) in one native call, bit for bit what the separate kernels above and the native
+  norms compute in turn (``csrc/state_updates.cpp`` ``gdn_decode_mixer``); other steps return
+  None and the layer runs them op by op.
+* gdn_decode_layer -- a whole Gated DeltaNet decoder layer (norms, projections, the mixer, the
+  residuals and the MLP) of a decode-only step in one native call (``csrc/decode_layer.cpp``),
+  bit for bit the layer's modules when the bundle's products at this batch are the native
+  ``linear`` kernel or torch's GEMM (``dense.native_rows``); None otherwise.
+* attention_decode_layer -- the same for a full-attention layer over pages in the model dtype
+  (quantized pages: None).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from pagedhybrid.kernels.cpu import step as torch_step
-from pagedhybrid.kernels.native import KV_SPLIT, library
-from pagedhybrid.kernels.step import StepMetadata
+from pagedhybrid.kernels.native import KV_SPLIT, dense, library
+from pagedhybrid.kernels.step import AttentionLayerWeights, GdnLayerWeights, StepMetadata
 from pagedhybrid.kvquant import KVScales
 
 MAX_NATIVE_QUERY = 16
@@ -67,6 +80,76 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, meta:
     y.index_copy_(0, rows, torch_step.conv_sequences(x.index_select(0, rows), weight, pool, sub,
                                                      activation, checkpoints))
     return y
+
+
+FUSED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def gdn_decode(qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+               conv_weight: torch.Tensor, conv_pool: torch.Tensor, a_log: torch.Tensor,
+               dt_bias: torch.Tensor, pool: torch.Tensor, norm_weight: torch.Tensor,
+               meta: StepMetadata, key_heads: int, scale: float, l2_eps: float, norm_eps: float,
+               checkpoints: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+               ) -> torch.Tensor | None:
+    """The gated-norm output ``[B, Hv·Dv]`` (model dtype) of a decode-only step from the layer's
+    projections ``qkv [B, C]``, ``z [B, Hv·Dv]``, ``a``, ``b [B, Hv]`` (row views are fine), its
+    conv and recurrent pools advanced in place and the step's chunk-end checkpoints written;
+    None when the step is not decode-only or the dtype is not fused (float32, bfloat16)."""
+    if not meta.all_decode or qkv.dtype not in FUSED_DTYPES or z.dtype != qkv.dtype:
+        return None
+    out = torch.empty(qkv.shape[0], z.shape[-1], dtype=qkv.dtype)
+    library().gdn_decode_mixer(qkv, z, a, b, conv_weight.view(conv_weight.shape[0], -1),  # type: ignore[attr-defined]
+                               conv_pool, a_log, dt_bias, pool, meta.state_slots, meta.fresh_t,
+                               norm_weight, out, key_heads, scale, l2_eps, norm_eps)
+    torch_step.save_chunk_ends(conv_pool, checkpoints[0], meta)
+    torch_step.save_chunk_ends(pool, checkpoints[1], meta)
+    return out
+
+
+def gdn_decode_layer(h: torch.Tensor, w: GdnLayerWeights, conv_pool: torch.Tensor,
+                     pool: torch.Tensor, meta: StepMetadata,
+                     matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+                     checkpoints: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+                     ) -> torch.Tensor | None:
+    """The residual stream ``[B, hidden]`` after the whole layer for a decode-only step (the
+    pools advanced in place, chunk-end checkpoints written), computed as the layer's modules do
+    with ``matmul``; None when the step, the dtype or ``matmul``'s form at this batch is not one
+    it fuses."""
+    if not meta.all_decode or h.dtype not in FUSED_DTYPES:
+        return None
+    native = dense.native_rows(matmul, h.dtype, h.shape[0])
+    if native is None:
+        return None
+    out = library().gdn_decode_layer(  # type: ignore[attr-defined]
+        h, w.input_norm, w.in_proj, w.conv.view(w.conv.shape[0], -1), conv_pool, w.a_log,
+        w.dt_bias, pool, meta.state_slots, meta.fresh_t, w.gated_norm, w.out_proj, w.post_norm,
+        w.gate_up, w.down, w.key_heads, w.scale, w.l2_eps, w.gated_eps, w.rms_eps, native)
+    torch_step.save_chunk_ends(conv_pool, checkpoints[0], meta)
+    torch_step.save_chunk_ends(pool, checkpoints[1], meta)
+    return out
+
+
+def attention_decode_layer(h: torch.Tensor, w: AttentionLayerWeights, cos: torch.Tensor,
+                           sin: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           meta: StepMetadata,
+                           matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+                           scales: KVScales | None = None) -> torch.Tensor | None:
+    """The residual stream ``[B, hidden]`` after the whole layer for a decode-only step (the
+    step's K/V written to their pages), computed as the layer's modules do with ``matmul``;
+    None when the step, the dtype, the pages (quantized) or ``matmul``'s form at this batch is
+    not one it fuses."""
+    if (not meta.all_decode or h.dtype not in FUSED_DTYPES or scales is not None
+            or key_cache.dtype != h.dtype):
+        return None
+    native = dense.native_rows(matmul, h.dtype, h.shape[0])
+    if native is None:
+        return None
+    assert meta.write_slots is not None
+    return library().attention_decode_layer(  # type: ignore[attr-defined]
+        h, w.input_norm, w.qkv, w.q_norm, w.k_norm, cos, sin, key_cache, value_cache,
+        meta.write_slots, meta.block_table, meta.cu_seqlens_t, meta.past_t,
+        meta.seq_index(tuple(range(meta.batch))), w.o_proj, w.post_norm, w.gate_up, w.down,
+        w.heads, w.kv_heads, w.scale, w.rms_eps, KV_SPLIT, native)
 
 
 def _gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,

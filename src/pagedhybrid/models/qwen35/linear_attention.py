@@ -4,7 +4,8 @@ Tokens come packed ``x[T, hidden]`` with ``cu_seqlens int32[B+1]`` (the dense pa
 ``B`` rows of ``S`` tokens as ``B`` sequences). Per layer:
 
 1. ``qkv = in_proj_qkv(x)`` ``[T, conv_dim]``, ``z = in_proj_z(x)`` ``[T, Hv·Dv]``,
-   ``b = in_proj_b(x)``, ``a = in_proj_a(x)`` ``[T, Hv]``.
+   ``b = in_proj_b(x)``, ``a = in_proj_a(x)`` ``[T, Hv]`` -- one product over the four stacked
+   weights (``StackedLinear``), the four results column views of it.
 2. Depthwise causal conv + SiLU over time per sequence, ``VarlenCausalConvWithState`` (no bias),
    carrying the last ``K-1`` inputs per channel: conv state ``[B, conv_dim, K-1]``.
 3. Split ``[Hk·Dk, Hk·Dk, Hv·Dv]`` -> ``q, k [T, Hk, Dk]``, ``v [T, Hv, Dv]``.
@@ -30,7 +31,9 @@ layer's conv channels and recurrent heads, hence its state pools, are the rank's
 
 Both operators run through the backend's step seam (``kernels.backend.Backend``: ``causal_conv``
 and ``gated_delta`` on the step's ``StepMetadata``), which read and write this layer's rows of
-the conv and recurrent state pools in place; there is no second copy of this math.
+the conv and recurrent state pools in place. A bundle with ``gdn_decode`` (the native one) runs
+steps 2-6 up to ``out_proj`` of a decode-only step in one call, computing every bit as the
+seam's kernels and its norms do one after the other (tests/kernels/test_norms.py checks it).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from pagedhybrid.parallel.linear import (
     ParallelConfig,
     RowParallelLinear,
     Segment,
+    StackedLinear,
     shard_weight,
 )
 
@@ -76,6 +80,8 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_z = ColumnParallelLinear(hidden, v, dtype, parallel)
         self.in_proj_b = ColumnParallelLinear(hidden, per_head, dtype, parallel)
         self.in_proj_a = ColumnParallelLinear(hidden, per_head, dtype, parallel)
+        self.in_proj = StackedLinear(self.in_proj_qkv, self.in_proj_z, self.in_proj_b,
+                                     self.in_proj_a)  # the four in one product
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim,
                                 bias=False, padding=self.kernel - 1, dtype=dtype)
         self.conv1d.weight.requires_grad_(False)  # [conv_dim, 1, K], weight holder only
@@ -105,10 +111,16 @@ class GatedDeltaNet(nn.Module):
         recurrent) checkpoint pools, written where ``meta.checkpoints`` asks."""
         ck_conv, ck_rec = checkpoints if checkpoints is not None else (None, None)
         t = x.shape[0]
-        qkv = self.in_proj_qkv(x)  # [T, conv_dim]
-        z = self.in_proj_z(x).view(t, self.num_v_heads, self.head_v_dim)  # [T, Hv, Dv]
-        b = self.in_proj_b(x).float()  # [T, Hv]
-        a = self.in_proj_a(x).float()  # [T, Hv]
+        qkv, z, b, a = self.in_proj(x)  # [T, conv_dim], [T, Hv*Dv], [T, Hv] x2 (views)
+        if backend.gdn_decode is not None:
+            y = backend.gdn_decode(qkv, z, a, b, self.conv1d.weight, conv_pool, self.A_log,
+                                   self.dt_bias, recurrent_pool, self.norm.weight, meta,
+                                   self.num_k_heads, self.head_k_dim ** -0.5, QK_L2_NORM_EPS,
+                                   self.norm.eps, (ck_conv, ck_rec))  # [T, Hv*Dv] or None
+            if y is not None:
+                return self.out_proj(y)
+        z = z.view(t, self.num_v_heads, self.head_v_dim)  # [T, Hv, Dv]
+        b, a = b.float(), a.float()
         mixed = backend.causal_conv(qkv, self.conv1d.weight, conv_pool, meta, "silu",
                                     ck_conv)  # [T, conv_dim]
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)

@@ -16,7 +16,11 @@ Two forwards share every weight and every layer's math:
 * ``forward_packed(batch, cache, logits_rows, meta)`` -- the serving path over a ``PackedBatch``
   and a ``PagedHybridCache``: the step's ``StepMetadata`` (built and validated once, by the
   runner's ``build_batch`` or here from the batch) is read by every layer; pages and state slots
-  are updated in place.
+  are updated in place. In a decode-only step a bundle with fused decode layers (the native one:
+  ``gdn_decode_layer`` / ``attention_decode_layer``) runs each whole layer -- norms, stacked
+  projections, mixer, residuals, MLP -- in one native call, bit for bit what the layer's modules
+  compute (a step of ~25 python-level ops per layer becomes one); any other step, a TP rank,
+  quantized pages or a product form it does not mirror run the modules.
 
 Kernels come from the one kernel registry (``pagedhybrid.kernels.backend.REGISTRY``;
 ``select(needs=Needs(...))``): ``auto`` gives the native kernels when the prebuilt extension is
@@ -50,12 +54,12 @@ from torch import nn
 
 from pagedhybrid.errors import ContractViolation, UnsupportedConfiguration
 from pagedhybrid.kernels.backend import Backend, select
-from pagedhybrid.kernels.step import StepMetadata
+from pagedhybrid.kernels.step import AttentionLayerWeights, GdnLayerWeights, StepMetadata
 from pagedhybrid.kvquant import is_quantized
 from pagedhybrid.models.qwen35.attention import FullAttention
 from pagedhybrid.models.qwen35.config import FULL_ATTENTION, Qwen35Config
 from pagedhybrid.models.qwen35.layers import MLP, OffsetRMSNorm
-from pagedhybrid.models.qwen35.linear_attention import GatedDeltaNet
+from pagedhybrid.models.qwen35.linear_attention import QK_L2_NORM_EPS, GatedDeltaNet
 from pagedhybrid.models.qwen35.packed import OP, PackedBatch, PagedHybridCache
 from pagedhybrid.models.qwen35.rope import mrope_cos_sin
 from pagedhybrid.models.qwen35.weights import read_tensors
@@ -100,6 +104,32 @@ class DecoderLayer(nn.Module):
 
     def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def gdn_weights(self) -> GdnLayerWeights | None:
+        """This Gated DeltaNet layer's tensors for a bundle's ``gdn_decode_layer`` (None on the
+        meta device)."""
+        attn, mlp = self.linear_attn, self.mlp
+        in_proj, gate_up = attn.in_proj.stacked(), mlp.gate_up_proj.stacked()
+        if in_proj is None or gate_up is None:
+            return None
+        return GdnLayerWeights(
+            self.input_layernorm.weight, in_proj, attn.conv1d.weight, attn.A_log, attn.dt_bias,
+            attn.norm.weight, attn.out_proj.weight, self.post_attention_layernorm.weight,
+            gate_up, mlp.down_proj.weight, attn.num_k_heads, attn.head_k_dim ** -0.5,
+            QK_L2_NORM_EPS, attn.norm.eps, self.input_layernorm.eps)
+
+    def attention_weights(self) -> AttentionLayerWeights | None:
+        """This full-attention layer's tensors for a bundle's ``attention_decode_layer`` (None on
+        the meta device)."""
+        attn, mlp = self.self_attn, self.mlp
+        qkv, gate_up = attn.qkv_proj.stacked(), mlp.gate_up_proj.stacked()
+        if qkv is None or gate_up is None:
+            return None
+        return AttentionLayerWeights(
+            self.input_layernorm.weight, qkv, attn.q_norm.weight, attn.k_norm.weight,
+            attn.o_proj.weight, self.post_attention_layernorm.weight, gate_up,
+            mlp.down_proj.weight, attn.num_heads, attn.num_kv_heads, attn.head_dim ** -0.5,
+            self.input_layernorm.eps)
 
 
 class Qwen35TextModel(nn.Module):
@@ -287,8 +317,13 @@ class Qwen35ForCausalLM(nn.Module):
         backend = self.backend
         cos, sin = mrope_cos_sin(self.config, batch.position_ids)  # [N, rd] x2
         h = self.model.embed_tokens(batch.input_ids)  # [N, hidden]
+        single = self.parallel.tp_world_size == 1
         for layer in self.model.layers:
             i = layer.index
+            out = self._decode_layer(layer, h, cos, sin, cache, meta, backend) if single else None
+            if out is not None:  # the whole layer in one native call
+                h = out
+                continue
             x = layer.input_layernorm(h)
             if layer.is_full:
                 out = layer.self_attn.forward_packed(x, cos, sin, meta, cache.key_cache[i],
@@ -301,6 +336,25 @@ class Qwen35ForCausalLM(nn.Module):
         if logits_rows is not None:
             h = h.index_select(0, logits_rows.long())  # [R, hidden]
         return self.lm_head(self.model.norm(h)).float()  # [N or R, V]
+
+    @staticmethod
+    def _decode_layer(layer: DecoderLayer, h: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor, cache: PagedHybridCache, meta: StepMetadata,
+                      backend: Backend) -> torch.Tensor | None:
+        """``h`` after ``layer`` by the bundle's fused decode layer, or None where the bundle
+        has none or does not fuse this step (the caller runs the layer's modules)."""
+        i, matmul = layer.index, layer.mlp.down_proj.matmul
+        if layer.is_full:
+            fn = backend.attention_decode_layer
+            w = None if fn is None else layer.attention_weights()
+            return None if fn is None or w is None else fn(
+                h, w, cos, sin, cache.key_cache[i], cache.value_cache[i], meta, matmul,
+                cache.kv_scales.get(i))
+        fn = backend.gdn_decode_layer
+        g = None if fn is None else layer.gdn_weights()
+        return None if fn is None or g is None else fn(
+            h, g, cache.conv_state[i], cache.recurrent_state[i], meta, matmul,
+            cache.checkpoint_pools(i) or (None, None))
 
     # -- checks -----------------------------------------------------------------------------------
     def _check_ids(self, op: str, ids: torch.Tensor) -> None:

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "common.h"
+#include "kernels.h"
 #include "vec.h"
 
 namespace pagedhybrid {
@@ -289,6 +290,9 @@ void linear_invariant(const at::Tensor& x, const at::Tensor& w, at::Tensor out) 
   });
 }
 
+
+}  // namespace
+
 void linear(const at::Tensor& x, const at::Tensor& w, at::Tensor out) {
   check_linear("linear", x, w, out);
   by_dtypes(x, w, [&](auto xtag, auto wtag) {
@@ -301,8 +305,6 @@ void linear(const at::Tensor& x, const at::Tensor& w, at::Tensor out) {
     }
   });
 }
-
-}  // namespace
 }  // namespace pagedhybrid
 
 TORCH_LIBRARY_FRAGMENT(PH_NS, m) {

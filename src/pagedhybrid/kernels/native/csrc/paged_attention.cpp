@@ -48,6 +48,7 @@
 #include <vector>
 
 #include "common.h"
+#include "kernels.h"
 #include "vec.h"
 
 namespace pagedhybrid {
@@ -551,6 +552,16 @@ Call check_call(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
   return {seqs, cu, past, tp, static_cast<int>(seqs_t.size(0)), static_cast<int>(width)};
 }
 
+
+}  // namespace
+
+void check_paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
+                           const at::Tensor& value_cache, const at::Tensor& block_table,
+                           const at::Tensor& cu_seqlens, const at::Tensor& past_lens,
+                           const at::Tensor& seqs, const at::Tensor& out, int64_t split) {
+  check_call(q, key_cache, value_cache, block_table, cu_seqlens, past_lens, seqs, out, split);
+}
+
 void paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_table,
                      const at::Tensor& cu_seqlens, const at::Tensor& past_lens,
@@ -577,8 +588,6 @@ void paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
              "dtype must be float32, bfloat16, float16, int8 or float8_e4m3fn (got ", dt, ")");
   }
 }
-
-}  // namespace
 }  // namespace pagedhybrid
 
 TORCH_LIBRARY_FRAGMENT(PH_NS, m) {

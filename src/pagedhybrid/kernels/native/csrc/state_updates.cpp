@@ -22,6 +22,11 @@
 // composition (the batch-invariant mode's linear layers; the chunked WY form is faster but its
 // arithmetic depends on where the chunk boundaries fall).
 //
+// gdn_decode_mixer -- a decode step's whole Gated DeltaNet mixer, from the layer's projections
+// (row views of one stacked product) to the gated-norm output: conv_token + SiLU, rows.h's L2
+// norms of q and k, gdn_token, the rounding to the model dtype and rows.h's gated norm with z --
+// the functions the separate ops run, so every bit equals running them in turn.
+//
 // Every op checks its inputs before touching a pool (GdnCall, check_conv): shapes, dtypes, the
 // head ratio (Hv a multiple of Hk), cu_seqlens (from 0, non-decreasing, ending at the token
 // rows), and the slots -- each in [0, S), none repeated (two sequences on one row would update
@@ -34,8 +39,13 @@
 #include <array>
 #include <cmath>
 #include <utility>
+#include <vector>
+
+#include <ATen/ops/empty.h>
 
 #include "common.h"
+#include "kernels.h"
+#include "rows.h"
 #include "vec.h"
 
 namespace pagedhybrid {
@@ -297,10 +307,159 @@ void causal_conv_varlen(const at::Tensor& x, const at::Tensor& weight,
   run_conv(x, weight, bias, pool, slots, fresh, cu, batch, out, silu);
 }
 
+// A [R, cols] view whose rows may be spaced out (a column range of a wider projection): the
+// last dimension contiguous, rows at a stride >= cols.
+void check_row_view(const char* op, const char* arg, const at::Tensor& t, int64_t rows,
+                    int64_t cols, at::ScalarType dtype) {
+  PH_CHECK(t.defined(), op, arg, "must be a tensor");
+  PH_CHECK(t.device().is_cpu(), op, arg, "must be a CPU tensor (got ", t.device(), ")");
+  PH_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) == cols, op, arg, "must be [", rows,
+           ", ", cols, "] (got shape ", shape_of(t), ")");
+  PH_CHECK(t.scalar_type() == dtype, op, arg, "must be ", dtype, " (got ", t.scalar_type(), ")");
+  PH_CHECK(t.stride(1) == 1 && t.stride(0) >= cols, op, arg,
+           "rows must be contiguous (stride(1) == 1, stride(0) >= ", cols, ")");
+}
+
+// The Gated DeltaNet mixer of one decode token per sequence, in one call: the conv (+ SiLU) on
+// the q|k|v projection, the L2 norms of q and k, the recurrent step, the rounding of its output
+// to the model dtype and the gated RMS norm with z -- each by the very function the separate ops
+// run (conv_token, rows.h's norm_row, gdn_token), so every bit equals running causal_conv_decode,
+// l2_normalize (x2), gated_delta_decode and gated_rms_norm in turn.
+template <typename T>
+void gdn_mixer_impl(const at::Tensor& qkv, const at::Tensor& z, const at::Tensor& a,
+                    const at::Tensor& b, const at::Tensor& conv_weight, at::Tensor& conv_pool,
+                    const at::Tensor& a_log, const at::Tensor& dt_bias, at::Tensor& pool,
+                    const int64_t* slots, const bool* fresh, const at::Tensor& norm_weight,
+                    at::Tensor& out, int64_t hk, double scale, double l2_eps, double norm_eps) {
+  const int64_t batch = qkv.size(0), ch = qkv.size(1), kk = conv_weight.size(1), st = kk - 1;
+  const int64_t hv = pool.size(1), dv = pool.size(2), dk = pool.size(3), ratio = hv / hk;
+  const int64_t qk = 2 * hk;  // normalised q and k rows per sequence
+  at::Tensor mixed = at::empty({batch, ch}, qkv.options());
+  at::Tensor qkn = at::empty({batch, qk, dk}, qkv.options().dtype(at::kFloat));
+  at::Tensor vf = at::empty({batch, hv, dv}, qkv.options().dtype(at::kFloat));
+  const T* xp = qkv.data_ptr<T>();
+  const T* wp = conv_weight.data_ptr<T>();
+  T* cp = conv_pool.data_ptr<T>();
+  T* mp = mixed.data_ptr<T>();
+  float* qp = qkn.data_ptr<float>();
+  float* vp = vf.data_ptr<float>();
+  const int64_t ldx = qkv.stride(0);
+  const float l2e = static_cast<float>(l2_eps);
+  parallel_items(batch, std::max<int64_t>(1, kInlineWork / (ch * kk)), batch * ch * kk,
+                 [&](int64_t bb) {
+    T* m = mp + bb * ch;
+    conv_token<T>(cp + slots[bb] * ch * st, xp + bb * ldx, wp, nullptr, fresh[bb], ch, kk, true,
+                  m);
+    for (int64_t i = 0; i < qk; ++i)
+      norm_row<Kind::kL2, T, float, float>(m + i * dk, nullptr, nullptr,
+                                           qp + (bb * qk + i) * dk, dk, l2e, false);
+    for (int64_t j = 0; j < hv * dv; ++j) vp[bb * hv * dv + j] = to_float(m[qk * dk + j]);
+  });
+  const T* zp = z.data_ptr<T>();
+  const T* ap = a.data_ptr<T>();
+  const T* bp = b.data_ptr<T>();
+  const float* alp = a_log.data_ptr<float>();
+  const float* dtp = dt_bias.data_ptr<float>();
+  float* pp = pool.data_ptr<float>();
+  T* op = out.data_ptr<T>();
+  const int64_t ldz = z.stride(0), lda = a.stride(0), ldb = b.stride(0);
+  const float sc = static_cast<float>(scale), ne = static_cast<float>(norm_eps);
+  const bool fp32_weight = norm_weight.scalar_type() == at::kFloat;
+  const int64_t w = 4 * dv * dk;
+  parallel_items(batch * hv, std::max<int64_t>(1, kInlineWork / w), batch * hv * w,
+                 [&](int64_t item) {
+    const int64_t bb = item / hv, h = item % hv;
+    thread_local std::vector<float> o;
+    thread_local std::vector<T> ot;
+    o.resize(dv);
+    ot.resize(dv);
+    const float* q = qp + (bb * qk + h / ratio) * dk;
+    gdn_token(pp + (slots[bb] * hv + h) * dv * dk, q, q + hk * dk, vp + (bb * hv + h) * dv,
+              to_float(ap[bb * lda + h]), to_float(bp[bb * ldb + h]), alp[h], dtp[h], fresh[bb],
+              dv, dk, sc, o.data());
+    for (int64_t r = 0; r < dv; ++r) ot[r] = from_float<T>(o[r]);
+    const T* gate = zp + bb * ldz + h * dv;
+    T* orow = op + bb * hv * dv + h * dv;
+    if (fp32_weight) {
+      norm_row<Kind::kGated, T, float, T>(ot.data(), gate, norm_weight.data_ptr<float>(), orow,
+                                          dv, ne, false);
+    } else {
+      norm_row<Kind::kGated, T, c10::BFloat16, T>(
+          ot.data(), gate, norm_weight.data_ptr<c10::BFloat16>(), orow, dv, ne, false);
+    }
+  });
+}
+
+// qkv [B, 2 Hk Dk + Hv Dv], z [B, Hv Dv], a, b [B, Hv] (row views, model dtype: float32 or
+// bfloat16); conv_weight [C, K], conv_pool [S, C, K-1] (model dtype); a_log, dt_bias float32 [Hv];
+// pool float32 [S, Hv, Dv, Dk]; slots int64 [B] distinct in [0, S); fresh bool [B]; norm_weight
+// [Dv] (float32 or bfloat16); out [B, Hv Dv] (model dtype, contiguous).
+
 }  // namespace
+
+void gdn_decode_mixer(const at::Tensor& qkv, const at::Tensor& z, const at::Tensor& a,
+                      const at::Tensor& b, const at::Tensor& conv_weight, at::Tensor conv_pool,
+                      const at::Tensor& a_log, const at::Tensor& dt_bias, at::Tensor pool,
+                      const at::Tensor& slots, const at::Tensor& fresh,
+                      const at::Tensor& norm_weight, at::Tensor out, int64_t key_heads,
+                      double scale, double l2_eps, double norm_eps) {
+  constexpr const char* op = "gdn_decode_mixer";
+  PH_CHECK(qkv.defined() && qkv.dim() == 2, op, "qkv", "must be [B, C] (got shape ",
+           qkv.defined() ? shape_of(qkv) : std::string("none"), ")");
+  const auto dt = qkv.scalar_type();
+  PH_CHECK(dt == at::kFloat || dt == at::kBFloat16, op, "qkv",
+           "dtype must be float32 or bfloat16 (got ", dt, ")");
+  const int64_t batch = qkv.size(0), ch = qkv.size(1);
+  check_row_view(op, "qkv", qkv, batch, ch, dt);
+  check_tensor(op, "pool", pool, 4, at::kFloat);
+  const int64_t hv = pool.size(1), dv = pool.size(2), dk = pool.size(3);
+  PH_CHECK(key_heads >= 1 && hv % key_heads == 0, op, "key_heads", "head ratio: the value heads (",
+           hv, ") must be a multiple of the key heads (got ", key_heads, ")");
+  PH_CHECK(ch == 2 * key_heads * dk + hv * dv, op, "qkv", "size(1) must equal 2 key_heads Dk + ",
+           "Hv Dv = ", 2 * key_heads * dk + hv * dv, " (got shape ", shape_of(qkv), ")");
+  check_row_view(op, "z", z, batch, hv * dv, dt);
+  check_row_view(op, "a", a, batch, hv, dt);
+  check_row_view(op, "b", b, batch, hv, dt);
+  check_tensor(op, "conv_weight", conv_weight, 2, dt);
+  check_size(op, "conv_weight", conv_weight, 0, ch, "the channels of qkv");
+  PH_CHECK(conv_weight.size(1) >= 1, op, "conv_weight", "the kernel width K must be >= 1 (got ",
+           "shape ", shape_of(conv_weight), ")");
+  check_tensor(op, "conv_pool", conv_pool, 3, dt);
+  check_size(op, "conv_pool", conv_pool, 1, ch, "the channels of qkv");
+  check_size(op, "conv_pool", conv_pool, 2, conv_weight.size(1) - 1, "the kernel width - 1");
+  PH_CHECK(conv_pool.size(0) == pool.size(0), op, "conv_pool", "must have the recurrent pool's ",
+           pool.size(0), " rows (got shape ", shape_of(conv_pool), ")");
+  const std::array<std::pair<const char*, const at::Tensor*>, 2> per_head{
+      {{"a_log", &a_log}, {"dt_bias", &dt_bias}}};
+  for (const auto& [name, x] : per_head) {
+    check_tensor(op, name, *x, 1, at::kFloat);
+    check_size(op, name, *x, 0, hv, "the value heads of pool");
+  }
+  check_norm_weight(op, "norm_weight", norm_weight, dv, "the value head size of pool");
+  check_tensor(op, "out", out, 2, dt);
+  check_size(op, "out", out, 0, batch, "the sequences of qkv");
+  check_size(op, "out", out, 1, hv * dv, "Hv Dv");
+  check_slots(op, slots, batch, pool.size(0));
+  check_tensor(op, "fresh", fresh, 1, at::kBool);
+  check_size(op, "fresh", fresh, 0, batch, "the number of sequences");
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const bool* fr = fresh.data_ptr<bool>();
+  if (dt == at::kFloat) {
+    gdn_mixer_impl<float>(qkv, z, a, b, conv_weight, conv_pool, a_log, dt_bias, pool, sl, fr,
+                          norm_weight, out, key_heads, scale, l2_eps, norm_eps);
+  } else {
+    gdn_mixer_impl<c10::BFloat16>(qkv, z, a, b, conv_weight, conv_pool, a_log, dt_bias, pool, sl,
+                                  fr, norm_weight, out, key_heads, scale, l2_eps, norm_eps);
+  }
+}
 }  // namespace pagedhybrid
 
 TORCH_LIBRARY_FRAGMENT(PH_NS, m) {
+  m.def(
+      "gdn_decode_mixer(Tensor qkv, Tensor z, Tensor a, Tensor b, Tensor conv_weight, "
+      "Tensor(a!) conv_pool, Tensor a_log, Tensor dt_bias, Tensor(b!) pool, Tensor slots, "
+      "Tensor fresh, Tensor norm_weight, Tensor(c!) out, int key_heads, float scale, "
+      "float l2_eps, float norm_eps) -> ()");
   m.def(
       "gated_delta_decode(Tensor q, Tensor k, Tensor v, Tensor a, Tensor b, Tensor a_log, "
       "Tensor dt_bias, Tensor(a!) pool, Tensor slots, Tensor fresh, Tensor(b!) out, "
@@ -318,6 +477,7 @@ TORCH_LIBRARY_FRAGMENT(PH_NS, m) {
 }
 
 TORCH_LIBRARY_IMPL(PH_NS, CPU, m) {
+  m.impl("gdn_decode_mixer", &pagedhybrid::gdn_decode_mixer);
   m.impl("gated_delta_decode", &pagedhybrid::gated_delta_decode);
   m.impl("causal_conv_decode", &pagedhybrid::causal_conv_decode);
   m.impl("gated_delta_varlen", &pagedhybrid::gated_delta_varlen);

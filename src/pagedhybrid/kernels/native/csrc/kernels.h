@@ -1,0 +1,41 @@
+// The checked entry points one op file calls in another (decode_layer.cpp composes them), with
+// hidden visibility: every CPU form's library has its own, never another's.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#define PH_LOCAL __attribute__((visibility("hidden")))
+
+namespace pagedhybrid {
+
+// linear.cpp: out [M, N] = x [M, K] @ w [N, K]^T (the fast form)
+PH_LOCAL void linear(const at::Tensor& x, const at::Tensor& w, at::Tensor out);
+
+// norms.cpp: out = x * rsqrt(mean(x^2) + eps) * (offset ? 1 + w : w), rows of x [R, D]
+PH_LOCAL void rms_norm(const at::Tensor& x, const at::Tensor& w, at::Tensor out, double eps,
+                       bool offset);
+
+// paged_attention.cpp: out float32 [N, Hq, D] = attention of q float32 over the pages
+PH_LOCAL void paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
+                              const at::Tensor& value_cache, const at::Tensor& block_table,
+                              const at::Tensor& cu_seqlens, const at::Tensor& past_lens,
+                              const at::Tensor& seqs, at::Tensor out, double scale,
+                              int64_t split);
+
+// paged_attention's checks alone (before a caller writes the step's K/V into the pages)
+PH_LOCAL void check_paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
+                                    const at::Tensor& value_cache, const at::Tensor& block_table,
+                                    const at::Tensor& cu_seqlens, const at::Tensor& past_lens,
+                                    const at::Tensor& seqs, const at::Tensor& out,
+                                    int64_t split);
+
+// state_updates.cpp: the Gated DeltaNet mixer of one decode token per sequence
+PH_LOCAL void gdn_decode_mixer(const at::Tensor& qkv, const at::Tensor& z, const at::Tensor& a,
+                               const at::Tensor& b, const at::Tensor& conv_weight,
+                               at::Tensor conv_pool, const at::Tensor& a_log,
+                               const at::Tensor& dt_bias, at::Tensor pool,
+                               const at::Tensor& slots, const at::Tensor& fresh,
+                               const at::Tensor& norm_weight, at::Tensor out, int64_t key_heads,
+                               double scale, double l2_eps, double norm_eps);
+
+}  // namespace pagedhybrid
