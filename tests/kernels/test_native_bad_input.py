@@ -255,28 +255,33 @@ def _run_mixer(a: Args) -> None:
 HID, INTER = 16, 12
 
 
-def _tail(gen: torch.Generator, in_dim: int) -> Args:
+def _tail(gen: torch.Generator) -> Args:
     return {"post_norm": torch.randn(HID, generator=gen),
-            "gate_up": torch.randn(2 * INTER, HID, generator=gen),
-            "down": torch.randn(HID, INTER, generator=gen)}
+            "gate_proj": torch.randn(INTER, HID, generator=gen),
+            "up_proj": torch.randn(INTER, HID, generator=gen),
+            "down_proj": torch.randn(HID, INTER, generator=gen)}
 
 
 def _gdn_layer() -> Args:
     gen = torch.Generator().manual_seed(7)
     return {"h": torch.randn(2, HID, generator=gen), "input_norm": torch.randn(HID, generator=gen),
-            "in_proj": torch.randn(QKV + HV * DV + 2 * HV, HID, generator=gen),
+            "in_proj_qkv": torch.randn(QKV, HID, generator=gen),
+            "in_proj_z": torch.randn(HV * DV, HID, generator=gen),
+            "in_proj_b": torch.randn(HV, HID, generator=gen),
+            "in_proj_a": torch.randn(HV, HID, generator=gen),
             "conv_weight": torch.randn(QKV, 4, generator=gen),
             "conv_pool": torch.randn(S, QKV, 3, generator=gen),
             "a_log": torch.randn(HV, generator=gen), "dt_bias": torch.randn(HV, generator=gen),
             "pool": torch.randn(S, HV, DV, DK, generator=gen), "slots": torch.tensor([3, 1]),
             "fresh": torch.tensor([False, True]), "gated_norm": torch.randn(DV, generator=gen),
-            "out_proj": torch.randn(HID, HV * DV, generator=gen), **_tail(gen, HV * DV),
+            "out_proj": torch.randn(HID, HV * DV, generator=gen), **_tail(gen),
             "key_heads": HK, "out": None}
 
 
 def _run_gdn_layer(a: Args) -> None:
-    names = ["h", "input_norm", "in_proj", "conv_weight", "conv_pool", "a_log", "dt_bias", "pool",
-             "slots", "fresh", "gated_norm", "out_proj", "post_norm", "gate_up", "down",
+    names = ["h", "input_norm", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
+             "conv_weight", "conv_pool", "a_log", "dt_bias", "pool", "slots", "fresh",
+             "gated_norm", "out_proj", "post_norm", "gate_proj", "up_proj", "down_proj",
              "key_heads"]
     a["out"] = library().gdn_decode_layer(*[a[n] for n in names], DK ** -0.5, 1e-6, 1e-6, 1e-6,
                                           True)
@@ -287,14 +292,17 @@ GDN_LAYER: list[Corruption] = [
     *[(name, mutate, _IN_MIXER + message) for name, mutate, message in SLOT_CASES],
     ("h dtype", lambda a: a.update(h=a["h"].double()),
      r"h: dtype must be float32 or bfloat16 \(got Double\)"),
-    ("in_proj rows", _set("in_proj", lambda a: a["in_proj"][1:].contiguous()),
-     r"in_proj: must stack \[qkv \| z \| b \| a\]"),
+    ("in_proj_qkv rows", _set("in_proj_qkv", lambda a: a["in_proj_qkv"][1:].contiguous()),
+     r"in_proj_qkv: size\(0\) must equal the channels of conv_weight = 64"),
+    ("in_proj_b dtype", _set("in_proj_b", lambda a: a["in_proj_b"].bfloat16()),
+     r"in_proj_b: must be Float \(got BFloat16\)"),
     ("key heads", _set("key_heads", lambda a: 3), _IN_MIXER + r"key_heads: head ratio"),
     ("out_proj width", _set("out_proj", lambda a: torch.randn(HID, HV * DV + 1)),
      r"out_proj: size\(1\) must equal the mixer's output width = 32"),
-    ("gate_up rows", _set("gate_up", lambda a: torch.randn(2 * INTER + 2, HID)),
-     r"gate_up: size\(0\) must equal 2 down.size\(1\)"),
-    ("down dtype", _set("down", lambda a: a["down"].bfloat16()), r"down: must be Float"),
+    ("up rows", _set("up_proj", lambda a: torch.randn(INTER + 1, HID)),
+     r"up: size\(0\) must equal down.size\(1\) = 12"),
+    ("down dtype", _set("down_proj", lambda a: a["down_proj"].bfloat16()),
+     r"down: must be Float"),
     ("post norm size", _set("post_norm", lambda a: torch.randn(HID + 1)),
      r"post_norm: size\(0\) must equal the hidden size of h"),
     ("input norm size", _set("input_norm", lambda a: torch.randn(HID - 1)),
@@ -308,7 +316,9 @@ def _attention_layer() -> Args:
     gen = torch.Generator().manual_seed(8)
     a = _attention()
     return {"h": torch.randn(2, HID, generator=gen), "input_norm": torch.randn(HID, generator=gen),
-            "qkv_proj": torch.randn(2 * HQ * D + 2 * HKV * D, HID, generator=gen),
+            "q_proj": torch.randn(2 * HQ * D, HID, generator=gen),
+            "k_proj": torch.randn(HKV * D, HID, generator=gen),
+            "v_proj": torch.randn(HKV * D, HID, generator=gen),
             "q_norm": torch.randn(D, generator=gen), "k_norm": torch.randn(D, generator=gen),
             "cos": torch.randn(2, RD, generator=gen), "sin": torch.randn(2, RD, generator=gen),
             "key_cache": a["key_cache"], "value_cache": a["value_cache"],
@@ -316,14 +326,15 @@ def _attention_layer() -> Args:
             "block_table": a["block_table"], "cu_seqlens": torch.tensor([0, 1, 2],
                                                                          dtype=torch.int32),
             "past_lens": torch.tensor([20, 3], dtype=torch.int32), "seqs": a["seqs"],
-            "o_proj": torch.randn(HID, HQ * D, generator=gen), **_tail(gen, HQ * D),
+            "o_proj": torch.randn(HID, HQ * D, generator=gen), **_tail(gen),
             "heads": HQ, "kv_heads": HKV, "out": None}
 
 
 def _run_attention_layer(a: Args) -> None:
-    names = ["h", "input_norm", "qkv_proj", "q_norm", "k_norm", "cos", "sin", "key_cache",
-             "value_cache", "write_slots", "block_table", "cu_seqlens", "past_lens", "seqs",
-             "o_proj", "post_norm", "gate_up", "down", "heads", "kv_heads"]
+    names = ["h", "input_norm", "q_proj", "k_proj", "v_proj", "q_norm", "k_norm", "cos", "sin",
+             "key_cache", "value_cache", "write_slots", "block_table", "cu_seqlens", "past_lens",
+             "seqs", "o_proj", "post_norm", "gate_proj", "up_proj", "down_proj", "heads",
+             "kv_heads"]
     a["out"] = library().attention_decode_layer(*[a[n] for n in names], D ** -0.5, 1e-6,
                                                 KV_SPLIT, True)
 
@@ -337,8 +348,10 @@ ATTENTION_LAYER: list[Corruption] = [
     ("write slot dtype", _set("write_slots", lambda a: a["write_slots"].int()),
      r"write_slots: must be Long"),
     ("head ratio", _set("heads", lambda a: 3), r"heads: head ratio"),
-    ("qkv rows", _set("qkv_proj", lambda a: a["qkv_proj"][1:].contiguous()),
-     r"qkv_proj: must stack \[q_proj \| k_proj \| v_proj\]"),
+    ("q_proj rows", _set("q_proj", lambda a: a["q_proj"][1:].contiguous()),
+     r"q_proj: size\(0\) must equal 2 heads D \(query \| gate\) = 256"),
+    ("v_proj columns", _set("v_proj", lambda a: torch.randn(HKV * D, HID + 1)),
+     r"v_proj: size\(1\) must equal the hidden size of h = 16"),
     ("cos width", lambda a: a.update(cos=torch.randn(2, 7), sin=torch.randn(2, 7)),
      r"cos: cos and sin must be \[N, rotary_dim\]"),
     ("cache dtype", lambda a: a.update(key_cache=a["key_cache"].bfloat16(),

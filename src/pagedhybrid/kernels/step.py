@@ -201,19 +201,22 @@ class StepMetadata:
 
 class GdnLayerWeights(NamedTuple):
     """A Gated DeltaNet decoder layer's tensors for ``gdn_decode_layer``: the model dtype's, but
-    ``a_log`` / ``dt_bias`` float32; ``in_proj`` stacks ``[qkv | z | b | a]`` and ``gate_up``
-    ``[gate | up]`` (the layer's ``StackedLinear`` buffers)."""
+    ``a_log`` / ``dt_bias`` float32 (the module's parameters themselves, no copies)."""
 
     input_norm: torch.Tensor
-    in_proj: torch.Tensor
+    in_proj_qkv: torch.Tensor
+    in_proj_z: torch.Tensor
+    in_proj_b: torch.Tensor
+    in_proj_a: torch.Tensor
     conv: torch.Tensor  # [C, 1, K]
     a_log: torch.Tensor
     dt_bias: torch.Tensor
     gated_norm: torch.Tensor
     out_proj: torch.Tensor
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_proj: torch.Tensor
+    up_proj: torch.Tensor
+    down_proj: torch.Tensor
     key_heads: int
     scale: float
     l2_eps: float
@@ -222,18 +225,20 @@ class GdnLayerWeights(NamedTuple):
 
 
 class AttentionLayerWeights(NamedTuple):
-    """A full-attention decoder layer's tensors for ``attention_decode_layer`` (model dtype):
-    ``qkv`` stacks ``[q_proj | k_proj | v_proj]`` and ``gate_up`` ``[gate | up]`` (the layer's
-    ``StackedLinear`` buffers); one ``rms_eps`` for its four norms (the config's)."""
+    """A full-attention decoder layer's tensors for ``attention_decode_layer`` (model dtype, the
+    module's parameters themselves); one ``rms_eps`` for its four norms (the config's)."""
 
     input_norm: torch.Tensor
-    qkv: torch.Tensor
+    q_proj: torch.Tensor
+    k_proj: torch.Tensor
+    v_proj: torch.Tensor
     q_norm: torch.Tensor
     k_norm: torch.Tensor
     o_proj: torch.Tensor
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_proj: torch.Tensor
+    up_proj: torch.Tensor
+    down_proj: torch.Tensor
     heads: int
     kv_heads: int
     scale: float

@@ -22,13 +22,6 @@ the product is the kernel bundle's ``matmul``, ``F.linear`` when None):
 * ``RowParallelLinear`` -- input columns split; ``y = all_reduce(x_local @ W_local^T)`` over the
   TP group (a float sum: every rank receives the same bits), no collective at ``W == 1``.
 
-``StackedLinear`` multiplies several projections of one input (a Gated DeltaNet layer's
-``in_proj_qkv | z | b | a``, attention's ``q | k | v``, the MLP's ``gate | up``) as one product:
-their weights are moved into one ``[sum N, K]`` buffer and each parameter becomes a view of its
-rows (the same ``Parameter``, so state-dict names, loaders and the memory are unchanged); the
-outputs are column views of the one result. A parameter replaced after stacking (``load_weights``
-adopts new ones) is noticed at the next call and the stack is rebuilt.
-
 Each sharded parameter carries ``weight_loader(param, loaded_weight) -> Tensor`` (a
 ``ShardedWeight``): the rank's slice of the **full** checkpoint tensor, in the parameter's dtype.
 A contiguous slice along dim 0 stays a view (zero copy, e.g. of a memory-mapped file); at
@@ -178,45 +171,6 @@ class ReplicatedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mm = self.matmul
         return F.linear(x, self.weight) if mm is None else mm(x, self.weight)
-
-
-class StackedLinear:
-    """``parts``' products of one ``x`` in one call (module docstring); not a module, so it
-    adds no state-dict entries. Parameters on the meta device are multiplied one by one."""
-
-    def __init__(self, *parts: ReplicatedLinear) -> None:
-        self.parts = parts
-        self.params: tuple[nn.Parameter, ...] = ()
-        self.weight: torch.Tensor | None = None
-        self.sizes: tuple[int, ...] = ()
-
-    def _stack(self) -> None:
-        ws = tuple(p.weight for p in self.parts)
-        self.params, self.weight = ws, None
-        if any(w.is_meta for w in ws):
-            return
-        sizes = tuple(w.shape[0] for w in ws)
-        weight = torch.cat([w.detach() for w in ws], 0)  # [sum N, K], one copy
-        offset = 0
-        for w, n in zip(ws, sizes, strict=True):
-            w.data = weight[offset:offset + n]  # the parameter now lives in the stack
-            offset += n
-        self.weight, self.sizes = weight, sizes
-
-    def stacked(self) -> torch.Tensor | None:
-        """The stacked weight ``[sum N, K]`` (restacked if a part's parameter was replaced);
-        None on the meta device."""
-        if len(self.params) != len(self.parts) or any(
-                p.weight is not w for p, w in zip(self.parts, self.params, strict=True)):
-            self._stack()
-        return self.weight
-
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if self.stacked() is None:
-            return tuple(p(x) for p in self.parts)
-        mm = self.parts[0].matmul
-        y = F.linear(x, self.weight) if mm is None else mm(x, self.weight)  # type: ignore[arg-type]
-        return y.split(self.sizes, -1)
 
 
 class ColumnParallelLinear(ReplicatedLinear):

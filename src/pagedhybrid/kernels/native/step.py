@@ -11,8 +11,8 @@ Mixed steps split by sequence; rows of the two groups are disjoint, so they neve
 * gdn_decode -- a step of decode sequences only: the whole Gated DeltaNet mixer between the
   input projections and ``out_proj`` (conv + SiLU, q / k L2 norms, the recurrent step, the gated
   RMS norm) in one native call, bit for bit what the separate kernels above and the native
-  norms compute in turn (``csrc/state_updates.cpp`` ``gdn_decode_mixer``); other steps return
-  None and the layer runs them op by op.
+  norms compute in turn (``csrc/state_updates.cpp`` ``gdn_decode_mixer``; the projections may
+  be row views); other steps return None and the layer runs them op by op.
 * gdn_decode_layer -- a whole Gated DeltaNet decoder layer (norms, projections, the mixer, the
   residuals and the MLP) of a decode-only step in one native call (``csrc/decode_layer.cpp``),
   bit for bit the layer's modules when the bundle's products at this batch are the native
@@ -121,9 +121,10 @@ def gdn_decode_layer(h: torch.Tensor, w: GdnLayerWeights, conv_pool: torch.Tenso
     if native is None:
         return None
     out = library().gdn_decode_layer(  # type: ignore[attr-defined]
-        h, w.input_norm, w.in_proj, w.conv.view(w.conv.shape[0], -1), conv_pool, w.a_log,
-        w.dt_bias, pool, meta.state_slots, meta.fresh_t, w.gated_norm, w.out_proj, w.post_norm,
-        w.gate_up, w.down, w.key_heads, w.scale, w.l2_eps, w.gated_eps, w.rms_eps, native)
+        h, w.input_norm, w.in_proj_qkv, w.in_proj_z, w.in_proj_b, w.in_proj_a,
+        w.conv.view(w.conv.shape[0], -1), conv_pool, w.a_log, w.dt_bias, pool, meta.state_slots,
+        meta.fresh_t, w.gated_norm, w.out_proj, w.post_norm, w.gate_proj, w.up_proj,
+        w.down_proj, w.key_heads, w.scale, w.l2_eps, w.gated_eps, w.rms_eps, native)
     torch_step.save_chunk_ends(conv_pool, checkpoints[0], meta)
     torch_step.save_chunk_ends(pool, checkpoints[1], meta)
     return out
@@ -146,10 +147,10 @@ def attention_decode_layer(h: torch.Tensor, w: AttentionLayerWeights, cos: torch
         return None
     assert meta.write_slots is not None
     return library().attention_decode_layer(  # type: ignore[attr-defined]
-        h, w.input_norm, w.qkv, w.q_norm, w.k_norm, cos, sin, key_cache, value_cache,
-        meta.write_slots, meta.block_table, meta.cu_seqlens_t, meta.past_t,
-        meta.seq_index(tuple(range(meta.batch))), w.o_proj, w.post_norm, w.gate_up, w.down,
-        w.heads, w.kv_heads, w.scale, w.rms_eps, KV_SPLIT, native)
+        h, w.input_norm, w.q_proj, w.k_proj, w.v_proj, w.q_norm, w.k_norm, cos, sin, key_cache,
+        value_cache, meta.write_slots, meta.block_table, meta.cu_seqlens_t, meta.past_t,
+        meta.seq_index(tuple(range(meta.batch))), w.o_proj, w.post_norm, w.gate_proj, w.up_proj,
+        w.down_proj, w.heads, w.kv_heads, w.scale, w.rms_eps, KV_SPLIT, native)
 
 
 def _gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,

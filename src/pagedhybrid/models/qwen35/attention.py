@@ -4,7 +4,7 @@ Per token ``x[hidden]``:
 
 1. ``q_proj`` gives ``2·H·hd`` values, viewed ``[H, 2·hd]`` and split per head into
    ``query | gate`` (``gate`` flattened back to ``[H·hd]``); ``k_proj``/``v_proj`` give
-   ``[Hkv, hd]`` (the three as one product over their stacked weights, ``StackedLinear``).
+   ``[Hkv, hd]``.
 2. OffsetRMSNorm ``q_norm`` / ``k_norm`` per head (``1 + w``).
 3. Interleaved partial MRoPE on the first ``rotary_dim`` channels (``rope.py``).
 4. Causal GQA attention, scale ``hd^-0.5``; query head ``h`` reads KV head ``h // (H/Hkv)``.
@@ -40,7 +40,6 @@ from pagedhybrid.parallel.linear import (
     ParallelConfig,
     RowParallelLinear,
     Segment,
-    StackedLinear,
 )
 
 
@@ -62,7 +61,6 @@ class FullAttention(nn.Module):
         self.k_proj = ColumnParallelLinear(hidden, kv_heads, dtype, parallel)
         self.v_proj = ColumnParallelLinear(hidden, kv_heads, dtype, parallel)
         self.o_proj = RowParallelLinear(heads, hidden, dtype, parallel)
-        self.qkv_proj = StackedLinear(self.q_proj, self.k_proj, self.v_proj)  # one product
         self.q_norm = OffsetRMSNorm(hd, config.rms_norm_eps, dtype)
         self.k_norm = OffsetRMSNorm(hd, config.rms_norm_eps, dtype)
 
@@ -71,12 +69,11 @@ class FullAttention(nn.Module):
         """q ``[T, H, hd]``, k ``[T, Hkv, hd]``, v ``[T, Hkv, hd]``, gate ``[T, H·hd]``."""
         t = x.shape[0]
         h, hkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        qg, k, v = self.qkv_proj(x)  # [T, 2*H*hd], [T, Hkv*hd] x2 (views of one product)
-        query, gate = qg.view(t, h, 2 * hd).chunk(2, dim=-1)  # [T, H, hd] x2
+        query, gate = self.q_proj(x).view(t, h, 2 * hd).chunk(2, dim=-1)  # [T, H, hd] x2
         gate = gate.reshape(t, h * hd)  # [T, H*hd]
         q = apply_rope(self.q_norm(query), cos, sin)  # [T, H, hd]
-        k = apply_rope(self.k_norm(k.view(t, hkv, hd)), cos, sin)  # [T, Hkv, hd]
-        v = v.view(t, hkv, hd)  # [T, Hkv, hd]
+        k = apply_rope(self.k_norm(self.k_proj(x).view(t, hkv, hd)), cos, sin)  # [T, Hkv, hd]
+        v = self.v_proj(x).view(t, hkv, hd)  # [T, Hkv, hd]
         return q, k, v, gate
 
     def output(self, attn: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

@@ -5,8 +5,7 @@
   ``w`` zero-initialised; a checkpoint's value is used as is and the ``1 +`` is applied here.
 * ``GatedRMSNorm`` (Gated DeltaNet output norm over ``Dv`` per head):
   ``y = o * rsqrt(mean(o^2) + eps) * w * silu(z)`` with the **raw** weight ``w``, fp32 math.
-* ``MLP``: ``down(silu(gate(x)) * up(x))`` (``gate`` and ``up`` as one product over their
-  stacked weights, ``StackedLinear``); under tensor parallelism ``gate`` / ``up`` are
+* ``MLP``: ``down(silu(gate(x)) * up(x))``; under tensor parallelism ``gate`` / ``up`` are
   column-parallel (rows ``[r * I / W, +I / W)``) and ``down`` row-parallel (its partial sums
   all-reduced), so each rank computes ``I / W`` intermediate channels.
 * Projections are ``pagedhybrid.parallel.linear``'s (``ReplicatedLinear``,
@@ -32,7 +31,6 @@ from pagedhybrid.parallel.linear import (
     ParallelConfig,
     RowParallelLinear,
     Segment,
-    StackedLinear,
 )
 
 
@@ -71,8 +69,6 @@ class MLP(nn.Module):
         self.gate_proj = ColumnParallelLinear(hidden, channels, dtype, parallel)
         self.up_proj = ColumnParallelLinear(hidden, channels, dtype, parallel)
         self.down_proj = RowParallelLinear(channels, hidden, dtype, parallel)
-        self.gate_up_proj = StackedLinear(self.gate_proj, self.up_proj)  # one product
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x)
-        return self.down_proj(self.pointwise.silu(gate) * up)
+        return self.down_proj(self.pointwise.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -4,8 +4,7 @@ Tokens come packed ``x[T, hidden]`` with ``cu_seqlens int32[B+1]`` (the dense pa
 ``B`` rows of ``S`` tokens as ``B`` sequences). Per layer:
 
 1. ``qkv = in_proj_qkv(x)`` ``[T, conv_dim]``, ``z = in_proj_z(x)`` ``[T, Hv·Dv]``,
-   ``b = in_proj_b(x)``, ``a = in_proj_a(x)`` ``[T, Hv]`` -- one product over the four stacked
-   weights (``StackedLinear``), the four results column views of it.
+   ``b = in_proj_b(x)``, ``a = in_proj_a(x)`` ``[T, Hv]``.
 2. Depthwise causal conv + SiLU over time per sequence, ``VarlenCausalConvWithState`` (no bias),
    carrying the last ``K-1`` inputs per channel: conv state ``[B, conv_dim, K-1]``.
 3. Split ``[Hk·Dk, Hk·Dk, Hv·Dv]`` -> ``q, k [T, Hk, Dk]``, ``v [T, Hv, Dv]``.
@@ -51,7 +50,6 @@ from pagedhybrid.parallel.linear import (
     ParallelConfig,
     RowParallelLinear,
     Segment,
-    StackedLinear,
     shard_weight,
 )
 
@@ -80,8 +78,6 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_z = ColumnParallelLinear(hidden, v, dtype, parallel)
         self.in_proj_b = ColumnParallelLinear(hidden, per_head, dtype, parallel)
         self.in_proj_a = ColumnParallelLinear(hidden, per_head, dtype, parallel)
-        self.in_proj = StackedLinear(self.in_proj_qkv, self.in_proj_z, self.in_proj_b,
-                                     self.in_proj_a)  # the four in one product
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim,
                                 bias=False, padding=self.kernel - 1, dtype=dtype)
         self.conv1d.weight.requires_grad_(False)  # [conv_dim, 1, K], weight holder only
@@ -111,7 +107,9 @@ class GatedDeltaNet(nn.Module):
         recurrent) checkpoint pools, written where ``meta.checkpoints`` asks."""
         ck_conv, ck_rec = checkpoints if checkpoints is not None else (None, None)
         t = x.shape[0]
-        qkv, z, b, a = self.in_proj(x)  # [T, conv_dim], [T, Hv*Dv], [T, Hv] x2 (views)
+        qkv = self.in_proj_qkv(x)  # [T, conv_dim]
+        z = self.in_proj_z(x)  # [T, Hv*Dv]
+        b, a = self.in_proj_b(x), self.in_proj_a(x)  # [T, Hv]
         if backend.gdn_decode is not None:
             y = backend.gdn_decode(qkv, z, a, b, self.conv1d.weight, conv_pool, self.A_log,
                                    self.dt_bias, recurrent_pool, self.norm.weight, meta,

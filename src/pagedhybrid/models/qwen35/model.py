@@ -17,7 +17,7 @@ Two forwards share every weight and every layer's math:
   and a ``PagedHybridCache``: the step's ``StepMetadata`` (built and validated once, by the
   runner's ``build_batch`` or here from the batch) is read by every layer; pages and state slots
   are updated in place. In a decode-only step a bundle with fused decode layers (the native one:
-  ``gdn_decode_layer`` / ``attention_decode_layer``) runs each whole layer -- norms, stacked
+  ``gdn_decode_layer`` / ``attention_decode_layer``) runs each whole layer -- norms,
   projections, mixer, residuals, MLP -- in one native call, bit for bit what the layer's modules
   compute (a step of ~25 python-level ops per layer becomes one); any other step, a TP rank,
   quantized pages or a product form it does not mirror run the modules.
@@ -105,29 +105,24 @@ class DecoderLayer(nn.Module):
     def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def gdn_weights(self) -> GdnLayerWeights | None:
-        """This Gated DeltaNet layer's tensors for a bundle's ``gdn_decode_layer`` (None on the
-        meta device)."""
+    def gdn_weights(self) -> GdnLayerWeights:
+        """This Gated DeltaNet layer's tensors for a bundle's ``gdn_decode_layer``."""
         attn, mlp = self.linear_attn, self.mlp
-        in_proj, gate_up = attn.in_proj.stacked(), mlp.gate_up_proj.stacked()
-        if in_proj is None or gate_up is None:
-            return None
         return GdnLayerWeights(
-            self.input_layernorm.weight, in_proj, attn.conv1d.weight, attn.A_log, attn.dt_bias,
-            attn.norm.weight, attn.out_proj.weight, self.post_attention_layernorm.weight,
-            gate_up, mlp.down_proj.weight, attn.num_k_heads, attn.head_k_dim ** -0.5,
-            QK_L2_NORM_EPS, attn.norm.eps, self.input_layernorm.eps)
+            self.input_layernorm.weight, attn.in_proj_qkv.weight, attn.in_proj_z.weight,
+            attn.in_proj_b.weight, attn.in_proj_a.weight, attn.conv1d.weight, attn.A_log,
+            attn.dt_bias, attn.norm.weight, attn.out_proj.weight,
+            self.post_attention_layernorm.weight, mlp.gate_proj.weight, mlp.up_proj.weight,
+            mlp.down_proj.weight, attn.num_k_heads, attn.head_k_dim ** -0.5, QK_L2_NORM_EPS,
+            attn.norm.eps, self.input_layernorm.eps)
 
-    def attention_weights(self) -> AttentionLayerWeights | None:
-        """This full-attention layer's tensors for a bundle's ``attention_decode_layer`` (None on
-        the meta device)."""
+    def attention_weights(self) -> AttentionLayerWeights:
+        """This full-attention layer's tensors for a bundle's ``attention_decode_layer``."""
         attn, mlp = self.self_attn, self.mlp
-        qkv, gate_up = attn.qkv_proj.stacked(), mlp.gate_up_proj.stacked()
-        if qkv is None or gate_up is None:
-            return None
         return AttentionLayerWeights(
-            self.input_layernorm.weight, qkv, attn.q_norm.weight, attn.k_norm.weight,
-            attn.o_proj.weight, self.post_attention_layernorm.weight, gate_up,
+            self.input_layernorm.weight, attn.q_proj.weight, attn.k_proj.weight,
+            attn.v_proj.weight, attn.q_norm.weight, attn.k_norm.weight, attn.o_proj.weight,
+            self.post_attention_layernorm.weight, mlp.gate_proj.weight, mlp.up_proj.weight,
             mlp.down_proj.weight, attn.num_heads, attn.num_kv_heads, attn.head_dim ** -0.5,
             self.input_layernorm.eps)
 
@@ -346,14 +341,12 @@ class Qwen35ForCausalLM(nn.Module):
         i, matmul = layer.index, layer.mlp.down_proj.matmul
         if layer.is_full:
             fn = backend.attention_decode_layer
-            w = None if fn is None else layer.attention_weights()
-            return None if fn is None or w is None else fn(
-                h, w, cos, sin, cache.key_cache[i], cache.value_cache[i], meta, matmul,
-                cache.kv_scales.get(i))
+            return None if fn is None else fn(
+                h, layer.attention_weights(), cos, sin, cache.key_cache[i], cache.value_cache[i],
+                meta, matmul, cache.kv_scales.get(i))
         fn = backend.gdn_decode_layer
-        g = None if fn is None else layer.gdn_weights()
-        return None if fn is None or g is None else fn(
-            h, g, cache.conv_state[i], cache.recurrent_state[i], meta, matmul,
+        return None if fn is None else fn(
+            h, layer.gdn_weights(), cache.conv_state[i], cache.recurrent_state[i], meta, matmul,
             cache.checkpoint_pools(i) or (None, None))
 
     # -- checks -----------------------------------------------------------------------------------

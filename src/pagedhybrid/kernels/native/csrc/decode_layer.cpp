@@ -2,15 +2,15 @@
 //
 // gdn_decode_layer -- a Gated DeltaNet layer:
 //
-//   x  = rms_norm(h, input_layernorm, offset)        y  = gdn_decode_mixer(views of p)
-//   p  = x @ [in_proj_qkv | z | b | a]^T              h2 = h + y @ out_proj^T
+//   x  = rms_norm(h, input_layernorm, offset)        y  = gdn_decode_mixer(qkv, z, a, b)
+//   qkv, z, b, a = x @ in_proj_qkv / z / b / a^T      h2 = h + y @ out_proj^T
 //   x2 = rms_norm(h2, post_attention_layernorm, offset)
-//   g|u = x2 @ [gate_proj | up_proj]^T                out = h2 + (silu(g) * u) @ down_proj^T
+//   g, u = x2 @ gate_proj^T, x2 @ up_proj^T           out = h2 + (silu(g) * u) @ down_proj^T
 //
 // attention_decode_layer -- a full-attention layer over bf16 / fp32 pages (the cache in the
 // model dtype; quantized pages take the modules' path):
 //
-//   p = rms_norm(h, input_layernorm) @ [q_proj | k_proj | v_proj]^T;  per head [query | gate]
+//   x = rms_norm(h, input_layernorm); x @ q_proj^T per head [query | gate]; k, v = x @ k/v_proj^T
 //   q = rope(rms_norm(query, q_norm)), k = rope(rms_norm(k, k_norm)) -- rope.py's apply_rope,
 //   op for op; k, v written to their page slots; a = paged_attention(q) (the native kernel);
 //   h2 = h + (a * sigmoid(gate)) @ o_proj^T;  then the MLP as above.
@@ -25,9 +25,10 @@
 // What a Python step spends between ~25 ops per layer (argument parsing, dispatch, the
 // modules' glue: ~5 us an op on a 2-core server) is gone; the kernels are unchanged.
 //
-// h [B, hidden] and every weight in the model dtype (float32 or bfloat16); the pools, slots and
-// fresh as gdn_decode_mixer takes them. The stacked weights are the layer's StackedLinear
-// buffers (their row counts give the split).
+// h [B, hidden] and every weight in the model dtype (float32 or bfloat16), the modules' own
+// parameters (no stacked copies: a memory-mapped checkpoint stays the only copy); the pools,
+// slots and fresh as gdn_decode_mixer takes them. Every shape is checked before a pool or a page
+// is written, so a refused call changes nothing.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -69,31 +70,40 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   return at::cat({out, rest}, -1).to(x.scalar_type());
 }
 
-// The weights used after the mixer has written its pages / pools, checked before it runs (a
-// refused call changes nothing): out [hidden, in_dim] (out_proj / o_proj), post_norm [hidden],
-// gate_up [2 I, hidden], down [hidden, I] -- in h's dtype (the norm: float32 or bfloat16).
-void check_tail(const char* op, const at::Tensor& h, const char* out_name, const at::Tensor& out,
-                int64_t in_dim, const at::Tensor& post_norm, const at::Tensor& gate_up,
-                const at::Tensor& down) {
-  const int64_t hidden = h.size(1);
-  const auto dt = h.scalar_type();
-  check_tensor(op, out_name, out, 2, dt);
-  check_size(op, out_name, out, 0, hidden, "the hidden size of h");
-  check_size(op, out_name, out, 1, in_dim, "the mixer's output width");
-  check_norm_weight(op, "post_norm", post_norm, hidden, "the hidden size of h");
-  check_tensor(op, "down", down, 2, dt);
-  check_size(op, "down", down, 0, hidden, "the hidden size of h");
-  check_tensor(op, "gate_up", gate_up, 2, dt);
-  check_size(op, "gate_up", gate_up, 0, 2 * down.size(1), "2 down.size(1) (stacked [gate | up])");
-  check_size(op, "gate_up", gate_up, 1, hidden, "the hidden size of h");
+// A projection weight [rows, cols] in the model dtype.
+void check_weight(const char* op, const char* arg, const at::Tensor& w, at::ScalarType dt,
+                  int64_t rows, const char* rows_are, int64_t cols, const char* cols_are) {
+  check_tensor(op, arg, w, 2, dt);
+  check_size(op, arg, w, 0, rows, rows_are);
+  check_size(op, arg, w, 1, cols, cols_are);
 }
 
-// h2 + (silu(g) * u) @ down^T with g | u = rms_norm(h2, post_norm) @ gate_up^T (layers.py MLP)
-at::Tensor mlp_block(const at::Tensor& h2, const at::Tensor& post_norm, const at::Tensor& gate_up,
-                     const at::Tensor& down, double rms_eps, bool native_linear) {
-  const at::Tensor gu = product(norm(h2, post_norm, rms_eps), gate_up, native_linear);
+// The weights used after the mixer has written its pages / pools, checked before it runs:
+// out [hidden, in_dim] (out_proj / o_proj), post_norm [hidden], gate / up [I, hidden],
+// down [hidden, I] -- in h's dtype (the norm: float32 or bfloat16).
+void check_tail(const char* op, const at::Tensor& h, const char* out_name, const at::Tensor& out,
+                int64_t in_dim, const at::Tensor& post_norm, const at::Tensor& gate,
+                const at::Tensor& up, const at::Tensor& down) {
+  const int64_t hidden = h.size(1);
+  const auto dt = h.scalar_type();
+  check_weight(op, out_name, out, dt, hidden, "the hidden size of h", in_dim,
+               "the mixer's output width");
+  check_norm_weight(op, "post_norm", post_norm, hidden, "the hidden size of h");
+  PH_CHECK(down.dim() == 2, op, "down", "must be [hidden, I] (got shape ", shape_of(down), ")");
   const int64_t inter = down.size(1);
-  const at::Tensor m = at::mul(at::silu(gu.narrow(1, 0, inter)), gu.narrow(1, inter, inter));
+  check_weight(op, "down", down, dt, hidden, "the hidden size of h", inter, "down.size(1)");
+  check_weight(op, "gate", gate, dt, inter, "down.size(1)", hidden, "the hidden size of h");
+  check_weight(op, "up", up, dt, inter, "down.size(1)", hidden, "the hidden size of h");
+}
+
+// h2 + (silu(g) * u) @ down^T with g, u = x2 @ gate^T, x2 @ up^T, x2 = rms_norm(h2, post_norm)
+// (layers.py MLP)
+at::Tensor mlp_block(const at::Tensor& h2, const at::Tensor& post_norm, const at::Tensor& gate,
+                     const at::Tensor& up, const at::Tensor& down, double rms_eps,
+                     bool native_linear) {
+  const at::Tensor x2 = norm(h2, post_norm, rms_eps);
+  const at::Tensor m = at::mul(at::silu(product(x2, gate, native_linear)),
+                               product(x2, up, native_linear));
   return at::add(h2, product(m, down, native_linear));
 }
 
@@ -119,44 +129,49 @@ at::Tensor naming(const char* op, const F& f) {
 }
 
 at::Tensor attention_decode_layer(const at::Tensor& h, const at::Tensor& input_norm,
-                                  const at::Tensor& qkv_proj, const at::Tensor& q_norm,
+                                  const at::Tensor& q_proj, const at::Tensor& k_proj,
+                                  const at::Tensor& v_proj, const at::Tensor& q_norm,
                                   const at::Tensor& k_norm, const at::Tensor& cos,
                                   const at::Tensor& sin, at::Tensor key_cache,
                                   at::Tensor value_cache, const at::Tensor& write_slots,
                                   const at::Tensor& block_table, const at::Tensor& cu_seqlens,
                                   const at::Tensor& past_lens, const at::Tensor& seqs,
                                   const at::Tensor& o_proj, const at::Tensor& post_norm,
-                                  const at::Tensor& gate_up, const at::Tensor& down,
-                                  int64_t heads, int64_t kv_heads, double scale, double rms_eps,
-                                  int64_t split, bool native_linear) {
+                                  const at::Tensor& gate_proj, const at::Tensor& up_proj,
+                                  const at::Tensor& down_proj, int64_t heads, int64_t kv_heads,
+                                  double scale, double rms_eps, int64_t split,
+                                  bool native_linear) {
   return naming("attention_decode_layer", [&](const char* op) {
     check_h(op, h);
-    const int64_t n = h.size(0);
-    PH_CHECK(key_cache.dim() == 4 && key_cache.scalar_type() == h.scalar_type(), op, "key_cache",
-             "must be [P, bs, Hkv, D] pages of h's dtype ", h.scalar_type(), " (got ",
-             key_cache.scalar_type(), " ", shape_of(key_cache), ")");
+    const int64_t n = h.size(0), hidden = h.size(1);
+    const auto dt = h.scalar_type();
+    PH_CHECK(key_cache.dim() == 4 && key_cache.scalar_type() == dt, op, "key_cache",
+             "must be [P, bs, Hkv, D] pages of h's dtype ", dt, " (got ", key_cache.scalar_type(),
+             " ", shape_of(key_cache), ")");
     const int64_t hd = key_cache.size(3);
     PH_CHECK(heads >= 1 && kv_heads == key_cache.size(2) && heads % kv_heads == 0, op, "heads",
              "head ratio: heads (", heads, ") must be a multiple of the pages' KV heads (",
              key_cache.size(2), "), and kv_heads (", kv_heads, ") equal to them");
-    const int64_t qw = 2 * heads * hd, kw = kv_heads * hd;
-    PH_CHECK(qkv_proj.dim() == 2 && qkv_proj.size(0) == qw + 2 * kw, op, "qkv_proj",
-             "must stack [q_proj | k_proj | v_proj]: 2 heads D + 2 kv_heads D = ", qw + 2 * kw,
-             " rows (got shape ", shape_of(qkv_proj), ")");
+    check_weight(op, "q_proj", q_proj, dt, 2 * heads * hd, "2 heads D (query | gate)", hidden,
+                 "the hidden size of h");
+    check_weight(op, "k_proj", k_proj, dt, kv_heads * hd, "kv_heads D", hidden,
+                 "the hidden size of h");
+    check_weight(op, "v_proj", v_proj, dt, kv_heads * hd, "kv_heads D", hidden,
+                 "the hidden size of h");
     PH_CHECK(cos.dim() == 2 && cos.size(0) == n && sin.sizes() == cos.sizes() &&
                  cos.size(1) <= hd && cos.size(1) % 2 == 0, op, "cos",
              "cos and sin must be [N, rotary_dim] with an even rotary_dim <= D (got ",
              shape_of(cos), ", ", shape_of(sin), ")");
     check_tensor(op, "write_slots", write_slots, 1, at::kLong);
     check_size(op, "write_slots", write_slots, 0, n, "the token rows of h");
-    const at::Tensor p = product(norm(h, input_norm, rms_eps), qkv_proj, native_linear);
-    const at::Tensor qg = p.narrow(1, 0, qw).view({n, heads, 2 * hd});
+    check_tail(op, h, "o_proj", o_proj, heads * hd, post_norm, gate_proj, up_proj, down_proj);
+    const at::Tensor x = norm(h, input_norm, rms_eps);
+    const at::Tensor qg = product(x, q_proj, native_linear).view({n, heads, 2 * hd});
     const at::Tensor gate = qg.narrow(2, hd, hd).reshape({n, heads * hd});
     const at::Tensor q = rope(head_norm(qg.narrow(2, 0, hd), q_norm, rms_eps), cos, sin);
-    const at::Tensor k = rope(head_norm(p.narrow(1, qw, kw).view({n, kv_heads, hd}), k_norm,
-                                        rms_eps), cos, sin);
-    const at::Tensor v = p.narrow(1, qw + kw, kw).view({n, kv_heads, hd});
-    check_tail(op, h, "o_proj", o_proj, heads * hd, post_norm, gate_up, down);
+    const at::Tensor k = rope(head_norm(product(x, k_proj, native_linear).view({n, kv_heads, hd}),
+                                        k_norm, rms_eps), cos, sin);
+    const at::Tensor v = product(x, v_proj, native_linear).view({n, kv_heads, hd});
     const at::Tensor qf = q.to(at::kFloat).contiguous();
     at::Tensor attn = at::empty({n, heads, hd}, h.options().dtype(at::kFloat));
     check_paged_attention(qf, key_cache, value_cache, block_table, cu_seqlens, past_lens, seqs,
@@ -166,46 +181,52 @@ at::Tensor attention_decode_layer(const at::Tensor& h, const at::Tensor& input_n
     for (int64_t i = 0; i < n; ++i)
       PH_CHECK(ws[i] >= 0 && ws[i] < slots, op, "write_slots", "write_slots[", i, "] = ", ws[i],
                " is outside the pages' ", slots, " slots");
-    PH_CHECK(value_cache.sizes() == key_cache.sizes(), op, "value_cache",
-             "must have key_cache's shape ", shape_of(key_cache), " (got ", shape_of(value_cache),
-             ")");
     key_cache.view({-1, kv_heads, hd}).index_copy_(0, write_slots, k);
     value_cache.view({-1, kv_heads, hd}).index_copy_(0, write_slots, v);
     paged_attention(qf, key_cache, value_cache, block_table, cu_seqlens, past_lens, seqs, attn,
                     scale, split);
-    const at::Tensor gated = at::mul(attn.to(h.scalar_type()).reshape({n, -1}), at::sigmoid(gate));
+    const at::Tensor gated = at::mul(attn.to(dt).reshape({n, -1}), at::sigmoid(gate));
     const at::Tensor h2 = at::add(h, product(gated, o_proj, native_linear));
-    return mlp_block(h2, post_norm, gate_up, down, rms_eps, native_linear);
+    return mlp_block(h2, post_norm, gate_proj, up_proj, down_proj, rms_eps, native_linear);
   });
 }
 
 at::Tensor gdn_decode_layer(const at::Tensor& h, const at::Tensor& input_norm,
-                            const at::Tensor& in_proj, const at::Tensor& conv_weight,
-                            at::Tensor conv_pool, const at::Tensor& a_log,
-                            const at::Tensor& dt_bias, at::Tensor pool, const at::Tensor& slots,
-                            const at::Tensor& fresh, const at::Tensor& gated_norm,
-                            const at::Tensor& out_proj, const at::Tensor& post_norm,
-                            const at::Tensor& gate_up, const at::Tensor& down,
+                            const at::Tensor& in_proj_qkv, const at::Tensor& in_proj_z,
+                            const at::Tensor& in_proj_b, const at::Tensor& in_proj_a,
+                            const at::Tensor& conv_weight, at::Tensor conv_pool,
+                            const at::Tensor& a_log, const at::Tensor& dt_bias, at::Tensor pool,
+                            const at::Tensor& slots, const at::Tensor& fresh,
+                            const at::Tensor& gated_norm, const at::Tensor& out_proj,
+                            const at::Tensor& post_norm, const at::Tensor& gate_proj,
+                            const at::Tensor& up_proj, const at::Tensor& down_proj,
                             int64_t key_heads, double scale, double l2_eps, double gated_eps,
                             double rms_eps, bool native_linear) {
   return naming("gdn_decode_layer", [&](const char* op) {
     check_h(op, h);
+    const int64_t hidden = h.size(1);
+    const auto dt = h.scalar_type();
     check_tensor(op, "pool", pool, 4, at::kFloat);
     const int64_t hv = pool.size(1), vd = hv * pool.size(2);
-    const int64_t ch = conv_weight.dim() >= 1 ? conv_weight.size(0) : -1;
-    PH_CHECK(vd > 0 && hv > 0 && ch > 0 && in_proj.dim() == 2 &&
-                 in_proj.size(0) == ch + vd + 2 * hv, op, "in_proj",
-             "must stack [qkv | z | b | a]: conv_weight.size(0) + Hv Dv + 2 Hv rows of the pool's "
-             "heads (got shape ", shape_of(in_proj), ")");
-    check_tail(op, h, "out_proj", out_proj, vd, post_norm, gate_up, down);
+    PH_CHECK(conv_weight.dim() == 2, op, "conv_weight", "must be [C, K] (got shape ",
+             shape_of(conv_weight), ")");
+    check_weight(op, "in_proj_qkv", in_proj_qkv, dt, conv_weight.size(0),
+                 "the channels of conv_weight", hidden, "the hidden size of h");
+    check_weight(op, "in_proj_z", in_proj_z, dt, vd, "Hv Dv of pool", hidden,
+                 "the hidden size of h");
+    check_weight(op, "in_proj_b", in_proj_b, dt, hv, "the value heads of pool", hidden,
+                 "the hidden size of h");
+    check_weight(op, "in_proj_a", in_proj_a, dt, hv, "the value heads of pool", hidden,
+                 "the hidden size of h");
+    check_tail(op, h, "out_proj", out_proj, vd, post_norm, gate_proj, up_proj, down_proj);
     const at::Tensor x = norm(h, input_norm, rms_eps);
-    const at::Tensor p = product(x, in_proj, native_linear);  // [B, C + Vd + 2 Hv]
     at::Tensor y = at::empty({h.size(0), vd}, h.options());
-    gdn_decode_mixer(p.narrow(1, 0, ch), p.narrow(1, ch, vd), p.narrow(1, ch + vd + hv, hv),
-                     p.narrow(1, ch + vd, hv), conv_weight, conv_pool, a_log, dt_bias, pool, slots,
-                     fresh, gated_norm, y, key_heads, scale, l2_eps, gated_eps);
+    gdn_decode_mixer(product(x, in_proj_qkv, native_linear), product(x, in_proj_z, native_linear),
+                     product(x, in_proj_a, native_linear), product(x, in_proj_b, native_linear),
+                     conv_weight, conv_pool, a_log, dt_bias, pool, slots, fresh, gated_norm, y,
+                     key_heads, scale, l2_eps, gated_eps);
     const at::Tensor h2 = at::add(h, product(y, out_proj, native_linear));
-    return mlp_block(h2, post_norm, gate_up, down, rms_eps, native_linear);
+    return mlp_block(h2, post_norm, gate_proj, up_proj, down_proj, rms_eps, native_linear);
   });
 }
 
@@ -214,17 +235,19 @@ at::Tensor gdn_decode_layer(const at::Tensor& h, const at::Tensor& input_norm,
 
 TORCH_LIBRARY_FRAGMENT(PH_NS, m) {
   m.def(
-      "attention_decode_layer(Tensor h, Tensor input_norm, Tensor qkv_proj, Tensor q_norm, "
-      "Tensor k_norm, Tensor cos, Tensor sin, Tensor(a!) key_cache, Tensor(b!) value_cache, "
-      "Tensor write_slots, Tensor block_table, Tensor cu_seqlens, Tensor past_lens, "
-      "Tensor seqs, Tensor o_proj, Tensor post_norm, Tensor gate_up, Tensor down, int heads, "
-      "int kv_heads, float scale, float rms_eps, int split, bool native_linear) -> Tensor");
+      "attention_decode_layer(Tensor h, Tensor input_norm, Tensor q_proj, Tensor k_proj, "
+      "Tensor v_proj, Tensor q_norm, Tensor k_norm, Tensor cos, Tensor sin, "
+      "Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor write_slots, Tensor block_table, "
+      "Tensor cu_seqlens, Tensor past_lens, Tensor seqs, Tensor o_proj, Tensor post_norm, "
+      "Tensor gate_proj, Tensor up_proj, Tensor down_proj, int heads, int kv_heads, "
+      "float scale, float rms_eps, int split, bool native_linear) -> Tensor");
   m.def(
-      "gdn_decode_layer(Tensor h, Tensor input_norm, Tensor in_proj, Tensor conv_weight, "
-      "Tensor(a!) conv_pool, Tensor a_log, Tensor dt_bias, Tensor(b!) pool, Tensor slots, "
-      "Tensor fresh, Tensor gated_norm, Tensor out_proj, Tensor post_norm, Tensor gate_up, "
-      "Tensor down, int key_heads, float scale, float l2_eps, float gated_eps, float rms_eps, "
-      "bool native_linear) -> Tensor");
+      "gdn_decode_layer(Tensor h, Tensor input_norm, Tensor in_proj_qkv, Tensor in_proj_z, "
+      "Tensor in_proj_b, Tensor in_proj_a, Tensor conv_weight, Tensor(a!) conv_pool, "
+      "Tensor a_log, Tensor dt_bias, Tensor(b!) pool, Tensor slots, Tensor fresh, "
+      "Tensor gated_norm, Tensor out_proj, Tensor post_norm, Tensor gate_proj, Tensor up_proj, "
+      "Tensor down_proj, int key_heads, float scale, float l2_eps, float gated_eps, "
+      "float rms_eps, bool native_linear) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(PH_NS, CPU, m) {
