@@ -343,3 +343,24 @@ def test_fused_decode_layers_equal_the_modules_bit_for_bit(tiny_checkpoint, dtyp
     kinds = ["attention_decode_layer" if i in cfg.full_attention_layers else "gdn_decode_layer"
              for i in range(cfg.num_hidden_layers)]
     assert fused_calls == [(k, True) for k in kinds] * 3
+
+
+def test_fused_decode_layers_follow_a_replaced_parameter(tiny_checkpoint):
+    """The fused layers gather each layer's weights once; a parameter object replaced after
+    that (as ``load_weights`` does) is what the next step reads, not the old one."""
+    native = backend("native")
+    unfused = dataclasses.replace(native, gdn_decode_layer=None, gdn_decode=None,
+                                  attention_decode_layer=None)
+    model = load(tiny_checkpoint.path, backend=native)
+    cfg = model.config
+    cache = PagedHybridCache.allocate(cfg, num_pages=2, block_size=BLOCK, num_slots=1)
+    model.forward_packed(PackedBatch.from_sequences([[1, 2, 3]], [0], [[0]], [0]), cache)
+    step = PackedBatch.from_sequences([[4]], [3], [[0]], [0])
+    before = model.forward_packed(step, cache.clone())
+    for i in (cfg.linear_attention_layers[0], cfg.full_attention_layers[0]):
+        mlp = model.model.layers[i].mlp
+        mlp.down_proj.weight = torch.nn.Parameter(mlp.down_proj.weight * 2, requires_grad=False)
+    got = model.forward_packed(step, cache.clone())
+    model.backend = unfused
+    want = model.forward_packed(step, cache.clone())
+    assert torch.equal(got, want) and not torch.equal(got, before)

@@ -172,14 +172,14 @@ class StepMetadata:
         cu = [0]
         for q in q_lens:
             cu.append(cu[-1] + q)
-        tok_seq = torch.repeat_interleave(torch.arange(b), torch.tensor(q_lens))  # [N]
-        starts = torch.tensor(cu[:-1], dtype=torch.int64)
-        positions = torch.tensor(past_lens, dtype=torch.int64)[tok_seq] + \
-            torch.arange(cu[-1]) - starts[tok_seq]  # [N]
+        # per token, in python ints (a decode step's few values cost less than tensor ops)
+        pos = [t for p, q in zip(past_lens, q_lens, strict=True) for t in range(p, p + q)]
+        positions = torch.tensor(pos, dtype=torch.int64, device=device)  # [N]
         write = None
         if block_tables is not None:
-            pages = table.long()[tok_seq, positions // block_size]  # [N]
-            write = (pages * block_size + positions % block_size).to(device)  # [N]
+            write = torch.tensor([rows[i][t // block_size] * block_size + t % block_size
+                                  for i, (p, q) in enumerate(zip(past_lens, q_lens, strict=True))
+                                  for t in range(p, p + q)], dtype=torch.int64, device=device)
         i32 = {"dtype": torch.int32, "device": device}
         return cls(
             q_lens=q_lens, past_lens=past_lens, block_size=block_size, num_pages=num_pages,
@@ -187,7 +187,7 @@ class StepMetadata:
             block_table=table.to(device), state_slots=torch.tensor(slots, dtype=torch.int64,
                                                                    device=device),
             fresh_t=torch.tensor([p == 0 for p in past_lens], dtype=torch.bool, device=device),
-            positions=positions.to(device), write_slots=write, cu_seqlens=tuple(cu),
+            positions=positions, write_slots=write, cu_seqlens=tuple(cu),
             decode=tuple(i for i, q in enumerate(q_lens) if q == 1),
             multi=tuple(i for i, q in enumerate(q_lens) if q > 1), checkpoints=ck)
 

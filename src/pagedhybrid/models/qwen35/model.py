@@ -87,10 +87,24 @@ class DenseCache:
     recurrent: dict[int, torch.Tensor]  # linear layer -> fp32 [B, Hv, Dv, Dk]
 
 
+# Bumped whenever any module registers a parameter (``setattr`` of an ``nn.Parameter``, as
+# ``load_weights`` adopts them): a layer's gathered weights for the fused decode ops are reused
+# only while no parameter object was replaced (in-place updates change nothing they refer to).
+_PARAMETER_EPOCH = [0]
+
+
+def _parameter_registered(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+    _PARAMETER_EPOCH[0] += 1
+
+
+nn.modules.module.register_module_parameter_registration_hook(_parameter_registered)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: Qwen35Config, index: int, dtype: torch.dtype,
                  parallel: ParallelConfig) -> None:
         super().__init__()
+        self._weights: tuple[int, GdnLayerWeights | AttentionLayerWeights] | None = None
         self.index = index
         self.is_full = config.layer_types[index] == FULL_ATTENTION
         if self.is_full:
@@ -105,26 +119,31 @@ class DecoderLayer(nn.Module):
     def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def gdn_weights(self) -> GdnLayerWeights:
-        """This Gated DeltaNet layer's tensors for a bundle's ``gdn_decode_layer``."""
-        attn, mlp = self.linear_attn, self.mlp
-        return GdnLayerWeights(
-            self.input_layernorm.weight, attn.in_proj_qkv.weight, attn.in_proj_z.weight,
-            attn.in_proj_b.weight, attn.in_proj_a.weight, attn.conv1d.weight, attn.A_log,
-            attn.dt_bias, attn.norm.weight, attn.out_proj.weight,
-            self.post_attention_layernorm.weight, mlp.gate_proj.weight, mlp.up_proj.weight,
-            mlp.down_proj.weight, attn.num_k_heads, attn.head_k_dim ** -0.5, QK_L2_NORM_EPS,
-            attn.norm.eps, self.input_layernorm.eps)
-
-    def attention_weights(self) -> AttentionLayerWeights:
-        """This full-attention layer's tensors for a bundle's ``attention_decode_layer``."""
-        attn, mlp = self.self_attn, self.mlp
-        return AttentionLayerWeights(
-            self.input_layernorm.weight, attn.q_proj.weight, attn.k_proj.weight,
-            attn.v_proj.weight, attn.q_norm.weight, attn.k_norm.weight, attn.o_proj.weight,
-            self.post_attention_layernorm.weight, mlp.gate_proj.weight, mlp.up_proj.weight,
-            mlp.down_proj.weight, attn.num_heads, attn.num_kv_heads, attn.head_dim ** -0.5,
-            self.input_layernorm.eps)
+    def decode_weights(self) -> GdnLayerWeights | AttentionLayerWeights:
+        """This layer's tensors for a bundle's ``gdn_decode_layer`` / ``attention_decode_layer``
+        (the parameters themselves; gathered once while no parameter is replaced)."""
+        cached = self._weights
+        if cached is not None and cached[0] == _PARAMETER_EPOCH[0]:
+            return cached[1]
+        mlp = self.mlp
+        tail = (self.post_attention_layernorm.weight, mlp.gate_proj.weight, mlp.up_proj.weight,
+                mlp.down_proj.weight)
+        w: GdnLayerWeights | AttentionLayerWeights
+        if self.is_full:
+            a = self.self_attn
+            w = AttentionLayerWeights(
+                self.input_layernorm.weight, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight,
+                a.q_norm.weight, a.k_norm.weight, a.o_proj.weight, *tail, a.num_heads,
+                a.num_kv_heads, a.head_dim ** -0.5, self.input_layernorm.eps)
+        else:
+            g = self.linear_attn
+            w = GdnLayerWeights(
+                self.input_layernorm.weight, g.in_proj_qkv.weight, g.in_proj_z.weight,
+                g.in_proj_b.weight, g.in_proj_a.weight, g.conv1d.weight, g.A_log, g.dt_bias,
+                g.norm.weight, g.out_proj.weight, *tail, g.num_k_heads, g.head_k_dim ** -0.5,
+                QK_L2_NORM_EPS, g.norm.eps, self.input_layernorm.eps)
+        self._weights = (_PARAMETER_EPOCH[0], w)
+        return w
 
 
 class Qwen35TextModel(nn.Module):
@@ -342,12 +361,12 @@ class Qwen35ForCausalLM(nn.Module):
         if layer.is_full:
             fn = backend.attention_decode_layer
             return None if fn is None else fn(
-                h, layer.attention_weights(), cos, sin, cache.key_cache[i], cache.value_cache[i],
+                h, layer.decode_weights(), cos, sin, cache.key_cache[i], cache.value_cache[i],
                 meta, matmul, cache.kv_scales.get(i))
         fn = backend.gdn_decode_layer
         return None if fn is None else fn(
-            h, layer.gdn_weights(), cache.conv_state[i], cache.recurrent_state[i], meta, matmul,
-            cache.checkpoint_pools(i) or (None, None))
+            h, layer.decode_weights(), cache.conv_state[i], cache.recurrent_state[i], meta,
+            matmul, cache.checkpoint_pools(i) or (None, None))
 
     # -- checks -----------------------------------------------------------------------------------
     def _check_ids(self, op: str, ids: torch.Tensor) -> None:

@@ -11,25 +11,38 @@ For text the three planes are equal and this is plain partial RoPE at the token 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from pagedhybrid.models.qwen35.config import Qwen35Config
 
 
 def inv_freq(config: Qwen35Config, device: torch.device | str = "cpu") -> torch.Tensor:
-    dim = config.rotary_dim
+    """fp32 ``[rd/2]`` (one tensor per geometry and device, computed once: do not modify)."""
+    return _inv_freq(config.rotary_dim, config.rope_theta, str(device))
+
+
+@functools.cache
+def _inv_freq(dim: int, theta: float, device: str) -> torch.Tensor:
     # Same expression as HF so the fp32 table is bit-identical.
-    return 1.0 / (config.rope_theta ** (
+    return 1.0 / (theta ** (
         torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim
     ))  # [rd/2]
 
 
 def mrope_plane_index(config: Qwen35Config, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Which position plane (0=T, 1=H, 2=W) drives each of the ``rotary_dim/2`` frequencies."""
-    half = config.rotary_dim // 2
+    """Which position plane (0=T, 1=H, 2=W) drives each of the ``rotary_dim/2`` frequencies
+    (one tensor per geometry and device, computed once: do not modify)."""
+    return _plane_index(config.rotary_dim, tuple(config.mrope_section), str(device))
+
+
+@functools.cache
+def _plane_index(dim: int, section: tuple[int, ...], device: str) -> torch.Tensor:
+    half = dim // 2
     idx = torch.zeros(half, dtype=torch.int64)
     for plane, offset in ((1, 1), (2, 2)):
-        idx[offset:3 * config.mrope_section[plane]:3] = plane
+        idx[offset:3 * section[plane]:3] = plane
     return idx.to(device)  # [rd/2]
 
 
