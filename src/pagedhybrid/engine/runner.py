@@ -75,7 +75,7 @@ class StepBatch(NamedTuple):
 
     batch: PackedBatch
     meta: StepMetadata  # validated once here; every layer's kernels read it
-    rows: torch.Tensor  # int64 [R]: token rows whose logits are computed
+    rows: torch.Tensor | None  # int64 [R]: token rows whose logits are computed (None: all)
     sampling: list[int]  # sequences that sample this step
     sample_rows: list[int]  # their positions in ``rows``
     prompt_spans: list[PromptSpan]  # prompt-logprob rows
@@ -118,7 +118,9 @@ def build_batch(output: SchedulerOutput, cache: PagedHybridCache, device: str = 
             sample_rows.append(len(rows))
             rows.append(offset + s.num_new_tokens - 1)
         offset += s.num_new_tokens
-    return StepBatch(batch, meta, torch.tensor(rows, dtype=torch.int64, device=device),
+    every = len(rows) == offset and rows == list(range(offset))  # a decode step: all rows
+    return StepBatch(batch, meta,
+                     None if every else torch.tensor(rows, dtype=torch.int64, device=device),
                      sampling, sample_rows, spans)
 
 
