@@ -47,7 +47,7 @@ from pagedhybrid.engine.stats import EngineStats
 from pagedhybrid.errors import ContractViolation
 from pagedhybrid.kernels.backend import Needs, Selection, select
 from pagedhybrid.kernels.native import cpu_form, dense, set_pool_threads
-from pagedhybrid.kernels.step import StepMetadata
+from pagedhybrid.kernels.step import StepMetadata, int_tensor
 from pagedhybrid.kvquant import (
     KVScales,
     default_scales_path,
@@ -120,7 +120,7 @@ def build_batch(output: SchedulerOutput, cache: PagedHybridCache, device: str = 
         offset += s.num_new_tokens
     every = len(rows) == offset and rows == list(range(offset))  # a decode step: all rows
     return StepBatch(batch, meta,
-                     None if every else torch.tensor(rows, dtype=torch.int64, device=device),
+                     None if every else int_tensor(rows, torch.int64, device),
                      sampling, sample_rows, spans)
 
 

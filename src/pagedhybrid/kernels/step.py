@@ -28,7 +28,8 @@ a derived per-step plan (e.g. attention tiles) so it is also computed once per s
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import array
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -37,6 +38,16 @@ import torch
 from pagedhybrid.errors import ContractViolation
 
 OP = "pagedhybrid.StepMetadata"
+_TYPECODES = {torch.int32: "i", torch.int64: "q", torch.bool: "b"}
+
+
+def int_tensor(values: Iterable[int], dtype: torch.dtype,
+               device: torch.device | str = "cpu") -> torch.Tensor:
+    """A 1-D ``dtype`` (int32, int64 or bool) tensor of python ints, through a typed buffer:
+    ~2 us where ``torch.tensor`` of a short list takes ~5 (a step builds several)."""
+    buf = array.array(_TYPECODES[dtype], values)
+    t = torch.frombuffer(buf, dtype=dtype) if len(buf) else torch.empty(0, dtype=dtype)
+    return t if device == "cpu" or torch.device(device).type == "cpu" else t.to(device)
 
 
 @dataclass(frozen=True)
@@ -114,7 +125,7 @@ class StepMetadata:
 
     def seq_index(self, seqs: tuple[int, ...]) -> torch.Tensor:
         """int32 ``[n]`` tensor of sequence indices (memoised)."""
-        return self.memo(f"seqidx{seqs}", lambda: torch.tensor(seqs, dtype=torch.int32))
+        return self.memo(f"seqidx{seqs}", lambda: int_tensor(seqs, torch.int32))
 
     @classmethod
     def build(cls, q_lens: Sequence[int], past_lens: Sequence[int],
@@ -148,7 +159,7 @@ class StepMetadata:
         else:
             width = max([len(r) for r in block_tables] + [1])
             rows = [list(r) + [-1] * (width - len(r)) for r in block_tables]
-            table = torch.tensor(rows, dtype=torch.int32).view(b, width)
+            table = int_tensor((x for r in rows for x in r), torch.int32).view(b, width)
         check(table.dim() == 2 and table.shape[0] == b, "block_table", f"must be [{b}, M]",
               tuple(table.shape))
         for i, (p, q) in enumerate(zip(past_lens, q_lens, strict=True)):
@@ -174,19 +185,18 @@ class StepMetadata:
             cu.append(cu[-1] + q)
         # per token, in python ints (a decode step's few values cost less than tensor ops)
         pos = [t for p, q in zip(past_lens, q_lens, strict=True) for t in range(p, p + q)]
-        positions = torch.tensor(pos, dtype=torch.int64, device=device)  # [N]
+        positions = int_tensor(pos, torch.int64, device)  # [N]
         write = None
         if block_tables is not None:
-            write = torch.tensor([rows[i][t // block_size] * block_size + t % block_size
-                                  for i, (p, q) in enumerate(zip(past_lens, q_lens, strict=True))
-                                  for t in range(p, p + q)], dtype=torch.int64, device=device)
-        i32 = {"dtype": torch.int32, "device": device}
+            write = int_tensor((rows[i][t // block_size] * block_size + t % block_size
+                                for i, (p, q) in enumerate(zip(past_lens, q_lens, strict=True))
+                                for t in range(p, p + q)), torch.int64, device)
         return cls(
             q_lens=q_lens, past_lens=past_lens, block_size=block_size, num_pages=num_pages,
-            cu_seqlens_t=torch.tensor(cu, **i32), past_t=torch.tensor(past_lens, **i32),
-            block_table=table.to(device), state_slots=torch.tensor(slots, dtype=torch.int64,
-                                                                   device=device),
-            fresh_t=torch.tensor([p == 0 for p in past_lens], dtype=torch.bool, device=device),
+            cu_seqlens_t=int_tensor(cu, torch.int32, device),
+            past_t=int_tensor(past_lens, torch.int32, device), block_table=table.to(device),
+            state_slots=int_tensor(slots, torch.int64, device),
+            fresh_t=int_tensor((p == 0 for p in past_lens), torch.bool, device),
             positions=positions, write_slots=write, cu_seqlens=tuple(cu),
             decode=tuple(i for i, q in enumerate(q_lens) if q == 1),
             multi=tuple(i for i, q in enumerate(q_lens) if q > 1), checkpoints=ck)

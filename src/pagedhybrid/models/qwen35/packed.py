@@ -36,7 +36,7 @@ from typing import NamedTuple
 import torch
 
 from pagedhybrid.errors import ContractViolation
-from pagedhybrid.kernels.step import StepMetadata
+from pagedhybrid.kernels.step import StepMetadata, int_tensor
 from pagedhybrid.kvquant import KVScales, dequantize
 from pagedhybrid.models.qwen35.config import Qwen35Config
 
@@ -101,12 +101,12 @@ class PackedBatch(NamedTuple):
         ``meta`` (no second representation of lengths, positions, table or slots)."""
         top = max(meta.total_lens, default=0)
         return cls(
-            input_ids=torch.tensor(list(input_ids), dtype=torch.int64, device=device),
+            input_ids=int_tensor(input_ids, torch.int64, device),
             position_ids=meta.positions.view(1, -1).expand(3, -1),
             cu_seqlens=meta.cu_seqlens_t, past_seqlens=meta.past_t,
             block_table=meta.block_table, state_slots=meta.state_slots.to(torch.int32),
-            attention_metadata=torch.tensor([max(meta.q_lens, default=0), top, top],
-                                            dtype=torch.int32, device=device))
+            attention_metadata=int_tensor((max(meta.q_lens, default=0), top, top), torch.int32,
+                                          device))
 
     @classmethod
     def from_sequences(
