@@ -371,3 +371,37 @@ def test_fused_decode_layers_follow_a_replaced_parameter(tiny_checkpoint):
     model.backend = unfused
     want = model.forward_packed(step, cache.clone())
     assert torch.equal(got, want) and not torch.equal(got, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fused_decode_layers_write_the_same_state_checkpoints(tiny_checkpoint, dtype):
+    """A decode step that also emits state checkpoints (prefix caching at a chunk end) writes
+    the same checkpoint rows through the fused layers as module by module."""
+    from pagedhybrid.kernels.step import StepMetadata
+
+    native = backend("native")
+    unfused = dataclasses.replace(native, gdn_decode_layer=None, gdn_decode=None,
+                                  attention_decode_layer=None)
+    model = load(tiny_checkpoint.path, dtype=dtype, backend=native)
+    cfg = model.config
+    gen = torch.Generator().manual_seed(5)
+    cache = PagedHybridCache.allocate(cfg, num_pages=8, block_size=BLOCK, num_slots=3,
+                                      dtype=dtype, fill=None, generator=gen, num_checkpoints=4)
+    pages = [[0, 1], [2, 3], [4, 5]]
+    model.forward_packed(PackedBatch.from_sequences([[1, 2, 3], [4, 5], [6]], [0, 0, 0], pages,
+                                                    [2, 0, 1]), cache)
+    meta = StepMetadata.build([1, 1, 1], [3, 2, 1], pages, [2, 0, 1], block_size=BLOCK,
+                              num_pages=8, num_slots=3, checkpoints=[(0, 1, 3), (2, 1, 1)],
+                              num_checkpoints=4)
+    step = PackedBatch.from_metadata(meta, [7, 8, 9])
+    runs = []
+    for bundle in (native, unfused):
+        model.backend = bundle
+        c = cache.clone()
+        runs.append((model.forward_packed(step, c, None, meta), c))
+    (got, got_cache), (want, want_cache) = runs
+    assert torch.equal(got, want)
+    for pools in ("checkpoint_conv", "checkpoint_recurrent"):
+        for i, t in getattr(want_cache, pools).items():
+            assert torch.equal(getattr(got_cache, pools)[i], t), (pools, i)
+            assert not torch.equal(t[3], getattr(cache, pools)[i][3])  # row 3 was written
