@@ -31,6 +31,7 @@ first call timed faster (``bf16_gemm_timing``: a [4096, 1024] bf16 weight at 256
 from __future__ import annotations
 
 import functools
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -85,17 +86,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     native ``linear`` kernel (the weights streamed once and widened in registers; packed fp32
     panels and an outer-product kernel from 16 rows on); from ``WIDEN_ROWS`` rows on (prefill)
     with bf16 / fp16 weights: chunks of the weights widened to fp32 and torch's fp32 GEMM."""
-    if weight.dtype in WIDENED_DTYPES and x.numel() >= WIDEN_ROWS * x.shape[-1]:
-        return _widened_gemm(x, weight)
-    return _product("linear", x, weight)
+    return _run(linear, x, weight)
 
 
 def mixed_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``decode_linear`` below ``WIDEN_ROWS`` rows (the native kernel, then torch's GEMM),
     ``linear`` (the widened fp32 GEMM) from there on."""
-    if x.numel() < WIDEN_ROWS * x.shape[-1]:
-        return decode_linear(x, weight)
-    return linear(x, weight)
+    return _run(mixed_linear, x, weight)
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -112,24 +109,33 @@ def bf16_dot() -> bool:
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The native kernel for fewer than ``DECODE_ROWS`` rows (decode), torch's GEMM above."""
-    if x.numel() < DECODE_ROWS * x.shape[-1]:
-        return _product("linear", x, weight)
-    return F.linear(x, weight)
+    return _run(decode_linear, x, weight)
 
 
-def native_rows(matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
-                weight_dtype: torch.dtype, rows: int) -> bool | None:
-    """What ``matmul`` (a bundle's ``linear_for`` choice) multiplies ``rows`` rows with: True --
-    the native ``linear`` kernel, False -- torch's GEMM (``F.linear``), None -- another form
-    (the widened fp32 GEMM, the batch-invariant kernel)."""
-    widened = weight_dtype in WIDENED_DTYPES and rows >= WIDEN_ROWS
+def product_form(matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+                 weight_dtype: torch.dtype, rows: int) -> str | None:
+    """How ``matmul`` (a bundle's ``linear_for`` choice; None = ``F.linear``) multiplies ``rows``
+    rows by ``weight_dtype`` weights: ``"native"`` (the native ``linear`` kernel), ``"torch"``
+    (``F.linear``) or ``"widened"`` (the widened fp32 GEMM); None for a product not chosen here
+    (the batch-invariant kernel). The one rule: ``linear``, ``mixed_linear`` and
+    ``decode_linear`` dispatch by it, and the fused decode layers read it to mirror them."""
     if matmul is None:
-        return False
+        return "torch"
+    if matmul is mixed_linear:
+        matmul = decode_linear if rows < WIDEN_ROWS else linear
     if matmul is linear:
-        return None if widened else True
-    if matmul is decode_linear or (matmul is mixed_linear and not widened):
-        return rows < DECODE_ROWS
+        return "widened" if weight_dtype in WIDENED_DTYPES and rows >= WIDEN_ROWS else "native"
+    if matmul is decode_linear:
+        return "native" if rows < DECODE_ROWS else "torch"
     return None
+
+
+def _run(matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor,
+         weight: torch.Tensor) -> torch.Tensor:
+    form = product_form(matmul, weight.dtype, math.prod(x.shape[:-1]))
+    if form == "native":
+        return _product("linear", x, weight)
+    return _widened_gemm(x, weight) if form == "widened" else F.linear(x, weight)
 
 
 @functools.cache

@@ -16,7 +16,7 @@ Mixed steps split by sequence; rows of the two groups are disjoint, so they neve
 * gdn_decode_layer -- a whole Gated DeltaNet decoder layer (norms, projections, the mixer, the
   residuals and the MLP) of a decode-only step in one native call (``csrc/decode_layer.cpp``),
   bit for bit the layer's modules when the bundle's products at this batch are the native
-  ``linear`` kernel or torch's GEMM (``dense.native_rows``); None otherwise.
+  ``linear`` kernel or torch's GEMM (``dense.product_form``); None otherwise.
 * attention_decode_layer -- the same for a full-attention layer over pages in the model dtype
   (quantized pages: None).
 """
@@ -85,6 +85,24 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, meta:
 FUSED_DTYPES = (torch.float32, torch.bfloat16)
 
 
+def _native_product(h: torch.Tensor, meta: StepMetadata,
+                    matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
+                    ) -> bool | None:
+    """Whether a fused decode layer multiplies with the native kernel (True) or torch's GEMM
+    (False), as ``matmul`` does at this batch; None when it cannot fuse the step (not
+    decode-only, a dtype it does not fuse, another product form)."""
+    if not meta.all_decode or h.dtype not in FUSED_DTYPES:
+        return None
+    return {"native": True, "torch": False}.get(dense.product_form(matmul, h.dtype, h.shape[0]))
+
+
+def _save_chunk_ends(conv_pool: torch.Tensor, pool: torch.Tensor,
+                     checkpoints: tuple[torch.Tensor | None, torch.Tensor | None],
+                     meta: StepMetadata) -> None:
+    torch_step.save_chunk_ends(conv_pool, checkpoints[0], meta)
+    torch_step.save_chunk_ends(pool, checkpoints[1], meta)
+
+
 def gdn_decode(qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                conv_weight: torch.Tensor, conv_pool: torch.Tensor, a_log: torch.Tensor,
                dt_bias: torch.Tensor, pool: torch.Tensor, norm_weight: torch.Tensor,
@@ -101,8 +119,7 @@ def gdn_decode(qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Ten
     library().gdn_decode_mixer(qkv, z, a, b, conv_weight.view(conv_weight.shape[0], -1),  # type: ignore[attr-defined]
                                conv_pool, a_log, dt_bias, pool, meta.state_slots, meta.fresh_t,
                                norm_weight, out, key_heads, scale, l2_eps, norm_eps)
-    torch_step.save_chunk_ends(conv_pool, checkpoints[0], meta)
-    torch_step.save_chunk_ends(pool, checkpoints[1], meta)
+    _save_chunk_ends(conv_pool, pool, checkpoints, meta)
     return out
 
 
@@ -115,9 +132,7 @@ def gdn_decode_layer(h: torch.Tensor, w: GdnLayerWeights, conv_pool: torch.Tenso
     pools advanced in place, chunk-end checkpoints written), computed as the layer's modules do
     with ``matmul``; None when the step, the dtype or ``matmul``'s form at this batch is not one
     it fuses."""
-    if not meta.all_decode or h.dtype not in FUSED_DTYPES:
-        return None
-    native = dense.native_rows(matmul, h.dtype, h.shape[0])
+    native = _native_product(h, meta, matmul)
     if native is None:
         return None
     out = library().gdn_decode_layer(  # type: ignore[attr-defined]
@@ -125,8 +140,7 @@ def gdn_decode_layer(h: torch.Tensor, w: GdnLayerWeights, conv_pool: torch.Tenso
         w.conv.view(w.conv.shape[0], -1), conv_pool, w.a_log, w.dt_bias, pool, meta.state_slots,
         meta.fresh_t, w.gated_norm, w.out_proj, w.post_norm, w.gate_proj, w.up_proj,
         w.down_proj, w.key_heads, w.scale, w.l2_eps, w.gated_eps, w.rms_eps, native)
-    torch_step.save_chunk_ends(conv_pool, checkpoints[0], meta)
-    torch_step.save_chunk_ends(pool, checkpoints[1], meta)
+    _save_chunk_ends(conv_pool, pool, checkpoints, meta)
     return out
 
 
@@ -139,11 +153,8 @@ def attention_decode_layer(h: torch.Tensor, w: AttentionLayerWeights, cos: torch
     step's K/V written to their pages), computed as the layer's modules do with ``matmul``;
     None when the step, the dtype, the pages (quantized) or ``matmul``'s form at this batch is
     not one it fuses."""
-    if (not meta.all_decode or h.dtype not in FUSED_DTYPES or scales is not None
-            or key_cache.dtype != h.dtype):
-        return None
-    native = dense.native_rows(matmul, h.dtype, h.shape[0])
-    if native is None:
+    native = _native_product(h, meta, matmul)
+    if native is None or scales is not None or key_cache.dtype != h.dtype:
         return None
     assert meta.write_slots is not None
     return library().attention_decode_layer(  # type: ignore[attr-defined]

@@ -32,7 +32,8 @@ Both operators run through the backend's step seam (``kernels.backend.Backend``:
 and ``gated_delta`` on the step's ``StepMetadata``), which read and write this layer's rows of
 the conv and recurrent state pools in place. A bundle with ``gdn_decode`` (the native one) runs
 steps 2-6 up to ``out_proj`` of a decode-only step in one call, computing every bit as the
-seam's kernels and its norms do one after the other (tests/kernels/test_norms.py checks it).
+seam's kernels and its norms do one after the other (tests/kernels/test_native_cpu_forms.py,
+``test_fused_gdn_decode_mixer_equals_the_separate_ops``).
 """
 
 from __future__ import annotations

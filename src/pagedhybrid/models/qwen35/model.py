@@ -145,6 +145,22 @@ class DecoderLayer(nn.Module):
         self._weights = (_PARAMETER_EPOCH[0], w)
         return w
 
+    def fused_decode(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     cache: PagedHybridCache, meta: StepMetadata, backend: Backend
+                     ) -> torch.Tensor | None:
+        """``h`` after this layer by the bundle's fused decode layer, or None where the bundle
+        has none or does not fuse this step (the caller runs the layer's modules)."""
+        i, matmul = self.index, self.mlp.down_proj.matmul
+        if self.is_full:
+            fn = backend.attention_decode_layer
+            return None if fn is None else fn(
+                h, self.decode_weights(), cos, sin, cache.key_cache[i], cache.value_cache[i],
+                meta, matmul, cache.kv_scales.get(i))
+        fn = backend.gdn_decode_layer
+        return None if fn is None else fn(
+            h, self.decode_weights(), cache.conv_state[i], cache.recurrent_state[i], meta,
+            matmul, cache.checkpoint_pools(i) or (None, None))
+
 
 class Qwen35TextModel(nn.Module):
     def __init__(self, config: Qwen35Config, dtype: torch.dtype,
@@ -334,7 +350,7 @@ class Qwen35ForCausalLM(nn.Module):
         single = self.parallel.tp_world_size == 1
         for layer in self.model.layers:
             i = layer.index
-            out = self._decode_layer(layer, h, cos, sin, cache, meta, backend) if single else None
+            out = layer.fused_decode(h, cos, sin, cache, meta, backend) if single else None
             if out is not None:  # the whole layer in one native call
                 h = out
                 continue
@@ -350,23 +366,6 @@ class Qwen35ForCausalLM(nn.Module):
         if logits_rows is not None:
             h = h.index_select(0, logits_rows.long())  # [R, hidden]
         return self.lm_head(self.model.norm(h)).float()  # [N or R, V]
-
-    @staticmethod
-    def _decode_layer(layer: DecoderLayer, h: torch.Tensor, cos: torch.Tensor,
-                      sin: torch.Tensor, cache: PagedHybridCache, meta: StepMetadata,
-                      backend: Backend) -> torch.Tensor | None:
-        """``h`` after ``layer`` by the bundle's fused decode layer, or None where the bundle
-        has none or does not fuse this step (the caller runs the layer's modules)."""
-        i, matmul = layer.index, layer.mlp.down_proj.matmul
-        if layer.is_full:
-            fn = backend.attention_decode_layer
-            return None if fn is None else fn(
-                h, layer.decode_weights(), cos, sin, cache.key_cache[i], cache.value_cache[i],
-                meta, matmul, cache.kv_scales.get(i))
-        fn = backend.gdn_decode_layer
-        return None if fn is None else fn(
-            h, layer.decode_weights(), cache.conv_state[i], cache.recurrent_state[i], meta,
-            matmul, cache.checkpoint_pools(i) or (None, None))
 
     # -- checks -----------------------------------------------------------------------------------
     def _check_ids(self, op: str, ids: torch.Tensor) -> None:

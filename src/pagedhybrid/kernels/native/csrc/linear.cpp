@@ -290,7 +290,6 @@ void linear_invariant(const at::Tensor& x, const at::Tensor& w, at::Tensor out) 
   });
 }
 
-
 }  // namespace
 
 void linear(const at::Tensor& x, const at::Tensor& w, at::Tensor out) {

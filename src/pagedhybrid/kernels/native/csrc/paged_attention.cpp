@@ -552,7 +552,6 @@ Call check_call(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
   return {seqs, cu, past, tp, static_cast<int>(seqs_t.size(0)), static_cast<int>(width)};
 }
 
-
 }  // namespace
 
 void check_paged_attention(const at::Tensor& q, const at::Tensor& key_cache,

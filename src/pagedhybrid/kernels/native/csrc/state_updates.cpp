@@ -23,7 +23,7 @@
 // arithmetic depends on where the chunk boundaries fall).
 //
 // gdn_decode_mixer -- a decode step's whole Gated DeltaNet mixer, from the layer's projections
-// (row views of one stacked product) to the gated-norm output: conv_token + SiLU, rows.h's L2
+// (contiguous, or row views of a wider product) to the gated-norm output: conv_token + SiLU, rows.h's L2
 // norms of q and k, gdn_token, the rounding to the model dtype and rows.h's gated norm with z --
 // the functions the separate ops run, so every bit equals running them in turn.
 //
@@ -390,13 +390,12 @@ void gdn_mixer_impl(const at::Tensor& qkv, const at::Tensor& z, const at::Tensor
   });
 }
 
+}  // namespace
+
 // qkv [B, 2 Hk Dk + Hv Dv], z [B, Hv Dv], a, b [B, Hv] (row views, model dtype: float32 or
 // bfloat16); conv_weight [C, K], conv_pool [S, C, K-1] (model dtype); a_log, dt_bias float32 [Hv];
 // pool float32 [S, Hv, Dv, Dk]; slots int64 [B] distinct in [0, S); fresh bool [B]; norm_weight
 // [Dv] (float32 or bfloat16); out [B, Hv Dv] (model dtype, contiguous).
-
-}  // namespace
-
 void gdn_decode_mixer(const at::Tensor& qkv, const at::Tensor& z, const at::Tensor& a,
                       const at::Tensor& b, const at::Tensor& conv_weight, at::Tensor conv_pool,
                       const at::Tensor& a_log, const at::Tensor& dt_bias, at::Tensor pool,
