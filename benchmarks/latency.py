@@ -68,7 +68,12 @@ with the median batch-1 ITL p50 is shown (all are in the JSON). On a box shared 
 this is what keeps one unlucky minute from deciding a ratio.
 
 ``--busy``: the offline measurement is repeated while two Python busy loops (two processes)
-compete for the 2 cores; reported as slowdown = busy / quiet (goal <= 2x).
+compete for the 2 cores; reported as slowdown = busy / quiet (goal <= 2x). For the current
+engine two more runs give the bounds: quiet on one thread, and busy with the thread governor off
+(two threads throughout). Beside two busy threads the scheduler gives each of three runnable
+threads 2/3 of a core, so one engine thread can at best run 1.5x its quiet one-thread time; two
+engine threads share one core between them, at best the one-thread time, and only if neither ever
+waits at a barrier for the other while it is descheduled.
 
 Goals printed against (issue 22): ITL p50 at 1 req/s <= 0.8x vLLM CPU's (measured here when
 ``--vllm-python`` is given; 6.4 ms on another machine per reference/peers-and-clients.md, quoted
@@ -147,11 +152,12 @@ def _latency_rows(runs: list[list[float]]) -> dict[str, Any]:
 def worker_pagedhybrid(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    torch.set_num_threads(THREADS)
+    torch.set_num_threads(spec.get("threads", THREADS))
     import pagedhybrid
     from pagedhybrid.engine import LLM, SamplingParams
 
-    llm = LLM(spec["model_dir"], dtype=spec["dtype"], max_num_seqs=64, num_blocks=NUM_BLOCKS)
+    llm = LLM(spec["model_dir"], dtype=spec["dtype"], max_num_seqs=64, num_blocks=NUM_BLOCKS,
+              adaptive_threads=spec.get("adaptive_threads", True))
     engine = llm.engine
     fields = ("schedule_s", "build_s", "forward_s", "sample_s", "update_s")
     steps: list[dict[str, float]] = []
@@ -662,6 +668,20 @@ def print_tables(report: dict[str, Any], systems: list[str]) -> None:
             qs, bs = q["batched"]["seconds"], b["batched"]["seconds"]
             print(f"{model:8s} {dtype:5s} {system:9s} {ms(qi)}  {ms(bi)} {bi / qi:6.2f} "
                   f"{qs:9.2f} {bs:8.2f} {bs / qs:6.2f}")
+            for name, label in (("offline_busy_2threads", "busy, 2 threads (no governor)"),
+                                ("offline_1thread", "quiet, 1 thread")):
+                o = cell.get(name) or {}
+                if "batch1" in o:
+                    oi, os_ = o["batch1"]["itl_p50_s"], o["batched"]["seconds"]
+                    print(f"{'':24s}{label}: ITL p50 {ms(oi)} ({oi / qi:.2f}x quiet), batched "
+                          f"{os_:.2f} s ({os_ / qs:.2f}x)")
+            one = cell.get("offline_1thread") or {}
+            if "batch1" in one:
+                print(f"{'':24s}fair-share bound beside 2 busy threads: one engine thread gets "
+                      f"2/3 of a core -> >= {1.5 * one['batch1']['itl_p50_s'] / qi:.2f}x "
+                      f"(ITL) / {1.5 * one['batched']['seconds'] / qs:.2f}x (batched); two get "
+                      f"one core between them -> >= {one['batch1']['itl_p50_s'] / qi:.2f}x / "
+                      f"{one['batched']['seconds'] / qs:.2f}x with no wait at any barrier")
     print("\nratios (current / other; < 1 = current faster)")
     for line in report["summary"]:
         print("  " + line)
@@ -862,6 +882,17 @@ def run_cell(a: argparse.Namespace, report: dict[str, Any], systems: list[System
                 res = run_offline(system, {**spec, "profile": False}, 600)
             cells[system.name]["offline_busy"] = res
             print_offline(key + " (busy)", res)
+        current = cells.get("current")
+        mine = [s for s in here if s.name == "current"]
+        if current is not None and mine:  # the fair-share bounds (module docstring)
+            key = f"{model}/{dtype}/current"
+            for name, extra in (("offline_1thread", {"threads": 1}),
+                                ("offline_busy_2threads", {"adaptive_threads": False})):
+                with bench_lock(a.lock), (busy_loops(2) if "busy" in name
+                                          else contextlib.nullcontext()):
+                    res = run_offline(mine[0], {**spec, "profile": False, **extra}, 600)
+                current[name] = res
+                print_offline(f"{key} ({name})", res)
 
 
 def print_offline(key: str, off: dict[str, Any]) -> None:

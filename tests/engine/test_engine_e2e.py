@@ -8,6 +8,7 @@ the engine, so garbage must not change any output.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -22,6 +23,9 @@ from pagedhybrid.engine import (
     SamplingParams,
     build_batch,
 )
+from pagedhybrid.engine import runner as runner_module
+from pagedhybrid.engine.runner import StepBatch
+from pagedhybrid.engine.scheduler import SchedulerOutput
 from pagedhybrid.errors import CapacityError, ContractViolation
 from pagedhybrid.models.qwen35 import ABI_INPUT_NAMES, PackedBatch, load
 
@@ -84,7 +88,7 @@ def test_batch_is_the_packed_abi(make_engine: Callable[..., Engine]) -> None:
     engine.step()
     engine.add_request("b", prompt_of(1, 40), GREEDY)
     sched = engine.scheduler.schedule()
-    batch, meta, rows, sampling, sample_rows, spans = build_batch(sched, engine.cache)
+    batch, meta, rows, sampling, sample_rows, spans, _ = build_batch(sched, engine.cache)
     assert isinstance(batch, PackedBatch)
     assert set(ABI_INPUT_NAMES) <= set(PackedBatch._fields)
     (a, b) = sched.sequences
@@ -110,6 +114,63 @@ def test_batch_is_the_packed_abi(make_engine: Callable[..., Engine]) -> None:
                                                  for p in range(23)]
     assert meta.write_slots.tolist() == want
     engine.abort_request(["a", "b"])
+
+
+def _same_step(a: StepBatch, b: StepBatch) -> None:
+    for name in PackedBatch._fields:
+        assert torch.equal(getattr(a.batch, name), getattr(b.batch, name)), name
+    ma, mb = a.meta, b.meta
+    for name in ("cu_seqlens_t", "past_t", "block_table", "state_slots", "fresh_t", "positions",
+                 "write_slots"):
+        assert torch.equal(getattr(ma, name), getattr(mb, name)), name
+        assert getattr(ma, name).dtype == getattr(mb, name).dtype, name
+    for name in ("q_lens", "past_lens", "cu_seqlens", "decode", "multi", "checkpoints"):
+        assert getattr(ma, name) == getattr(mb, name), name
+    assert (a.rows, a.sampling, a.sample_rows, a.prompt_spans, a.requests) == (
+        b.rows, b.sampling, b.sample_rows, b.prompt_spans, b.requests)
+
+
+def test_a_decode_step_advanced_from_the_last_equals_one_built_from_lists(
+        make_engine: Callable[..., Engine]) -> None:
+    """The runner's persistent batch: every step it advances from the previous one equals, field
+    for field, the step built from the scheduler's lists -- across page boundaries, a
+    one-token prompt (fresh state), requests joining and finishing, prefix hits and prompt
+    logprobs (which must not advance) -- and the tokens equal a run that always builds anew."""
+    def run(check: bool) -> tuple[dict[str, list[int]], int]:
+        engine = make_engine(block_size=16, num_blocks=64, max_num_seqs=4,
+                             max_num_batched_tokens=16, enable_prefix_caching=True)
+        advanced = [0]
+        orig = runner_module.build_batch
+
+        def build(out: SchedulerOutput, cache: Any, device: str = "cpu",
+                  prev: StepBatch | None = None) -> StepBatch:
+            step = orig(out, cache, device, prev if check else None)
+            if check and runner_module._successor(out, prev) is not None:
+                advanced[0] += 1
+                _same_step(step, orig(out, cache, device))
+            return step
+
+        runner_module.build_batch = build
+        try:
+            final: dict[str, list[int]] = {}
+            prompts = [[7], prompt_of(1, 9), prompt_of(2, 6), prompt_of(1, 9)]  # a prefix hit
+            params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True,
+                                     prompt_logprobs=2 if n == 7 else None)
+                      for n in (40, 12, 7, 14)]
+            for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+                engine.add_request(f"r{i}", p, sp)
+                for out in engine.step():
+                    if out.finished:
+                        final[out.request_id] = list(out.token_ids)
+            for rid, out in run_all(engine).items():
+                final[rid] = list(out.token_ids)
+            return final, advanced[0]
+        finally:
+            runner_module.build_batch = orig
+
+    got, advanced = run(True)
+    assert advanced >= 25, "most decode steps should advance from the last"
+    assert got == run(False)[0]
 
 
 def test_seeded_sampling_same_alone_and_in_batch(make_engine: Callable[..., Engine]) -> None:

@@ -463,6 +463,23 @@ POINTWISE: list[Corruption] = [
      r"out: must be contiguous"),
 ]
 
+def _greedy() -> Args:
+    return {"logits": torch.randn(3, 37, generator=torch.Generator().manual_seed(6)),
+            "out": torch.zeros(3, dtype=torch.int64)}
+
+
+GREEDY: list[Corruption] = [
+    ("logits dtype", _set("logits", lambda a: a["logits"].bfloat16()),
+     r"logits: must be Float \(got BFloat16\)"),
+    ("logits dims", _set("logits", lambda a: a["logits"].flatten()),
+     r"logits: must have 2 dimensions"),
+    ("logits not contiguous", _set("logits", lambda a: torch.randn(37, 3).t()),
+     r"logits: must be contiguous"),
+    ("no columns", _set("logits", lambda a: torch.zeros(3, 0)),
+     r"logits: must have at least one column"),
+]
+
+
 def _norm() -> Args:
     gen = torch.Generator().manual_seed(5)
     return {"x": torch.randn(3, 12, generator=gen), "gate": torch.randn(3, 12, generator=gen),
@@ -503,6 +520,8 @@ OPS: dict[str, tuple[Callable[[], Args], Callable[[Args], None], list[Corruption
                        POINTWISE, "out"),
     "sigmoid_invariant": (_pointwise, lambda a: library().sigmoid_invariant(a["x"], a["out"]),
                           POINTWISE, "out"),
+    "greedy_rows": (_greedy, lambda a: a["out"].copy_(library().greedy_rows(a["logits"])),
+                    GREEDY, "out"),
     "rms_norm": (_norm, lambda a: library().rms_norm(a["x"], a["w"], a["out"], 1e-6, True),
                  WEIGHTED, "out"),
     "gated_rms_norm": (_norm, lambda a: library().gated_rms_norm(a["x"], a["gate"], a["w"],

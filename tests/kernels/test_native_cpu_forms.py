@@ -315,6 +315,29 @@ def test_pointwise(form: str) -> None:
 
 
 @pytest.mark.parametrize("form", HERE)
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 4096, 4101, 151936])
+def test_greedy_rows_is_argmax_or_minus_one(form: str, vocab: int) -> None:
+    """The sampler's greedy pick is torch.argmax (first maximum on ties), and -1 for a row with
+    a NaN, +inf or -inf anywhere -- in the vector body and in the tail; a row alone picks what
+    it picks in the batch."""
+    lib = native.form_library(form)
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(8, vocab, generator=g) * 5
+    x[1] = 0.25  # every value tied: index 0
+    x[2, vocab // 3:] = 9.0  # a tie starting inside the row
+    x[3, vocab - 1] = float("nan")  # in the tail
+    x[4, 0] = float("inf")
+    x[5, vocab // 2] = -float("inf")
+    x[6, vocab - 1] = 1e30  # the maximum in the tail
+    out = lib.greedy_rows(x)
+    assert out.dtype == torch.int64 and out.shape == (8,)
+    want = x.argmax(dim=-1).masked_fill(~torch.isfinite(x).all(dim=-1), -1)
+    assert out.tolist() == want.tolist()
+    for r in range(8):
+        assert lib.greedy_rows(x[r:r + 1].contiguous()).item() == out[r].item()
+
+
+@pytest.mark.parametrize("form", HERE)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("d", [7, 64, 256, 1000])
 def test_norms(form: str, dtype: torch.dtype, d: int) -> None:

@@ -128,3 +128,29 @@ def test_metadata_rejects_corrupted_steps() -> None:
         with pytest.raises(ContractViolation) as err:
             StepMetadata.build(*args, **good)
         assert err.value.where == where
+
+
+def test_advance_is_the_next_decode_step_or_none() -> None:
+    """``advance`` equals ``build`` of the same sequences one token on; it declines (None) a
+    step that is not all decode, has checkpoints or whose next token opens a page, and refuses
+    write slots that are missing or outside the pool."""
+    good = {"block_size": 16, "num_pages": 4, "num_slots": 3}
+    meta = StepMetadata.build([1, 1], [0, 20], [[2], [0, 1]], [1, 0], **good)
+    nxt = meta.advance([33, 21])
+    want = StepMetadata.build([1, 1], [1, 21], [[2], [0, 1]], [1, 0], **good)
+    assert nxt is not None
+    for name in ("cu_seqlens_t", "past_t", "block_table", "state_slots", "fresh_t", "positions",
+                 "write_slots"):
+        got, ref = getattr(nxt, name), getattr(want, name)
+        assert got.dtype == ref.dtype and torch.equal(got, ref), name
+    assert (nxt.q_lens, nxt.past_lens, nxt.decode, nxt.multi, nxt.cu_seqlens) == (
+        want.q_lens, want.past_lens, want.decode, want.multi, want.cu_seqlens)
+    assert nxt.fresh == (False, False)
+    assert StepMetadata.build([1, 1], [15, 3], [[2], [0]], [1, 0], **good).advance([0, 4]) is None
+    assert StepMetadata.build([2, 1], [0, 3], [[2], [0]], [1, 0], **good).advance([0, 4]) is None
+    assert StepMetadata.build([1], [3], [[2]], [1], checkpoints=[(0, 1, 0)], num_checkpoints=1,
+                              **good).advance([36]) is None
+    for writes in ([33], [33, 64], [-1, 21]):
+        with pytest.raises(ContractViolation) as err:
+            meta.advance(writes)
+        assert err.value.where == "write_slots"

@@ -9,13 +9,16 @@
    ``StepMetadata`` (validated once; every layer's kernels read it) and the logits rows: the last
    row of every chunk that reaches its request's last known token, and, for requests that asked
    for ``prompt_logprobs``, the rows of the prompt positions in the chunk that predict a prompt
-   token;
+   token. A decode step of the same requests as the last one, one token further on the same
+   pages, is the last step advanced (``StepMetadata.advance``: a handful of small tensors from
+   python ints) rather than built again from the lists -- vLLM's persistent batch;
 2. prefix-cache hits start from their checkpointed state (``restore_checkpoint``);
 3. ``model.forward_packed`` writes the KV pages and state slots in place and returns those rows'
    logits; a sequence with ``past_seqlens == 0`` starts from zero conv/recurrent state whatever
    its slot holds (pages are never zeroed: attention reads only a sequence's own positions);
 4. prompt logprobs are recorded, and the sampler picks the tokens (tensor in, tensor out, one
-   host copy): a row with non-finite logits, or whose sampling raises, fails its request alone.
+   host copy; the finite check rides in the greedy pick's pass): a row with non-finite logits,
+   or whose sampling raises, fails its request alone.
 
 It returns a ``StepResult`` (sampled tokens by request id, failed requests with a reason); the
 engine applies it to the scheduler. ``score(pairs)`` is the training-side recompute: each
@@ -79,6 +82,7 @@ class StepBatch(NamedTuple):
     sampling: list[int]  # sequences that sample this step
     sample_rows: list[int]  # their positions in ``rows``
     prompt_spans: list[PromptSpan]  # prompt-logprob rows
+    requests: tuple[Request, ...]  # the step's requests, in batch order
 
 
 class StepResult(NamedTuple):
@@ -87,10 +91,41 @@ class StepResult(NamedTuple):
     prepare_s: float  # batch building and checkpoint restores (host work before the model)
 
 
-def build_batch(output: SchedulerOutput, cache: PagedHybridCache, device: str = "cpu"
-                ) -> StepBatch:
-    """The packed ABI batch of a scheduled step, its step metadata and its logits rows."""
+def _successor(output: SchedulerOutput, prev: StepBatch | None) -> StepMetadata | None:
+    """``prev``'s metadata advanced one token (``StepMetadata.advance``) when ``output`` is the
+    next decode step of exactly ``prev``'s requests, in the same order, each sampling its next
+    token with nothing else to do (no restore, no checkpoint, no prompt logprobs); else None."""
+    if prev is None or len(output.sequences) != len(prev.requests):
+        return None
+    bs = prev.meta.block_size
+    write = []
+    for s, r, p in zip(output.sequences, prev.requests, prev.meta.past_lens, strict=True):
+        if (s.request is not r or s.num_new_tokens != 1 or s.start != p + 1 or not s.samples
+                or s.restore is not None or s.checkpoints
+                or s.start < r.num_prompt_tokens - 1 or s.start // bs >= len(s.block_table)):
+            return None
+        write.append(s.block_table[s.start // bs] * bs + s.start % bs)
+    return prev.meta.advance(write)
+
+
+def build_batch(output: SchedulerOutput, cache: PagedHybridCache, device: str = "cpu",
+                prev: StepBatch | None = None) -> StepBatch:
+    """The packed ABI batch of a scheduled step, its step metadata and its logits rows. When
+    the step is ``prev``'s decode successor, its metadata is ``prev``'s advanced one token
+    (vLLM's persistent batch: no lists are walked and nothing is validated again)."""
     seqs = output.sequences
+    reqs = tuple(s.request for s in seqs)
+    meta = _successor(output, prev)
+    if meta is not None:
+        assert prev is not None
+        top = max(meta.past_lens) + 1
+        batch = prev.batch._replace(
+            input_ids=int_tensor([r.token_ids[p] for r, p in zip(reqs, meta.past_lens,
+                                                                 strict=True)],
+                                 torch.int64, device),
+            position_ids=meta.positions.view(1, -1).expand(3, -1), past_seqlens=meta.past_t,
+            attention_metadata=int_tensor((1, top, top), torch.int32, device))
+        return StepBatch(batch, meta, None, prev.sampling, prev.sample_rows, [], reqs)
     # the step's metadata is built (and validated) once from the scheduler's lists; the packed
     # ABI batch is a view of its tensors plus the token ids
     meta = StepMetadata.build([s.num_new_tokens for s in seqs], [s.start for s in seqs],
@@ -121,7 +156,7 @@ def build_batch(output: SchedulerOutput, cache: PagedHybridCache, device: str = 
     every = len(rows) == offset and rows == list(range(offset))  # a decode step: all rows
     return StepBatch(batch, meta,
                      None if every else int_tensor(rows, torch.int64, device),
-                     sampling, sample_rows, spans)
+                     sampling, sample_rows, spans, reqs)
 
 
 class ModelRunner:
@@ -133,6 +168,7 @@ class ModelRunner:
         self.model, self.config, self.stats = model, config, stats
         self.eos_token_ids = tuple(eos_token_ids)
         self._noise = torch.empty(0)  # the random rows' exponential draws, reused every step
+        self._last: StepBatch | None = None  # the last step (its successor reuses its tensors)
         mc = model.config
         kvd = config.page_dtype(model.dtype)
         # what the engine needs goes into the choice: auto never picks a bundle that cannot
@@ -203,7 +239,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         if self.governor is not None:
             self.governor.tick()
-        step = build_batch(scheduled, self.cache, self.config.device)
+        step = self._last = build_batch(scheduled, self.cache, self.config.device, self._last)
         for s in scheduled.sequences:  # prefix hits start from their checkpointed state
             if s.restore is not None:
                 self.cache.restore_checkpoint(s.restore, s.slot)
@@ -222,13 +258,7 @@ class ModelRunner:
             reqs = [scheduled.sequences[i].request for i in step.sampling]
             if step.sample_rows != list(range(logits.shape[0])):
                 logits = logits[step.sample_rows]  # [S, V] (rows of prompt logprobs left out)
-            finite = torch.isfinite(logits).all(dim=-1).tolist()  # [S]
-            ok = [j for j, f in enumerate(finite) if f]
-            failed = [(reqs[j], "non-finite logits") for j, f in enumerate(finite) if not f]
-            if ok:
-                sampled, errors = self._sample(logits if len(ok) == len(finite) else logits[ok],
-                                               [reqs[j] for j in ok])
-                failed.extend(errors)
+            sampled, failed = self._sample(logits, reqs)
         t3 = time.perf_counter()
         st.build_s += t1 - t0
         st.forward_s += t2 - t1
@@ -237,9 +267,10 @@ class ModelRunner:
 
     def _sample(self, rows: torch.Tensor, reqs: list[Request]
                 ) -> tuple[dict[str, SampledToken], list[tuple[Request, str]]]:
-        """Tokens of ``reqs`` from their logits ``rows [S, V]``; a request whose sampling raises
-        fails alone: the rows are then sampled one by one from the generator states they had
-        before the failed batch, so a seeded request draws the same noise either way."""
+        """Tokens of ``reqs`` from their logits ``rows [S, V]``; a request whose logits are not
+        all finite, or whose sampling raises, fails alone: on a raise the rows are sampled one
+        by one from the generator states they had before the failed batch, so a seeded request
+        draws the same noise either way."""
         vocab = rows.shape[1]
         eos = [t for t in self.eos_token_ids if 0 <= t < vocab]
         banned = [([*r.params.stop_token_ids, *(() if r.params.ignore_eos else eos)]
@@ -250,22 +281,28 @@ class ModelRunner:
         gens = [r.generator for r in reqs]
         # only random rows draw noise: their generators' states, to restore if the batch fails
         states = [(g, g.get_state()) for g, p in zip(gens, params, strict=True) if not p.greedy]
+        toks: list[SampledToken | str | None]  # a token, the reason sampling raised, or None
         try:
-            toks = sample(rows, params, gens, reqs, banned if any(banned) else None,
-                          self._noise)
-            return {r.request_id: t for r, t in zip(reqs, toks, strict=True)}, []
+            toks = list(sample(rows, params, gens, reqs, banned if any(banned) else None,
+                               self._noise))
         except Exception:  # find the row that fails, keep the others
             for g, st in states:
                 g.set_state(st)  # the batch may have drawn some rows' noise already
-            sampled, failed = {}, []
-            for j, r in enumerate(reqs):
+            toks = []
+            for j in range(len(reqs)):
                 try:
-                    (tok,) = sample(rows[j:j + 1], params[j:j + 1], gens[j:j + 1], reqs[j:j + 1],
-                                    banned[j:j + 1], self._noise)
-                    sampled[r.request_id] = tok
+                    toks.extend(sample(rows[j:j + 1], params[j:j + 1], gens[j:j + 1],
+                                       reqs[j:j + 1], banned[j:j + 1], self._noise))
                 except Exception as exc:
-                    failed.append((r, f"sampling failed: {type(exc).__name__}: {exc}"))
-            return sampled, failed
+                    toks.append(f"sampling failed: {type(exc).__name__}: {exc}")
+        sampled: dict[str, SampledToken] = {}
+        failed: list[tuple[Request, str]] = []
+        for r, t in zip(reqs, toks, strict=True):
+            if isinstance(t, SampledToken):
+                sampled[r.request_id] = t
+            else:
+                failed.append((r, "non-finite logits" if t is None else t))
+        return sampled, failed
 
     # -- the training-side recompute ---------------------------------------------------------------
     @torch.no_grad()

@@ -21,7 +21,9 @@ not depend on the other rows (batch-invariant), in vLLM v1's order:
 2. penalties: ``repetition_penalty`` r divides positive / multiplies non-positive logits of the
    tokens seen in the prompt or the output; then ``l -= frequency * count_out + presence *
    [count_out > 0]``;
-3. greedy rows (temperature 0): ``argmax`` of the processed logits;
+3. greedy rows (temperature 0): ``argmax`` of the processed logits (of the raw ones, when no
+   processor applies, in the same pass that checks every raw logit is finite:
+   ``kernels.native.sampling.greedy_rows``; a row that is not comes back as None);
 4. random rows, in one working copy of their logits (the step's only ``[rows, V]`` fp32 copy:
    every later stage works in place on it): ``softmax(l / T)``; ``min_p`` zeroes tokens whose
    probability is below ``min_p`` times the best one; top-k zeroes tokens below the k-th largest
@@ -48,6 +50,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 from pagedhybrid.errors import ContractViolation
+from pagedhybrid.kernels.native.sampling import greedy_rows
 
 INT64 = (-(2 ** 63), 2 ** 63 - 1)
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value
@@ -344,8 +347,9 @@ def logprob_dicts(logits: torch.Tensor, tokens: Sequence[int], k: int
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
            generators: Sequence[torch.Generator], history: Sequence[TokenHistory] | None = None,
            banned: Sequence[Sequence[int]] | None = None,
-           noise: torch.Tensor | None = None) -> list[SampledToken]:
-    """Pick one token per row of ``logits`` ``[B, V]`` (see the module docstring).
+           noise: torch.Tensor | None = None) -> list[SampledToken | None]:
+    """Pick one token per row of ``logits`` ``[B, V]`` (see the module docstring); None for a
+    row whose raw logits hold a NaN or an infinity (its request fails alone).
     ``history`` (one per row) feeds the penalties, ``banned`` (one list per row) the ids that
     may not be sampled now; ``noise`` is a float32 buffer kept across steps for the random
     rows' draws (resized as needed; a fresh one when None)."""
@@ -358,8 +362,9 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     if history is None and any(p.penalized for p in params):
         raise ContractViolation("sample", "history", "is needed by penalized rows", None)
     raw = logits.float()  # [B, V] (the logits themselves when they are fp32)
+    picked = greedy_rows(raw)  # [B]: raw argmax, -1 for a row with a non-finite logit
     proc = process_logits(raw, params, history, banned)  # [B, V] (a copy only if processed)
-    tokens = proc.argmax(dim=-1)  # [B] greedy choice for every row first
+    tokens = picked if proc is raw else proc.argmax(dim=-1)  # [B] greedy choice first
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
         every = len(random_rows) == rows
@@ -379,10 +384,17 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
         race = buf[:len(random_rows) * vocab].view(len(random_rows), vocab)  # [R, V]
         for j, i in enumerate(random_rows):  # each row from its own stream
             race[j].exponential_(generator=generators[i])
+        if tokens is picked:
+            tokens = picked.clone()
         tokens[idx] = probs.div_(race).argmax(dim=-1)
+    if tokens is not picked:  # a row with non-finite raw logits is refused however it sampled
+        tokens = tokens.masked_fill_(picked < 0, -1)
     ids = tokens.tolist()  # the step's one host copy of the tokens
-    out = []
+    out: list[SampledToken | None] = []
     for i, p in enumerate(params):
+        if ids[i] < 0:
+            out.append(None)
+            continue
         lps = (logprob_dicts(raw[i:i + 1], [ids[i]], p.logprobs)[0]
                if p.logprobs is not None else None)
         out.append(SampledToken(ids[i], lps))

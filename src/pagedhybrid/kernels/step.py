@@ -201,6 +201,35 @@ class StepMetadata:
             decode=tuple(i for i, q in enumerate(q_lens) if q == 1),
             multi=tuple(i for i, q in enumerate(q_lens) if q > 1), checkpoints=ck)
 
+    def advance(self, write_slots: Sequence[int]) -> StepMetadata | None:
+        """The metadata of the next step of this decode-only step's sequences, each one token
+        further on the same state slots and pages, writing flat cache slots ``write_slots`` (one
+        per sequence, the slot after the one it wrote last); made from this step's tensors and
+        the new values instead of lists, validated only where it differs. None when that is not
+        this step's successor as a whole: a sequence that is not decoding, a checkpoint, or a
+        token that starts a new page (its table row may have grown: ``build`` anew)."""
+        bs = self.block_size
+        if not self.all_decode or self.checkpoints or self.write_slots is None or any(
+                (p + 1) % bs == 0 for p in self.past_lens):
+            return None
+        if len(write_slots) != self.batch or not all(
+                0 <= w < self.num_pages * bs for w in write_slots):
+            raise ContractViolation(OP, "write_slots", f"need one per sequence ({self.batch}), "
+                                    f"each in [0, {self.num_pages * bs})", tuple(write_slots))
+        past = tuple(p + 1 for p in self.past_lens)
+        device = self.positions.device
+        # the same int_tensor path for every tensor: after a forward has streamed the weights
+        # through the caches, each further kind of torch op costs ~10 us of cold code
+        return StepMetadata(
+            q_lens=self.q_lens, past_lens=past, block_size=bs, num_pages=self.num_pages,
+            cu_seqlens_t=self.cu_seqlens_t, past_t=int_tensor(past, torch.int32, device),
+            block_table=self.block_table, state_slots=self.state_slots,
+            fresh_t=(int_tensor([False] * self.batch, torch.bool, device)
+                     if 0 in self.past_lens else self.fresh_t),
+            positions=int_tensor(past, torch.int64, device),
+            write_slots=int_tensor(write_slots, torch.int64, device),
+            cu_seqlens=self.cu_seqlens, decode=self.decode, multi=self.multi)
+
     @classmethod
     def dense(cls, batch: int, seq_len: int, past: int) -> StepMetadata:
         """``batch`` rows of ``seq_len`` new tokens after ``past`` cached ones (the dense path;

@@ -12,7 +12,9 @@ Ops (registered as ``torch.ops.pagedhybrid_<form>.*``; ``library()`` is the chos
 * ``linear`` / ``linear_invariant`` -- ``x @ w^T`` with fp32 registers and accumulation (fp32,
   bf16 or fp16 activations and weights widened exactly; ``dense.py``): the fast form, and the
   form with one fixed reduction order per output element (``invariant.py``);
-  ``silu_invariant`` / ``sigmoid_invariant``.
+  ``silu_invariant`` / ``sigmoid_invariant``;
+* ``greedy_rows`` -- the sampler's greedy pick: each fp32 logits row's first maximum, -1 for a
+  row holding a NaN or an infinity (``sampling.py``).
 
 Every op checks its arguments before it touches memory -- shapes, dtypes, the head ratio,
 contiguity, every page-table entry it reads inside the page pool, state slots in range and

@@ -80,6 +80,12 @@ inline VF keep_nan(VF x, VF r) {
 }
 inline float reduce_add(VF v) { return _mm512_reduce_add_ps(v); }
 inline float reduce_max(VF v) { return _mm512_reduce_max_ps(v); }
+inline VF vmax(VF a, VF b) { return _mm512_max_ps(a, b); }
+// the first lane of x equal to want (-1: none)
+inline int first_equal(VF x, VF want) {
+  const unsigned k = _mm512_cmp_ps_mask(x, want, _CMP_EQ_OQ);
+  return k ? __builtin_ctz(k) : -1;
+}
 inline VF first_n(VF x, int n) {
   const __mmask16 keep = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1u);
   return _mm512_mask_blend_ps(keep, _mm512_set1_ps(-__builtin_inff()), x);
@@ -166,6 +172,11 @@ inline VF if_neg(VF x, VF a, VF b) {
   return _mm256_blendv_ps(b, a, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ));
 }
 inline VF keep_nan(VF x, VF r) { return _mm256_blendv_ps(r, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q)); }
+inline VF vmax(VF a, VF b) { return _mm256_max_ps(a, b); }
+inline int first_equal(VF x, VF want) {
+  const unsigned k = static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(x, want, _CMP_EQ_OQ)));
+  return k ? __builtin_ctz(k) : -1;
+}
 inline float reduce_add(VF v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
