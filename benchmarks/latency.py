@@ -156,8 +156,9 @@ def worker_pagedhybrid(spec: dict[str, Any]) -> dict[str, Any]:
     import pagedhybrid
     from pagedhybrid.engine import LLM, SamplingParams
 
+    extra = {k: spec[k] for k in ("adaptive_threads",) if k in spec}  # older engines lack it
     llm = LLM(spec["model_dir"], dtype=spec["dtype"], max_num_seqs=64, num_blocks=NUM_BLOCKS,
-              adaptive_threads=spec.get("adaptive_threads", True))
+              **extra)
     engine = llm.engine
     fields = ("schedule_s", "build_s", "forward_s", "sample_s", "update_s")
     steps: list[dict[str, float]] = []
