@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedhybrid.engine.pages import BlockPool
+from pagedhybrid.engine.pages import BlockPool, chain_hashes
 from pagedhybrid.engine.request import Request
 from pagedhybrid.engine.sampling import SamplingParams
 from pagedhybrid.engine.scheduler import HybridAllocator
@@ -111,3 +111,46 @@ def test_pool_invariants_under_random_operations(ops: list[tuple[str, int, bool]
         alloc.release(rid)
     assert alloc.idle
     alloc.check_invariants()
+
+
+def test_register_full_resumes_where_it_stopped_and_indexes_as_a_full_walk() -> None:
+    """``register_full`` walks only the pages it has not walked (O(new pages) a step); the index
+    it builds -- hashes, contents, which page holds a hash -- equals a walk from the first page at
+    every step, with shared prefixes (a request chaining through another's equal pages),
+    releases, and evictions of a page a walk chained through."""
+    import random
+
+    rng = random.Random(3)
+    bs = 16
+    fast, slow = BlockPool(7, bs, caching=True), BlockPool(7, bs, caching=True)
+    prefix = [rng.randrange(50) for _ in range(2 * bs)]
+    live: dict[str, list[int]] = {}
+    for step in range(400):
+        if len(live) < 2 and rng.random() < 0.3:
+            rid = f"r{step}"
+            live[rid] = (prefix if rng.random() < 0.6 else []) + [rng.randrange(50)]
+            if not all([pool.grow(rid, len(live[rid])) for pool in (fast, slow)]):
+                for pool in (fast, slow):
+                    pool.release(rid)
+                del live[rid]
+        for rid in list(live):
+            toks = live[rid]
+            if rng.random() < 0.08 or len(toks) > 5 * bs:
+                for pool in (fast, slow):
+                    pool.release(rid)
+                del live[rid]
+                continue
+            toks.append(rng.randrange(50))
+            if not all([pool.grow(rid, len(toks)) for pool in (fast, slow)]):
+                for pool in (fast, slow):
+                    pool.release(rid)
+                del live[rid]
+                continue
+            hashes = chain_hashes(toks, bs)
+            fast.register_full(rid, hashes, toks, len(toks))
+            slow._walked.clear()  # the walk from the first page, every time
+            slow.register_full(rid, hashes, toks, len(toks))
+            assert (fast._hash, fast._content, fast._by_hash) == (
+                slow._hash, slow._content, slow._by_hash), step
+        fast.check_invariants()
+    assert fast.evictions > 0, "the pool was meant to evict cached pages"

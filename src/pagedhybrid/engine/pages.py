@@ -73,6 +73,9 @@ class BlockPool:
         self._cached: OrderedDict[int, None] = OrderedDict()  # LRU: oldest first
         self._ref = [0] * num_blocks
         self._tables: dict[str, list[int]] = {}
+        # register_full's place in each request's chain: pages walked, canonical page of the
+        # last, and whether the chain went through another request's page (which may be evicted)
+        self._walked: dict[str, tuple[int, int, bool]] = {}
         self._hash: list[int | None] = [None] * num_blocks
         self._content: list[tuple[int, tuple[int, ...]] | None] = [None] * num_blocks
         self._by_hash: dict[int, int] = {}
@@ -156,6 +159,8 @@ class BlockPool:
             del self._by_hash[h]
         self._hash[page] = None
         self._content[page] = None
+        for rid in [r for r, (_, _, foreign) in self._walked.items() if foreign]:
+            del self._walked[rid]  # a walk that chained through another's page starts over
 
     def share(self, request_id: str, pages: Sequence[int]) -> None:
         """Start ``request_id``'s table with ``pages`` (a prefix hit), counting a reference."""
@@ -191,8 +196,10 @@ class BlockPool:
             return
         table = self._tables.get(request_id, ())
         bs = self.block_size
-        parent = -1  # canonical page of the previous position
-        for j in range(min(len(table), num_computed // bs, len(hashes))):
+        # the pages walked before are as they were (the request holds them), so the walk goes on
+        # from where the last one ended: O(new pages) a step, not O(context)
+        start, parent, foreign = self._walked.get(request_id, (0, -1, False))
+        for j in range(start, min(len(table), num_computed // bs, len(hashes))):
             page, h = table[j], hashes[j]
             content = (parent, tuple(token_ids[j * bs:(j + 1) * bs]))
             if self._hash[page] is None:
@@ -201,17 +208,19 @@ class BlockPool:
                     self._hash[page], self._content[page] = h, content
                     self._by_hash[h] = page
                 elif self._content[other] == content:
-                    page = other  # an equal page already indexed: chain through it
+                    page, foreign = other, True  # an equal page already indexed: chain through
                 else:
-                    return  # a hash collision: the rest of this chain stays private
+                    return  # a hash collision: this chain stays private (tried again next time)
             elif self._content[page] != content:
                 return
-            parent = page
+            parent = page  # the canonical page of this position
+            self._walked[request_id] = (j + 1, parent, foreign)
 
     def release(self, request_id: str) -> int:
         """Drop the table of ``request_id``; returns how many pages it no longer references
         became unreferenced (cached when hashed, else free)."""
         table = self._tables.pop(request_id, [])
+        self._walked.pop(request_id, None)
         freed = 0
         for b in reversed(table):  # tail first, like vLLM, so a chain's tail is reused first
             self._ref[b] -= 1
