@@ -8,9 +8,10 @@ millisecond -- and a step of many regions slows 5-25x. One thread then beats two
 ``ThreadGovernor.tick()`` (the runner calls it before each step) reads, at most every
 ``period`` seconds, how much CPU time the whole machine spent (``/proc/stat``) less what this
 process spent (``time.process_time``): the cores the other processes use. When that leaves fewer
-free cores than the engine's threads (with half a core of slack), the engine runs on one thread
-(torch and the native pool); when the others leave room again (a quarter core below the limit),
-it goes back to its threads. Changing torch's thread count re-forms its OpenMP team (~8 ms on
+free cores than the engine's threads (with half a core of slack), torch runs on one thread
+(the runner's ``set_threads``; the native pool keeps its threads: its items are claimed from a
+shared counter, so it never waits at a barrier for a thread that is not running); when the others
+leave room again (a quarter core below the limit), torch goes back to the engine's threads. Changing torch's thread count re-forms its OpenMP team (~8 ms on
 the next region), so a change happens only when the state flips, never per step.
 """
 
