@@ -11,8 +11,9 @@ process spent (``time.process_time``): the cores the other processes use. When t
 free cores than the engine's threads (with half a core of slack), torch runs on one thread
 (the runner's ``set_threads``; the native pool keeps its threads: its items are claimed from a
 shared counter, so it never waits at a barrier for a thread that is not running); when the others
-leave room again (a quarter core below the limit), torch goes back to the engine's threads. Changing torch's thread count re-forms its OpenMP team (~8 ms on
-the next region), so a change happens only when the state flips, never per step.
+leave room again (a quarter core below the limit), torch goes back to the engine's threads.
+Changing torch's thread count re-forms its OpenMP team (~8 ms on the next region), so a change
+happens only when the state flips, never per step.
 """
 
 from __future__ import annotations
