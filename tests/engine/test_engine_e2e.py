@@ -143,10 +143,11 @@ def test_a_decode_step_advanced_from_the_last_equals_one_built_from_lists(
         orig = runner_module.build_batch
 
         def build(out: SchedulerOutput, cache: Any, device: str = "cpu",
-                  prev: StepBatch | None = None) -> StepBatch:
-            step = orig(out, cache, device, prev if check else None)
-            if check and runner_module._successor(out, prev) is not None:
-                advanced[0] += 1
+                  prev: StepBatch | None = None, inputs: Any = None) -> StepBatch:
+            step = orig(out, cache, device, prev if check else None, inputs if check else None)
+            if check and prev is not None and step.batch.cu_seqlens is prev.batch.cu_seqlens:
+                advanced[0] += 1  # advanced from the last step (its tensors reused)
+                assert step.batch.input_ids.data_ptr() == inputs._i64[2].data_ptr()
                 _same_step(step, orig(out, cache, device))
             return step
 

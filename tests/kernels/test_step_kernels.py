@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from pagedhybrid.errors import ContractViolation
 from pagedhybrid.kernels.backend import backend
-from pagedhybrid.kernels.step import StepMetadata
+from pagedhybrid.kernels.step import DecodeInputs, StepMetadata
 
 SLOTS = 8
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
@@ -146,6 +146,16 @@ def test_advance_is_the_next_decode_step_or_none() -> None:
     assert (nxt.q_lens, nxt.past_lens, nxt.decode, nxt.multi, nxt.cu_seqlens) == (
         want.q_lens, want.past_lens, want.decode, want.multi, want.cu_seqlens)
     assert nxt.fresh == (False, False)
+    inputs = DecodeInputs(4)  # the same step written into persistent buffers
+    again = meta.advance([33, 21], inputs)
+    assert again is not None
+    for name in ("past_t", "positions", "write_slots"):
+        got, ref = getattr(again, name), getattr(nxt, name)
+        assert got.dtype == ref.dtype and torch.equal(got, ref), name
+    ids, attention, position_ids = inputs.tokens([5, 6], 1, 22)
+    assert ids.tolist() == [5, 6] and attention.tolist() == [1, 22, 22]
+    assert attention.dtype == torch.int32 and position_ids.tolist() == [[1, 21]] * 3
+    assert inputs.write((7,), (40,))[1].data_ptr() == again.positions.data_ptr()  # reused
     assert StepMetadata.build([1, 1], [15, 3], [[2], [0]], [1, 0], **good).advance([0, 4]) is None
     assert StepMetadata.build([2, 1], [0, 3], [[2], [0]], [1, 0], **good).advance([0, 4]) is None
     assert StepMetadata.build([1], [3], [[2]], [1], checkpoints=[(0, 1, 0)], num_checkpoints=1,

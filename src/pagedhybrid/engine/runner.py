@@ -50,7 +50,7 @@ from pagedhybrid.engine.stats import EngineStats
 from pagedhybrid.errors import ContractViolation
 from pagedhybrid.kernels.backend import Needs, Selection, select
 from pagedhybrid.kernels.native import cpu_form, dense, set_pool_threads
-from pagedhybrid.kernels.step import StepMetadata, int_tensor
+from pagedhybrid.kernels.step import DecodeInputs, StepMetadata, int_tensor
 from pagedhybrid.kvquant import (
     KVScales,
     default_scales_path,
@@ -91,7 +91,8 @@ class StepResult(NamedTuple):
     prepare_s: float  # batch building and checkpoint restores (host work before the model)
 
 
-def _successor(output: SchedulerOutput, prev: StepBatch | None) -> StepMetadata | None:
+def _successor(output: SchedulerOutput, prev: StepBatch | None,
+               inputs: DecodeInputs | None = None) -> StepMetadata | None:
     """``prev``'s metadata advanced one token (``StepMetadata.advance``) when ``output`` is the
     next decode step of exactly ``prev``'s requests, in the same order, each sampling its next
     token with nothing else to do (no restore, no checkpoint, no prompt logprobs); else None."""
@@ -105,26 +106,31 @@ def _successor(output: SchedulerOutput, prev: StepBatch | None) -> StepMetadata 
                 or s.start < r.num_prompt_tokens - 1 or s.start // bs >= len(s.block_table)):
             return None
         write.append(s.block_table[s.start // bs] * bs + s.start % bs)
-    return prev.meta.advance(write)
+    return prev.meta.advance(write, inputs)
 
 
 def build_batch(output: SchedulerOutput, cache: PagedHybridCache, device: str = "cpu",
-                prev: StepBatch | None = None) -> StepBatch:
+                prev: StepBatch | None = None, inputs: DecodeInputs | None = None
+                ) -> StepBatch:
     """The packed ABI batch of a scheduled step, its step metadata and its logits rows. When
     the step is ``prev``'s decode successor, its metadata is ``prev``'s advanced one token
-    (vLLM's persistent batch: no lists are walked and nothing is validated again)."""
+    (vLLM's persistent batch: no lists are walked and nothing is validated again), its new
+    tensors written into ``inputs`` when given (CPU)."""
     seqs = output.sequences
     reqs = tuple(s.request for s in seqs)
-    meta = _successor(output, prev)
+    meta = _successor(output, prev, inputs)
     if meta is not None:
         assert prev is not None
+        ids = [r.token_ids[p] for r, p in zip(reqs, meta.past_lens, strict=True)]
         top = max(meta.past_lens) + 1
-        batch = prev.batch._replace(
-            input_ids=int_tensor([r.token_ids[p] for r, p in zip(reqs, meta.past_lens,
-                                                                 strict=True)],
-                                 torch.int64, device),
-            position_ids=meta.positions.view(1, -1).expand(3, -1), past_seqlens=meta.past_t,
-            attention_metadata=int_tensor((1, top, top), torch.int32, device))
+        if inputs is not None:
+            ids_t, attention, position_ids = inputs.tokens(ids, 1, top)
+        else:
+            ids_t = int_tensor(ids, torch.int64, device)
+            attention = int_tensor((1, top, top), torch.int32, device)
+            position_ids = meta.positions.view(1, -1).expand(3, -1)
+        batch = prev.batch._replace(input_ids=ids_t, position_ids=position_ids,
+                                    past_seqlens=meta.past_t, attention_metadata=attention)
         return StepBatch(batch, meta, None, prev.sampling, prev.sample_rows, [], reqs)
     # the step's metadata is built (and validated) once from the scheduler's lists; the packed
     # ABI batch is a view of its tensors plus the token ids
@@ -169,6 +175,8 @@ class ModelRunner:
         self.eos_token_ids = tuple(eos_token_ids)
         self._noise = torch.empty(0)  # the random rows' exponential draws, reused every step
         self._last: StepBatch | None = None  # the last step (its successor reuses its tensors)
+        self._inputs = (DecodeInputs(config.max_num_seqs)
+                        if torch.device(config.device).type == "cpu" else None)
         mc = model.config
         kvd = config.page_dtype(model.dtype)
         # what the engine needs goes into the choice: auto never picks a bundle that cannot
@@ -244,7 +252,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         if self.governor is not None:
             self.governor.tick()
-        step = self._last = build_batch(scheduled, self.cache, self.config.device, self._last)
+        step = self._last = build_batch(scheduled, self.cache, self.config.device, self._last,
+                                        self._inputs)
         for s in scheduled.sequences:  # prefix hits start from their checkpointed state
             if s.restore is not None:
                 self.cache.restore_checkpoint(s.restore, s.slot)

@@ -201,13 +201,15 @@ class StepMetadata:
             decode=tuple(i for i, q in enumerate(q_lens) if q == 1),
             multi=tuple(i for i, q in enumerate(q_lens) if q > 1), checkpoints=ck)
 
-    def advance(self, write_slots: Sequence[int]) -> StepMetadata | None:
+    def advance(self, write_slots: Sequence[int], inputs: DecodeInputs | None = None
+                ) -> StepMetadata | None:
         """The metadata of the next step of this decode-only step's sequences, each one token
         further on the same state slots and pages, writing flat cache slots ``write_slots`` (one
         per sequence, the slot after the one it wrote last); made from this step's tensors and
         the new values instead of lists, validated only where it differs. None when that is not
         this step's successor as a whole: a sequence that is not decoding, a checkpoint, or a
-        token that starts a new page (its table row may have grown: ``build`` anew)."""
+        token that starts a new page (its table row may have grown: ``build`` anew). With
+        ``inputs`` (CPU) the new tensors are its views, written in place."""
         bs = self.block_size
         if not self.all_decode or self.checkpoints or self.write_slots is None or any(
                 (p + 1) % bs == 0 for p in self.past_lens):
@@ -218,16 +220,20 @@ class StepMetadata:
                                     f"each in [0, {self.num_pages * bs})", tuple(write_slots))
         past = tuple(p + 1 for p in self.past_lens)
         device = self.positions.device
-        # the same int_tensor path for every tensor: after a forward has streamed the weights
-        # through the caches, each further kind of torch op costs ~10 us of cold code
+        if inputs is not None:
+            past_t, positions, write = inputs.write(past, write_slots)
+        else:  # one int_tensor path for all: after a forward has streamed the weights through
+            # the caches, each further kind of torch op costs ~10 us of cold code
+            past_t, positions = (int_tensor(past, torch.int32, device),
+                                 int_tensor(past, torch.int64, device))
+            write = int_tensor(write_slots, torch.int64, device)
         return StepMetadata(
             q_lens=self.q_lens, past_lens=past, block_size=bs, num_pages=self.num_pages,
-            cu_seqlens_t=self.cu_seqlens_t, past_t=int_tensor(past, torch.int32, device),
+            cu_seqlens_t=self.cu_seqlens_t, past_t=past_t,
             block_table=self.block_table, state_slots=self.state_slots,
             fresh_t=(int_tensor([False] * self.batch, torch.bool, device)
                      if 0 in self.past_lens else self.fresh_t),
-            positions=int_tensor(past, torch.int64, device),
-            write_slots=int_tensor(write_slots, torch.int64, device),
+            positions=positions, write_slots=write,
             cu_seqlens=self.cu_seqlens, decode=self.decode, multi=self.multi)
 
     @classmethod
@@ -236,6 +242,49 @@ class StepMetadata:
         state row b is sequence b, no pages)."""
         return cls.build([seq_len] * batch, [past] * batch, None, range(batch), block_size=1,
                          num_pages=0, num_slots=batch)
+
+
+class DecodeInputs:
+    """Host tensors that each decode step advanced from the last one reuses (vLLM's persistent
+    input batch): for ``B`` sequences, int32 past lengths ``[B]`` and attention metadata
+    ``[3]``, int64 positions, write slots and token ids ``[B]`` -- views of fixed CPU buffers
+    whose numpy arrays are written in place, so advancing a step writes ints and makes no
+    tensor. A step's tensors hold until the next step is written."""
+
+    def __init__(self, max_batch: int) -> None:
+        self._i64 = torch.zeros(3, max_batch, dtype=torch.int64)  # positions, writes, token ids
+        self._i32 = torch.zeros(max_batch + 3, dtype=torch.int32)  # past lengths, metadata
+        self._n64, self._n32 = self._i64.numpy(), self._i32.numpy()
+        self._views: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def _of(self, b: int) -> tuple[torch.Tensor, ...]:
+        v = self._views.get(b)
+        if v is None:
+            v = self._views[b] = (self._i32[:b], self._i64[0, :b], self._i64[1, :b],
+                                  self._i64[2, :b], self._i32[b:b + 3],
+                                  self._i64[0:1, :b].expand(3, -1))
+        return v
+
+    def write(self, past: Sequence[int], write_slots: Sequence[int]
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """int32 past lengths, int64 positions (= the past lengths) and int64 write slots."""
+        b = len(past)
+        self._n32[:b] = past
+        self._n64[0, :b] = past
+        self._n64[1, :b] = write_slots
+        past_t, positions, write = self._of(b)[:3]
+        return past_t, positions, write
+
+    def tokens(self, ids: Sequence[int], max_query: int, max_kv: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """int64 token ids ``[B]``, the int32 attention metadata ``[max_query, max_kv,
+        max_kv]`` and the int64 ``position_ids [3, B]`` (the positions written last, as a
+        view)."""
+        b = len(ids)
+        self._n64[2, :b] = ids
+        self._n32[b:b + 3] = (max_query, max_kv, max_kv)
+        ids_t, meta_t, position_ids = self._of(b)[3:]
+        return ids_t, meta_t, position_ids
 
 
 class GdnLayerWeights(NamedTuple):
