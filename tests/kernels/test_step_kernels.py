@@ -156,6 +156,10 @@ def test_advance_is_the_next_decode_step_or_none() -> None:
     assert ids.tolist() == [5, 6] and attention.tolist() == [1, 22, 22]
     assert attention.dtype == torch.int32 and position_ids.tolist() == [[1, 21]] * 3
     assert inputs.write((7,), (40,))[1].data_ptr() == again.positions.data_ptr()  # reused
+    small = DecodeInputs(1)  # too few rows for two sequences: fresh tensors instead
+    fresh = meta.advance([33, 21], small)
+    assert fresh is not None and torch.equal(fresh.write_slots, nxt.write_slots)
+    assert small._n64.sum() == 0
     assert StepMetadata.build([1, 1], [15, 3], [[2], [0]], [1, 0], **good).advance([0, 4]) is None
     assert StepMetadata.build([2, 1], [0, 3], [[2], [0]], [1, 0], **good).advance([0, 4]) is None
     assert StepMetadata.build([1], [3], [[2]], [1], checkpoints=[(0, 1, 0)], num_checkpoints=1,

@@ -123,7 +123,7 @@ def build_batch(output: SchedulerOutput, cache: PagedHybridCache, device: str = 
         assert prev is not None
         ids = [r.token_ids[p] for r, p in zip(reqs, meta.past_lens, strict=True)]
         top = max(meta.past_lens) + 1
-        if inputs is not None:
+        if inputs is not None and len(ids) <= inputs.capacity:
             ids_t, attention, position_ids = inputs.tokens(ids, 1, top)
         else:
             ids_t = int_tensor(ids, torch.int64, device)

@@ -220,7 +220,7 @@ class StepMetadata:
                                     f"each in [0, {self.num_pages * bs})", tuple(write_slots))
         past = tuple(p + 1 for p in self.past_lens)
         device = self.positions.device
-        if inputs is not None:
+        if inputs is not None and self.batch <= inputs.capacity:
             past_t, positions, write = inputs.write(past, write_slots)
         else:  # one int_tensor path for all: after a forward has streamed the weights through
             # the caches, each further kind of torch op costs ~10 us of cold code
@@ -256,6 +256,7 @@ class DecodeInputs:
         self._i32 = torch.zeros(max_batch + 3, dtype=torch.int32)  # past lengths, metadata
         self._n64, self._n32 = self._i64.numpy(), self._i32.numpy()
         self._views: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.capacity = max_batch  # sequences a step may have to use the buffers
 
     def _of(self, b: int) -> tuple[torch.Tensor, ...]:
         v = self._views.get(b)
