@@ -174,6 +174,37 @@ def test_a_decode_step_advanced_from_the_last_equals_one_built_from_lists(
     assert got == run(False)[0]
 
 
+def test_one_token_prompt_chunks_beside_a_decode_are_not_taken_for_its_successor(
+        make_engine: Callable[..., Engine]) -> None:
+    """With a budget of 2 tokens, a prompt is prefilled a token a step beside a decoding
+    request: every step is one token per sequence, but the prompt's steps sample nothing for
+    it. The step where it reaches its last prompt token must sample it (not reuse the last
+    step's sampling rows), so both requests give the tokens they give alone."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = {"a": prompt_of(3, 1), "b": prompt_of(4, 7)}
+    want = {}
+    for rid, prompt in prompts.items():
+        alone = make_engine(num_blocks=16, max_num_seqs=1)
+        alone.add_request(rid, prompt, params)
+        want[rid] = list(run_all(alone)[rid].token_ids)
+    engine = make_engine(num_blocks=16, max_num_seqs=2, max_num_batched_tokens=2)
+    for rid, prompt in prompts.items():  # a: one prompt token, then decodes; b: a token a step
+        engine.add_request(rid, prompt, params)
+    orig, seen = runner_module.build_batch, []
+
+    def build(out: SchedulerOutput, *a: Any) -> StepBatch:
+        seen.append(tuple(s.num_new_tokens for s in out.sequences))
+        return orig(out, *a)
+
+    runner_module.build_batch = build
+    try:
+        got = {rid: list(out.token_ids) for rid, out in run_all(engine).items()}
+    finally:
+        runner_module.build_batch = orig
+    assert seen[:7] == [(1, 1)] * 7, seen  # the case meant: one token per sequence throughout
+    assert got == want
+
+
 def test_seeded_sampling_same_alone_and_in_batch(make_engine: Callable[..., Engine]) -> None:
     mine = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=1234, max_tokens=10,
                           ignore_eos=True)

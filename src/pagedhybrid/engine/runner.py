@@ -10,8 +10,9 @@
    row of every chunk that reaches its request's last known token, and, for requests that asked
    for ``prompt_logprobs``, the rows of the prompt positions in the chunk that predict a prompt
    token. A decode step of the same requests as the last one, one token further on the same
-   pages, is the last step advanced (``StepMetadata.advance``: a handful of small tensors from
-   python ints) rather than built again from the lists -- vLLM's persistent batch;
+   pages, is the last step advanced (``StepMetadata.advance``: the new values written into the
+   persistent ``DecodeInputs`` buffers) rather than built again from the lists -- vLLM's
+   persistent batch;
 2. prefix-cache hits start from their checkpointed state (``restore_checkpoint``);
 3. ``model.forward_packed`` writes the KV pages and state slots in place and returns those rows'
    logits; a sequence with ``past_seqlens == 0`` starts from zero conv/recurrent state whatever
@@ -96,8 +97,9 @@ def _successor(output: SchedulerOutput, prev: StepBatch | None,
     """``prev``'s metadata advanced one token (``StepMetadata.advance``) when ``output`` is the
     next decode step of exactly ``prev``'s requests, in the same order, each sampling its next
     token with nothing else to do (no restore, no checkpoint, no prompt logprobs); else None."""
-    if prev is None or len(output.sequences) != len(prev.requests):
-        return None
+    if (prev is None or len(output.sequences) != len(prev.requests)
+            or len(prev.sampling) != len(prev.requests) or prev.prompt_spans):
+        return None  # (a prompt chunk of one token did not sample: its rows differ now)
     bs = prev.meta.block_size
     write = []
     for s, r, p in zip(output.sequences, prev.requests, prev.meta.past_lens, strict=True):
