@@ -96,7 +96,8 @@ def _successor(output: SchedulerOutput, prev: StepBatch | None,
                inputs: DecodeInputs | None = None) -> StepMetadata | None:
     """``prev``'s metadata advanced one token (``StepMetadata.advance``) when ``output`` is the
     next decode step of exactly ``prev``'s requests, in the same order, each sampling its next
-    token with nothing else to do (no restore, no checkpoint, no prompt logprobs); else None."""
+    token with nothing else to do (no restore, no checkpoint, no prompt logprobs: a one-token
+    chunk that samples is past its prompt); else None."""
     if (prev is None or len(output.sequences) != len(prev.requests)
             or len(prev.sampling) != len(prev.requests) or prev.prompt_spans):
         return None  # (a prompt chunk of one token did not sample: its rows differ now)
@@ -105,7 +106,7 @@ def _successor(output: SchedulerOutput, prev: StepBatch | None,
     for s, r, p in zip(output.sequences, prev.requests, prev.meta.past_lens, strict=True):
         if (s.request is not r or s.num_new_tokens != 1 or s.start != p + 1 or not s.samples
                 or s.restore is not None or s.checkpoints
-                or s.start < r.num_prompt_tokens - 1 or s.start // bs >= len(s.block_table)):
+                or s.start // bs >= len(s.block_table)):
             return None
         write.append(s.block_table[s.start // bs] * bs + s.start % bs)
     return prev.meta.advance(write, inputs)

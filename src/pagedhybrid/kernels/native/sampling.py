@@ -5,19 +5,23 @@ torch three ops and a host copy; the same rule in torch ops where the library is
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 
 from pagedhybrid.kernels.native import library, status
 
-_OP: list[Any] = []  # the op, looked up at the first call (None: the library is not loaded)
+
+@functools.cache
+def _op() -> Any:
+    """The native op, looked up once (None: the library is not loaded)."""
+    return library().greedy_rows if status().available else None
 
 
 def greedy_rows(logits: torch.Tensor) -> torch.Tensor:
     """int64 ``[R]``: each row's first maximum, ``-1`` for a row with a non-finite value."""
-    if not _OP:
-        _OP.append(library().greedy_rows if status().available else None)
-    if _OP[0] is not None and logits.dtype == torch.float32 and logits.shape[1] > 0:
-        return _OP[0](logits.contiguous())  # type: ignore[no-any-return]
+    op = _op()
+    if op is not None and logits.dtype == torch.float32 and logits.shape[1] > 0:
+        return op(logits.contiguous())  # type: ignore[no-any-return]
     return logits.argmax(dim=-1).masked_fill_(~torch.isfinite(logits).all(dim=-1), -1)
