@@ -110,6 +110,8 @@ def test_forcing_a_form_and_saying_which_runs(form: str) -> None:
         assert native.library().cpu_form() == form
         assert dense.preferred_linear(torch.bfloat16) is timed_choice(form)
         assert dense.preferred_linear(torch.float32) is None
+        assert (dense.preferred_pack(torch.bfloat16) is not None) == (form == "avx512_bf16")
+        assert dense.preferred_pack(torch.float32) is None
     st = native.status()  # unforced: the fastest
     assert st.isa == HERE[0] and not st.forced and "(" in native.cpu_form()
 
@@ -210,9 +212,12 @@ def _gdn_reference(x: dict[str, torch.Tensor], init: torch.Tensor, scale: float
 
 @pytest.mark.parametrize("form", HERE)
 # Qwen3.5's GDN layers: 16 key heads of 128 with 16 (0.8B / 2B), 32 (4B) or 48 (27B) value heads
+# and the other paths of gdn_token: Dk of 1, 2 or 16 vectors with an odd Dv (the last row alone),
+# Dk of no whole vectors (24) or of 3 / 6 (48: the scalar loops)
 @pytest.mark.parametrize(("hk", "hv", "dk", "dv"), [(2, 6, 128, 128), (1, 2, 24, 7),
                                                     (16, 16, 128, 128), (16, 32, 128, 128),
-                                                    (16, 48, 128, 128)])
+                                                    (16, 48, 128, 128), (1, 2, 32, 7),
+                                                    (1, 1, 16, 1), (2, 2, 256, 3), (1, 2, 48, 6)])
 def test_gated_delta_decode(form: str, hk: int, hv: int, dk: int, dv: int) -> None:
     lib = native.form_library(form)
     gen = torch.Generator().manual_seed(dk)
@@ -476,6 +481,59 @@ def test_decode_linear_in_every_form(dtype: torch.dtype) -> None:
                 assert got.dtype == dtype and got.shape == (rows, 40)
                 torch.testing.assert_close(got.double(), x.double() @ w.double().T, rtol=tol,
                                            atol=tol)
+
+
+def test_preferred_pack_packs_the_large_bf16_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where bf16 pairs multiply in hardware, bf16 weights of PACK_MIN_BYTES or more are packed
+    and smaller ones kept as they are; fp32 / fp16 weights and forms without BF16 dot
+    instructions keep plain weights."""
+    monkeypatch.setattr(dense, "bf16_dot", lambda: True)
+    pack = dense.preferred_pack(torch.bfloat16)
+    assert pack is not None
+    large = torch.ones(dense.PACK_MIN_BYTES // 128, 64, dtype=torch.bfloat16)  # exactly the bound
+    small = torch.ones(dense.PACK_MIN_BYTES // 128 - 1, 64, dtype=torch.bfloat16)
+    got = pack(large)
+    assert got.is_mkldnn and got.shape == large.shape and torch.equal(got.to_dense(), large)
+    assert pack(small) is small
+    assert dense.preferred_pack(torch.float32) is None
+    assert dense.preferred_pack(torch.float16) is None
+    monkeypatch.setattr(dense, "bf16_dot", lambda: False)
+    assert dense.preferred_pack(torch.bfloat16) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_packed_weights_multiply_as_the_plain_ones(dtype: torch.dtype) -> None:
+    """A packed weight (``dense.pack``) is the plain one exactly (``to_dense``) and every
+    product function gives with it what it gives with the plain weight: oneDNN's GEMM on the
+    packed layout below WIDEN_ROWS rows (torch's product, within rounding), the same widened
+    GEMM bit for bit from there on where the function widens, in every form; activations in
+    another dtype multiply with the plain form."""
+    gen = torch.Generator().manual_seed(12)
+    w = (torch.randn(80, 136, generator=gen) * 0.1).to(dtype)
+    p = dense.pack(w)
+    assert p.is_mkldnn and p.dtype == dtype and p.shape == w.shape
+    assert torch.equal(p.to_dense(), w)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    for rows in (1, dense.DECODE_ROWS - 1, 16, dense.WIDEN_ROWS + 5):
+        x = torch.randn(rows, 136, generator=gen).to(dtype)
+        want = F.linear(x, w)
+        torch.testing.assert_close(dense.packed_linear(x, p).float(), want.float(), rtol=tol,
+                                   atol=tol)
+        lead = dense.packed_linear(x.view(1, rows, 136), p)
+        assert lead.shape == (1, rows, 80) and torch.equal(lead[0], dense.packed_linear(x, p))
+        for form in HERE:
+            with forced(form):
+                for fn in (dense.decode_linear, dense.mixed_linear, dense.linear):
+                    got, plain = fn(x, p), fn(x, w)
+                    assert got.dtype == dtype and got.shape == (rows, 80)
+                    if dense.product_form(fn, dtype, rows) == "widened":
+                        assert torch.equal(got, plain), (form, fn.__name__, rows)
+                    else:
+                        assert torch.equal(got, dense.packed_linear(x, p))
+                        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    if dtype == torch.bfloat16:
+        x = torch.randn(3, 136, generator=gen)  # fp32 activations on the bf16 weight
+        assert torch.equal(dense.linear(x, p), dense.linear(x, w))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)

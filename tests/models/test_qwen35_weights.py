@@ -11,7 +11,9 @@ from qwen35_tiny import build_hf_model, hf_logits, save_checkpoint, tiny_hf_conf
 from safetensors.torch import save_file
 from transformers import Qwen3_5Config
 
+from pagedhybrid.kernels.native import dense
 from pagedhybrid.models.qwen35 import CheckpointError, load
+from pagedhybrid.models.qwen35.weights import SafetensorsFile, release_pages
 
 IDS = torch.tensor([[5, 17, 3, 90, 41, 8, 0, 66]])
 
@@ -42,6 +44,32 @@ def test_weights_are_memory_mapped_views(tiny_checkpoint):
     for name, p in model.named_parameters():
         # a view into the one mapping of the whole file: no second copy of the weights
         assert p.untyped_storage().nbytes() == size, name
+
+
+def _rss_file() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssFile"))
+
+
+def test_release_pages_drops_a_mapped_tensors_pages_and_nothing_else(tmp_path):
+    """A replaced (packed) weight's mapped pages leave the process's resident set; reading the
+    view again gives the same values (the pages come back from the file); a tensor that is not
+    a view of a checkpoint mapping is untouched."""
+    gen = torch.Generator().manual_seed(3)
+    state = {"a": torch.randn(4096, 512, generator=gen), "b": torch.randn(7, 5, generator=gen)}
+    save_file(state, str(tmp_path / "w.safetensors"))
+    f = SafetensorsFile(tmp_path / "w.safetensors")
+    a, b = f.tensor("a"), f.tensor("b")
+    assert float(a.sum()) == float(state["a"].sum())  # every page of `a` read in
+    before = _rss_file()
+    release_pages(a)
+    dropped = before - _rss_file()
+    assert dropped >= a.numel() * 4 - 2 * 4096 - (1 << 20), dropped  # its pages, less the ends
+    assert torch.equal(a, state["a"]) and torch.equal(b, state["b"])
+    own = state["b"].clone()
+    release_pages(own)
+    release_pages(dense.pack(state["a"].bfloat16()))
+    assert torch.equal(own, state["b"])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -51,16 +51,19 @@ class Engine:
                  tokenizer: object | None = None) -> None:
         self.config = config or EngineConfig()
         self.tokenizer = tokenizer
-        self.memory: MemoryPlan = plan_memory(model.config, self.config, model.dtype,
-                                              weight_bytes(model))
-        for warning in self.memory.warnings:
-            print(f"pagedhybrid: warning: {warning}", file=sys.stderr)
-        self.sizes = self.memory.sizes
         self.stats = EngineStats()
         self.eos_token_ids = tuple(model.config.eos_token_id) or tuple(
             getattr(tokenizer, "eos_token_ids", ()) or ())
-        self.runner = ModelRunner(model, self.config, self.sizes, self.stats,
-                                  self.eos_token_ids)
+        # the kernels first: the weights are held as they multiply (packed or plain) before the
+        # memory is measured and planned
+        self.runner = ModelRunner(model, self.config, self.stats, self.eos_token_ids)
+        self.memory: MemoryPlan = plan_memory(model.config, self.config, model.dtype,
+                                              weight_bytes(model),
+                                              unmapped=weight_bytes(model, packed=False))
+        for warning in self.memory.warnings:
+            print(f"pagedhybrid: warning: {warning}", file=sys.stderr)
+        self.sizes = self.memory.sizes
+        self.runner.allocate(self.sizes)
         self._make_pools()
         self._generator = torch.Generator().manual_seed(self.config.seed)
         self._arrivals = 0

@@ -8,8 +8,9 @@ Budget:
 * otherwise ``cache_memory_fraction`` (default ``DEFAULT_CACHE_FRACTION``) of the memory there is
   for the cache: the machine's available memory (``MemAvailable`` of ``/proc/meminfo``, or the
   cgroup's limit less its use when that is lower) less the weights (counted as still to be paged
-  in: they are memory-mapped, so the kernel counts their pages as reclaimable) and less the
-  workspace of the largest step (``workspace_bytes``).
+  in: they are memory-mapped, so the kernel counts their pages as reclaimable -- all but the
+  packed ones, which are private copies made before the plan and already out of the available
+  memory) and less the workspace of the largest step (``workspace_bytes``).
 
 Split: state slots = ``num_state_slots`` or ``max_num_seqs``; state checkpoints =
 ``num_state_checkpoints`` or one per slot (prefix caching on); pages = the rest, at most what
@@ -78,12 +79,18 @@ def workspace_bytes(config: Qwen35Config, cfg: EngineConfig) -> int:
     return WORKSPACE_FLOOR + 4 * (t * per_row + scores + logits)
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
+def weight_bytes(model: torch.nn.Module, packed: bool = True) -> int:
+    """Bytes of the model's parameters, each storage once; ``packed=False`` leaves out the packed
+    weights (opaque oneDNN tensors, ``kernels/native/dense.py``: copies already in private
+    memory, as many bytes as their plain form)."""
     seen: set[int] = set()
     total = 0
     for p in model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
+        if p.is_mkldnn and not packed:
+            continue
+        key = id(p) if p.is_mkldnn else p.data_ptr()
+        if key not in seen:
+            seen.add(key)
             total += p.numel() * p.element_size()
     return total
 
@@ -126,9 +133,12 @@ class MemoryPlan:
 
 
 def plan_memory(config: Qwen35Config, cfg: EngineConfig, dtype: torch.dtype,
-                weights: int = 0, available: int | None = None) -> MemoryPlan:
+                weights: int = 0, available: int | None = None,
+                unmapped: int | None = None) -> MemoryPlan:
     """The pools of an engine for ``config`` in ``dtype`` (module docstring). ``available``:
-    the machine's available memory in bytes (default: measured now)."""
+    the machine's available memory in bytes (default: measured now); ``unmapped``: the part of
+    ``weights`` that is not already in private memory, so not yet out of ``available``
+    (default: all of it; packed weights are already there)."""
     bs = cfg.block_size
     per_page = max(page_bytes(config, bs, cfg.page_dtype(dtype)), 1)
     per_slot = slot_bytes(config, dtype)
@@ -154,7 +164,7 @@ def plan_memory(config: Qwen35Config, cfg: EngineConfig, dtype: torch.dtype,
     else:
         fraction = cfg.cache_memory_fraction or DEFAULT_CACHE_FRACTION
         free = available if available is not None else available_memory()
-        room = free - weights - workspace
+        room = free - (weights if unmapped is None else unmapped) - workspace
         budget = max(0, int(fraction * room))
         source = (f"{fraction:g} of {room / _GIB:.2f} GiB: {free / _GIB:.2f} GiB available less "
                   f"weights and workspace")

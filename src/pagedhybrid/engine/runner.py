@@ -169,11 +169,14 @@ def build_batch(output: SchedulerOutput, cache: PagedHybridCache, device: str = 
 
 
 class ModelRunner:
-    """The model, its selected kernel bundle and the cache of KV pages, state slots and state
-    checkpoints (sized by ``sizes``); ``run`` one step, ``score`` whole sequences."""
+    """The model, its selected kernel bundle (the model's weights held as it multiplies) and,
+    from ``allocate(sizes)`` on, the cache of KV pages, state slots and state checkpoints;
+    ``run`` one step, ``score`` whole sequences."""
 
-    def __init__(self, model: Qwen35ForCausalLM, config: EngineConfig, sizes: PoolSizes,
-                 stats: EngineStats, eos_token_ids: Sequence[int] = ()) -> None:
+    cache: PagedHybridCache
+
+    def __init__(self, model: Qwen35ForCausalLM, config: EngineConfig, stats: EngineStats,
+                 eos_token_ids: Sequence[int] = ()) -> None:
         self.model, self.config, self.stats = model, config, stats
         self.eos_token_ids = tuple(eos_token_ids)
         self._noise = torch.empty(0)  # the random rows' exponential draws, reused every step
@@ -192,6 +195,14 @@ class ModelRunner:
         if self.kernels.backend.name not in ("native", "native_batch_invariant") and \
                 config.backend == "auto":
             print(f"pagedhybrid: {self.kernels.reason}", file=sys.stderr)
+        self.governor: ThreadGovernor | None = None
+        if config.adaptive_threads and not config.batch_invariant:
+            self.governor = ThreadGovernor(torch.get_num_threads(), self._set_threads)
+
+    def allocate(self, sizes: PoolSizes) -> None:
+        """The cache of ``sizes`` (the engine's memory plan), checked against the model once."""
+        config, model = self.config, self.model
+        mc, kvd = model.config, config.page_dtype(model.dtype)
         self.cache = PagedHybridCache.allocate(
             mc, num_pages=sizes.num_blocks, block_size=config.block_size,
             num_slots=sizes.num_slots, dtype=model.dtype, device=config.device,
@@ -199,9 +210,6 @@ class ModelRunner:
             num_checkpoints=sizes.num_checkpoints, kv_dtype=kvd,
             kv_scales=self._kv_scales(kvd) if is_quantized(kvd) else None)
         model.check_cache(self.cache)  # once: steps pass their validated metadata
-        self.governor: ThreadGovernor | None = None
-        if config.adaptive_threads and not config.batch_invariant:
-            self.governor = ThreadGovernor(torch.get_num_threads(), self._set_threads)
 
     @property
     def _native(self) -> bool:

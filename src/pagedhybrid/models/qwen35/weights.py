@@ -15,6 +15,10 @@ checkpoints' ``model.language_model.`` prefix is mapped to ``model.``; vision (`
 ``visual.``) and multi-token-prediction (``mtp.``) tensors are skipped. With tied embeddings
 ``lm_head.weight`` is not read (the model reuses ``model.embed_tokens.weight``).
 
+``release_pages(t)`` drops the resident pages of a mapped tensor that was replaced (by a packed
+copy): the mapping is private and never written, so a later read of ``t`` faults them in again
+from the file; a tensor that is not a view of a live mapping is left alone.
+
 ``read_tensors`` streams the checked views one at a time (the model's loader slices each to its
 TP rank's part before anything is converted); ``load_state_dict`` collects them in a serving dtype.
 
@@ -27,6 +31,7 @@ from __future__ import annotations
 import json
 import mmap
 import struct
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
@@ -51,6 +56,26 @@ RENAMED_PREFIXES = (
     ("language_model.lm_head.", "lm_head."),
 )
 _MAX_HEADER = 100 * 1024 * 1024
+
+
+_MAPS: list[tuple[weakref.ref[mmap.mmap], int, int]] = []  # live mappings: (map, address, size)
+
+
+def release_pages(t: torch.Tensor) -> None:
+    """Drop the resident pages wholly inside ``t`` when it is a view of a live checkpoint
+    mapping (module docstring); anything else is left alone."""
+    if t.is_mkldnn or not t.is_contiguous():
+        return
+    begin, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    _MAPS[:] = [e for e in _MAPS if e[0]() is not None]
+    for ref, address, size in _MAPS:
+        m = ref()
+        if m is not None and address <= begin and end <= address + size:
+            lo = -(-(begin - address) // mmap.PAGESIZE) * mmap.PAGESIZE
+            hi = (end - address) // mmap.PAGESIZE * mmap.PAGESIZE
+            if hi > lo:
+                m.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+            return
 
 
 def canonical_name(name: str) -> str | None:
@@ -92,6 +117,7 @@ class SafetensorsFile:
             raise CheckpointError(where, "header", "must be a JSON object")
         header.pop("__metadata__", None)
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)  # [file size]
+        _MAPS.append((weakref.ref(self._map), self._bytes.data_ptr(), size))
         self._base = 8 + n
         self._entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
         for name, entry in header.items():

@@ -30,6 +30,7 @@
 // slots and fresh as gdn_decode_mixer takes them. Every shape is checked before a pool or a page
 // is written, so a refused call changes nothing.
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include "common.h"
@@ -39,7 +40,22 @@
 namespace pagedhybrid {
 namespace {
 
+// A weight packed into oneDNN's blocked layout (dense.pack: an MKLDNN tensor) multiplies with
+// oneDNN's GEMM on it, as dense.packed_linear does; a plain one as the bundle's product form.
+at::Tensor packed_product(const at::Tensor& x, const at::Tensor& w) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                            c10::string_view, c10::List<std::optional<at::Scalar>>,
+                            std::optional<c10::string_view>)>();
+  return op.call(x.is_contiguous() ? x : x.contiguous(), w, std::nullopt, "none",
+                 c10::List<std::optional<at::Scalar>>(),
+                 c10::string_view(""));
+}
+
 at::Tensor product(const at::Tensor& x, const at::Tensor& w, bool native_linear) {
+  if (w.is_mkldnn()) return packed_product(x, w);
   if (!native_linear) return at::linear(x, w);
   at::Tensor out = at::empty({x.size(0), w.size(0)}, x.options());
   linear(x, w, out);
@@ -251,6 +267,12 @@ TORCH_LIBRARY_FRAGMENT(PH_NS, m) {
 }
 
 TORCH_LIBRARY_IMPL(PH_NS, CPU, m) {
+  m.impl("attention_decode_layer", &pagedhybrid::attention_decode_layer);
+  m.impl("gdn_decode_layer", &pagedhybrid::gdn_decode_layer);
+}
+
+// packed projection weights are MKLDNN tensors, which put their key in the call's dispatch set
+TORCH_LIBRARY_IMPL(PH_NS, MkldnnCPU, m) {
   m.impl("attention_decode_layer", &pagedhybrid::attention_decode_layer);
   m.impl("gdn_decode_layer", &pagedhybrid::gdn_decode_layer);
 }

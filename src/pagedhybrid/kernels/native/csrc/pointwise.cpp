@@ -8,8 +8,8 @@
 // attention gate, the MLP width) is not a multiple of the vector loop computes on the scalar path,
 // the same token elsewhere on the vector path. Here every element, the tail included (loaded
 // zero-filled into a full vector), runs the same lane code:
-//   e = exp(-|x|) (vec.h exp: never overflows)         sigmoid(x) = (x < 0 ? e : 1) / (1 + e)
-//                                                     silu(x)    = (x < 0 ? x e : x) / (1 + e)
+//   vec.h's activate: e = exp(-|x|), sigmoid(x) = (x < 0 ? e : 1) / (1 + e),
+//                     silu(x) = (x < 0 ? x e : x) / (1 + e)
 // (NaN in, NaN out), so neither the batch, the position nor the thread count changes a bit.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
@@ -24,13 +24,6 @@ namespace pagedhybrid {
 namespace {
 
 constexpr int64_t kBlock = 4096;  // elements per task (a multiple of kLanes)
-
-template <bool Silu>
-inline VF activate(VF x) {
-  const VF e = exp(neg_abs(x));  // (0, 1]
-  const VF num = Silu ? if_neg(x, mul(x, e), x) : if_neg(x, e, bcast(1.f));
-  return keep_nan(x, div(num, add(bcast(1.f), e)));
-}
 
 template <bool Silu>
 void pointwise(const char* op_name, const at::Tensor& x, at::Tensor& out) {

@@ -7,9 +7,11 @@
 //
 // fp32 arithmetic in the order the torch layers write it (kernels/registry.py TORCH_NORMS); the
 // sum of squares in kLanes partial sums then reduce_add (one fixed order whatever the batch);
-// silu is pointwise.cpp's lane code in scalar form (exp(-|x|)); rounded once into O.
+// silu is vec.h's lane code (`activate`, as pointwise.cpp's), kLanes gates at a time; rounded
+// once into O.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -42,12 +44,6 @@ inline float sum_squares(const T* x, int64_t d) {
   return reduce_add(acc);
 }
 
-inline float norm_silu(float x) {  // (x < 0 ? x e : x) / (1 + e), e = exp(-|x|)
-  if (std::isnan(x)) return x;
-  const float e = std::exp(-std::fabs(x));
-  return (x < 0.f ? x * e : x) / (1.f + e);
-}
-
 enum class Kind { kRms, kGated, kL2 };
 
 template <Kind K, typename T, typename W, typename O>
@@ -55,14 +51,22 @@ inline void norm_row(const T* xr, const T* gr, const W* w, O* orow, int64_t d, f
                      bool offset) {
   const float ss = sum_squares(xr, d);
   const float inv = 1.f / std::sqrt(K == Kind::kL2 ? ss + eps : ss / static_cast<float>(d) + eps);
-  for (int64_t j = 0; j < d; ++j) {
-    float y = to_float(xr[j]) * inv;
-    if constexpr (K == Kind::kRms) {
-      y = y * (offset ? 1.f + to_float(w[j]) : to_float(w[j]));
-    } else if constexpr (K == Kind::kGated) {
-      y = y * to_float(w[j]) * norm_silu(to_float(gr[j]));
+  alignas(64) float gate[kLanes];
+  for (int64_t j0 = 0; j0 < d; j0 += kLanes) {
+    const int n = static_cast<int>(std::min<int64_t>(kLanes, d - j0));
+    if constexpr (K == Kind::kGated) {
+      for (int i = 0; i < n; ++i) gate[i] = to_float(gr[j0 + i]);
+      silu_lanes(gate, n);
     }
-    orow[j] = from_float<O>(y);
+    for (int64_t j = j0; j < j0 + n; ++j) {
+      float y = to_float(xr[j]) * inv;
+      if constexpr (K == Kind::kRms) {
+        y = y * (offset ? 1.f + to_float(w[j]) : to_float(w[j]));
+      } else if constexpr (K == Kind::kGated) {
+        y = y * to_float(w[j]) * gate[j - j0];
+      }
+      orow[j] = from_float<O>(y);
+    }
   }
 }
 

@@ -5,14 +5,16 @@
 //   g = -exp(A_log[h]) * softplus(a + dt_bias[h])   (qwen gate)     beta = sigmoid(b)
 //   for each state row s (Dv rows of Dk):  s *= exp(g);  r = s.k;  u = beta (v - r);
 //                                          s += u k;     o = scale * (s.q)
+// (two rows at a time, each loaded and stored once, where Dk is 1-16 whole vectors: gdn_rows)
 // A `fresh` sequence starts from the zero state (its pool row is only written, never read).
 // q, k: float32 [B, Hk, Dk] (already L2-normalised as the model does), v float32 [B, Hv, Dv],
 // a, b float32 [B, Hv]; value head h reads key head h / (Hv / Hk). out float32 [B, Hv, Dv].
 //
 // causal_conv_decode -- one token of the depthwise causal conv per sequence, in place on row
 // `slots[b]` of the conv pool [S, C, K-1] (the last K-1 inputs, oldest first):
-//   y[c] = w[c, K-1] x[c] + sum_j w[c, j] state[c, j] (+ bias), optional SiLU; the state shifts
-//   by one column and takes x. `fresh` rows read zeros instead of the pool. T = pool dtype.
+//   y[c] = w[c, K-1] x[c] + sum_j w[c, j] state[c, j] (+ bias), optional SiLU (vec.h's
+//   activate, kLanes channels at a time); the state shifts by one column and takes x. `fresh`
+//   rows read zeros instead of the pool. T = pool dtype.
 //
 // gated_delta_varlen / causal_conv_varlen -- the same recurrences over every token of packed
 // sequences (cu_seqlens int32 [B+1]), token after token, in place on the pool rows. Both
@@ -53,7 +55,71 @@ namespace {
 
 inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
 
+// Rows r0, r0 + 1 of a state whose Dk = NV vectors: each row is loaded once, decayed, dotted
+// with k, updated and dotted with q in registers, and stored once. The two rows' chains are
+// independent, so their latencies overlap; each dot is two partial sums (even / odd vectors).
+template <int NV>
+inline void gdn_row_pair(float* s0, float* s1, const float* kv, const float* qv, float v0,
+                         float v1, VF decay, float beta, bool zero, float sc, float* o) {
+  VF x0[NV], x1[NV];
+  float r0 = 0.f, r1 = 0.f;
+  if (!zero) {
+    VF a0 = pagedhybrid::zero(), a1 = pagedhybrid::zero(), b0 = a0, b1 = a0;
+    for (int i = 0; i < NV; ++i) {
+      const VF k = load(kv + i * kLanes);
+      x0[i] = mul(load(s0 + i * kLanes), decay);
+      x1[i] = mul(load(s1 + i * kLanes), decay);
+      if (i % 2 == 0) {
+        a0 = fma(x0[i], k, a0);
+        b0 = fma(x1[i], k, b0);
+      } else {
+        a1 = fma(x0[i], k, a1);
+        b1 = fma(x1[i], k, b1);
+      }
+    }
+    r0 = reduce_add(add(a0, a1));
+    r1 = reduce_add(add(b0, b1));
+  }
+  const VF u0 = bcast(beta * (v0 - r0)), u1 = bcast(beta * (v1 - r1));
+  VF a0 = pagedhybrid::zero(), a1 = pagedhybrid::zero(), b0 = a0, b1 = a0;
+  for (int i = 0; i < NV; ++i) {
+    const VF k = load(kv + i * kLanes), q = load(qv + i * kLanes);
+    const VF y0 = zero ? mul(u0, k) : fma(u0, k, x0[i]);
+    const VF y1 = zero ? mul(u1, k) : fma(u1, k, x1[i]);
+    store(s0 + i * kLanes, y0);
+    store(s1 + i * kLanes, y1);
+    if (i % 2 == 0) {
+      a0 = fma(y0, q, a0);
+      b0 = fma(y1, q, b0);
+    } else {
+      a1 = fma(y0, q, a1);
+      b1 = fma(y1, q, b1);
+    }
+  }
+  o[0] = sc * reduce_add(add(a0, a1));
+  o[1] = sc * reduce_add(add(b0, b1));
+}
+
+template <int NV>
+void gdn_rows(float* state, const float* qv, const float* kv, const float* vv, float decay,
+              float beta, bool zero, int64_t dv, float sc, float* o) {
+  const VF d = bcast(decay);
+  constexpr int64_t dk = NV * kLanes;
+  for (int64_t r = 0; r + 1 < dv; r += 2)
+    gdn_row_pair<NV>(state + r * dk, state + (r + 1) * dk, kv, qv, vv[r], vv[r + 1], d, beta,
+                     zero, sc, o + r);
+  if (dv % 2) {  // the last row paired with a scratch copy of itself
+    float scratch[dk], out2[2];
+    float* last = state + (dv - 1) * dk;
+    for (int64_t e = 0; e < dk; ++e) scratch[e] = last[e];
+    gdn_row_pair<NV>(last, scratch, kv, qv, vv[dv - 1], vv[dv - 1], d, beta, zero, sc, out2);
+    o[dv - 1] = out2[0];
+  }
+}
+
 // One Gated DeltaNet token of one value head: state [Dv, Dk] advanced in place, o [Dv] written.
+// Dk of 1, 2, 4, 8 or 16 whole vectors runs gdn_rows (the two dots of a row in registers); any other Dk the
+// scalar loops below.
 __attribute__((noinline)) void gdn_token(float* state, const float* qv, const float* kv,
                                          const float* vv, float a, float b, float a_log,
                                          float dt_bias, bool zero, int64_t dv, int64_t dk,
@@ -61,6 +127,16 @@ __attribute__((noinline)) void gdn_token(float* state, const float* qv, const fl
   const float g = -std::exp(a_log) * softplus(a + dt_bias);
   const float decay = std::exp(g);
   const float beta = 1.f / (1.f + std::exp(-b));
+  if (dk % kLanes == 0) {
+    switch (dk / kLanes) {
+      case 1: return gdn_rows<1>(state, qv, kv, vv, decay, beta, zero, dv, sc, o);
+      case 2: return gdn_rows<2>(state, qv, kv, vv, decay, beta, zero, dv, sc, o);
+      case 4: return gdn_rows<4>(state, qv, kv, vv, decay, beta, zero, dv, sc, o);
+      case 8: return gdn_rows<8>(state, qv, kv, vv, decay, beta, zero, dv, sc, o);
+      case 16: return gdn_rows<16>(state, qv, kv, vv, decay, beta, zero, dv, sc, o);
+      default: break;
+    }
+  }
   for (int64_t r = 0; r < dv; ++r) {
     float* s = state + r * dk;
     float dot_k = 0.f;
@@ -197,23 +273,28 @@ template <typename T>
 __attribute__((noinline)) void conv_token(T* state, const T* x, const T* wp, const T* bp,
                                           bool zero, int64_t ch, int64_t kk, bool silu, T* out) {
   const int64_t st = kk - 1;
-  for (int64_t c = 0; c < ch; ++c) {
-    const float xc = to_float(x[c]);
-    const T* w = wp + c * kk;
-    T* s = state + c * st;
-    float y = to_float(w[st]) * xc + (bp != nullptr ? to_float(bp[c]) : 0.f);
-    if (!zero)
-      for (int64_t j = 0; j < st; ++j) y += to_float(w[j]) * to_float(s[j]);
-    if (silu) y = y / (1.f + std::exp(-y));
-    out[c] = from_float<T>(y);
-    if (st > 0) {
-      if (zero) {
-        for (int64_t j = 0; j + 1 < st; ++j) s[j] = from_float<T>(0.f);
-      } else {
-        for (int64_t j = 0; j + 1 < st; ++j) s[j] = s[j + 1];
+  alignas(64) float y[kLanes];
+  for (int64_t c0 = 0; c0 < ch; c0 += kLanes) {
+    const int n = static_cast<int>(std::min<int64_t>(kLanes, ch - c0));
+    for (int i = 0; i < n; ++i) {
+      const int64_t c = c0 + i;
+      const T* w = wp + c * kk;
+      T* s = state + c * st;
+      float yc = to_float(w[st]) * to_float(x[c]) + (bp != nullptr ? to_float(bp[c]) : 0.f);
+      if (!zero)
+        for (int64_t j = 0; j < st; ++j) yc += to_float(w[j]) * to_float(s[j]);
+      y[i] = yc;
+      if (st > 0) {
+        if (zero) {
+          for (int64_t j = 0; j + 1 < st; ++j) s[j] = from_float<T>(0.f);
+        } else {
+          for (int64_t j = 0; j + 1 < st; ++j) s[j] = s[j + 1];
+        }
+        s[st - 1] = x[c];
       }
-      s[st - 1] = x[c];
     }
+    if (silu) silu_lanes(y, n);  // vec.h's silu, kLanes channels at a time
+    for (int i = 0; i < n; ++i) out[c0 + i] = from_float<T>(y[i]);
   }
 }
 

@@ -11,6 +11,7 @@
 //   reduce_add/max  horizontal sum / max    exp(x)    Cody-Waite + degree-6 polynomial
 //                                                     (rel. error ~2e-7; -inf -> 0)
 //   first_n(x, n)   lanes >= n set to -inf  transpose(rows[kLanes])  in registers
+//   activate<Silu>(x) silu / sigmoid lanes   silu_lanes(p, n)  silu of n floats in place
 //   load_first(p, n) / store_first(p, v, n)  the first n < kLanes elements only (the other
 //                   lanes load as 0; nothing past p + n is read or written)
 #pragma once
@@ -243,6 +244,24 @@ inline void store_first(float* p, VF v, int n) {
   alignas(64) float tmp[kLanes];
   store(tmp, v);
   for (int i = 0; i < n; ++i) p[i] = tmp[i];
+}
+
+// silu (Silu) or sigmoid of every lane, NaN in, NaN out: e = exp(-|x|) (never overflows),
+// silu(x) = (x < 0 ? x e : x) / (1 + e), sigmoid(x) = (x < 0 ? e : 1) / (1 + e).
+template <bool Silu>
+inline VF activate(VF x) {
+  const VF e = exp(neg_abs(x));  // (0, 1]
+  const VF num = Silu ? if_neg(x, mul(x, e), x) : if_neg(x, e, bcast(1.f));
+  return keep_nan(x, div(num, add(bcast(1.f), e)));
+}
+
+// silu of the n <= kLanes floats at p, in place (every lane by the same code)
+inline void silu_lanes(float* p, int n) {
+  if (n == kLanes) {
+    store(p, activate<true>(load(p)));
+  } else {
+    store_first(p, activate<true>(load_first(p, n)), n);
+  }
 }
 
 }  // namespace pagedhybrid
