@@ -96,6 +96,16 @@ CONV_CASES: list[tuple[str, Callable[[], Call], type[Exception], str]] = [
     ("dilation_zero", lambda: edit(conv_call(), dilation=0), ContractViolation, "dilation"),
     ("state_update_capacity_9", lambda: edit(conv_call(), state_update_capacity=9),
      ContractViolation, "state_update_capacity"),
+    ("capture_count_without_capacity", lambda: edit(conv_call(), C_CAPTURE, i32(1, 1)),
+     ContractViolation, "capture_count"),
+    ("capacity_without_capture_count", lambda: edit(conv_call(), state_update_capacity=2),
+     ContractViolation, "capture_count"),
+    ("capture_count_wrong_shape",
+     lambda: edit(edit(conv_call(), C_CAPTURE, i32(1, 1, 1)), state_update_capacity=2),
+     ContractViolation, "capture_count"),
+    ("capture_count_int64",
+     lambda: edit(edit(conv_call(), C_CAPTURE, torch.ones(2, dtype=torch.int64)),
+                  state_update_capacity=2), ContractViolation, "capture_count"),
     ("group_size_without_dynamic_mode", lambda: edit(conv_call(), group_size=2),
      ContractViolation, "group_size"),
     ("activation_not_a_string", lambda: edit(conv_call(), activation=1),
@@ -191,9 +201,7 @@ GDN_CASES: list[tuple[str, Callable[[], Call], type[Exception], str]] = [
 ]
 
 UNSUPPORTED_CASES: list[tuple[str, Callable[[], Call], str]] = [
-    ("conv_capture_count", lambda: edit(conv_call(), C_CAPTURE, i32(1, 1)), "conv"),
     ("conv_kernel_delta", lambda: edit(conv_call(), C_DELTA, torch.zeros(7, 2, 4)), "conv"),
-    ("conv_state_update_capacity", lambda: edit(conv_call(), state_update_capacity=2), "conv"),
     ("gdn_capture_count", lambda: edit(gdn_call(), CAPTURE, i32(1, 1)), "gdn"),
     ("gdn_state_update_active", lambda: edit(gdn_call(), ACTIVE, i32(1)), "gdn"),
     ("gdn_state_update_capacity", lambda: edit(gdn_call(), state_update_capacity=1), "gdn"),

@@ -33,7 +33,8 @@ def test_onnxruntime_version() -> None:
 def compare(ours: tuple[torch.Tensor, ...], theirs: tuple[torch.Tensor, ...],
             dtype: torch.dtype) -> list[float]:
     errors = []
-    for name, a, b in zip(("output", "final_state"), ours, theirs, strict=True):
+    names = ("output", "final_state", "state_update")[:len(theirs)]
+    for name, a, b in zip(names, ours, theirs, strict=True):
         assert a.shape == b.shape, (name, a.shape, b.shape)
         assert a.dtype == b.dtype, (name, a.dtype, b.dtype)
         err = (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
@@ -61,6 +62,73 @@ def test_varlen_causal_conv_matches_ort_cpu(recipe: dict, dtype: torch.dtype) ->
     theirs = ort_conv.varlen_causal_conv(*ins, **attrs)
     compare(ours, theirs, dtype)
     assert torch.equal(ours[1], theirs[1])  # the conv state holds raw samples: exact
+    if attrs.get("state_update_capacity"):  # so does the capture: input rows, zeros after
+        assert len(theirs) == 3 and torch.equal(ours[2], theirs[2])
+
+
+CAPTURING = [r for r in conv_mod.conformance_recipes() if "capture" in r["dims"]]
+
+
+@pytest.mark.parametrize("recipe", CAPTURING, ids=[r["name"] for r in CAPTURING])
+def test_conv_replay_of_every_accepted_prefix_is_the_prefix_only_state(recipe: dict) -> None:
+    """For every split of every sequence's captured tokens (j_b in [0, n_b]), ``replay_state``
+    from the call's initial state and ``state_update`` equals, bit for bit, the final state of
+    a call on only the first j_b tokens -- ours and ORT's."""
+    ins, attrs = conv_mod.make_inputs(recipe, torch.float32, seed=6)
+    x, w, cu, bias, state, capture = ins[:6]
+    _, _, captured = conv_mod.varlen_causal_conv(*ins, **attrs)
+    lens = (cu[1:] - cu[:-1]).tolist()
+    counts = [max(0, min(int(n), attrs["state_update_capacity"], m))
+              for n, m in zip(capture.tolist(), lens, strict=True)]
+    plain = {k: v for k, v in attrs.items() if k != "state_update_capacity"}
+    splits = {tuple(min(j, n) for n in counts) for j in range(max(counts) + 1)}
+    splits |= {tuple(n if i == b else 0 for i, n in enumerate(counts)) for b in range(len(lens))}
+    for accepted in sorted(splits):
+        got = conv_mod.replay_state(state, captured, accepted, counts)
+        keep = [b for b, j in enumerate(accepted) if j > 0]  # a call needs >= 1 token a sequence
+        for b, j in enumerate(accepted):
+            if j == 0:
+                assert torch.equal(got[b], state[b])
+        if not keep:
+            continue
+        rows = torch.cat([x[int(cu[b]):int(cu[b]) + accepted[b]] for b in keep])
+        pcu = torch.tensor([0, *torch.tensor([accepted[b] for b in keep]).cumsum(0).tolist()],
+                           dtype=torch.int32)
+        prefix = [rows, w, pcu, bias, state[keep].contiguous()]
+        for run in (conv_mod.varlen_causal_conv, ort_conv.varlen_causal_conv):
+            want = run(*prefix, **plain)[1]
+            assert torch.equal(got[keep], want), (recipe["name"], accepted, run.__module__)
+
+
+@pytest.mark.parametrize("recipe", CAPTURING, ids=[r["name"] for r in CAPTURING])
+def test_every_conv_implementation_captures_the_same_rows(recipe: dict) -> None:
+    """The torch, native and ONNX Runtime implementations return the reference's
+    ``state_update`` (decode-shaped calls take the native kernel's path too)."""
+    importlib.import_module("pagedhybrid.kernels.cpu.varlen_causal_conv")
+    importlib.import_module("pagedhybrid.kernels.native.contract")
+    impls = conv_mod.SPEC.implementations()
+    assert {"reference", "torch", "native", "onnxruntime"} <= set(impls)
+    for lens in (recipe["dims"]["seq_lens"], [1] * len(recipe["dims"]["seq_lens"])):
+        r = {**recipe, "dims": {**recipe["dims"], "seq_lens": lens}}
+        ins, attrs = conv_mod.make_inputs(r, torch.float32, seed=8)
+        want = conv_mod.varlen_causal_conv(*ins, **attrs)
+        for name, impl in impls.items():
+            got = impl.entry(*[None if t is None else t.clone() for t in ins], **attrs)
+            assert len(got) == 3 and torch.equal(got[2], want[2]), (name, lens)
+            assert torch.equal(got[1], want[1]), (name, lens)
+
+
+def test_conv_replay_refuses_what_was_not_captured() -> None:
+    recipe = CAPTURING[0]
+    ins, attrs = conv_mod.make_inputs(recipe, torch.float32, seed=7)
+    _, _, captured = conv_mod.varlen_causal_conv(*ins, **attrs)
+    state, b = ins[4], ins[4].shape[0]
+    with pytest.raises(ContractViolation, match="accepted"):
+        conv_mod.replay_state(state, captured, [1] * b, [1] * (b - 1) + [0])
+    with pytest.raises(ContractViolation, match="accepted"):
+        conv_mod.replay_state(state, captured, [1] * (b - 1))
+    with pytest.raises(ContractViolation, match="state_update"):
+        conv_mod.replay_state(state, captured[:, :, :-1], [0] * b)
 
 
 def test_conv_runner_substitutes_zero_state_for_none() -> None:

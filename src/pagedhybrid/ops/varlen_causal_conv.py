@@ -25,8 +25,16 @@ Contract decisions (ONNX Runtime 1.32, checked by running its CPU kernel):
   CPU kernel happens to accept them, but the CUDA/WebGPU kernels treat ``start >= end`` as
   malformed and leave that sequence's output unspecified. We follow the schema and reject them
   (``cumulative_sequence_length`` must be strictly increasing), so every implementation agrees.
-* ``capture_count`` / ``state_update_capacity > 0`` (compact state updates) and the CUDA dynamic
-  mode (``kernel_delta``, ``previous_mask``) raise UnsupportedConfiguration.
+* Compact state updates (ONNX Runtime 1.32's CPU kernel, checked by running it):
+  ``state_update_capacity`` C in [0, 8]; ``capture_count`` (int32 ``[B]``) is given exactly when
+  C > 0. Sequence b captures its first ``n_b = clamp(capture_count[b], 0, min(C, len_b))``
+  tokens: the third output ``state_update [B, C, channels]`` (activation dtype) holds their raw
+  input rows, ``state_update[b, t] = input[cu[b] + t]`` for t < n_b, zeros after. ``output`` and
+  ``final_state`` are those of the call without capture. ``replay_state`` rebuilds the conv state
+  after the first j_b <= n_b tokens from ``initial_state`` and ``state_update`` (speculative
+  decoding keeps an accepted prefix of a verified draft without storing a state per token):
+  ``new[b, c, p] = initial[b, c, p + j]`` for ``p + j < L``, else ``state_update[b, p + j - L, c]``.
+* The CUDA dynamic mode (``kernel_delta``, ``previous_mask``) raises UnsupportedConfiguration.
 * K = 1 (state length 0) and dilation >= 1 are supported.
 
 Types: T is float / float16 / bfloat16 (ORT); pagedhybrid also accepts ``double`` (extension, for
@@ -44,6 +52,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from pagedhybrid.errors import ContractViolation
 from pagedhybrid.ops.spec import (
     Attribute,
     BoundCall,
@@ -55,6 +64,7 @@ from pagedhybrid.ops.spec import (
 )
 
 _T = ("float", "float16", "bfloat16")
+MAX_CAPACITY = 8  # ONNX Runtime's bound on state_update_capacity
 
 SPEC = OpSpec(
     domain="com.microsoft",
@@ -69,7 +79,7 @@ SPEC = OpSpec(
         Port("initial_state", "T", ranks=(3,), shape="[batch_size, channels, (K-1)*dilation]",
              doc="required by ORT; None in Python means zeros", none_means="zeros"),
         Port("capture_count", "M", optional=True, ranks=(1,), shape="[batch_size]",
-             supported=False),
+             doc="tokens to capture per sequence; given exactly when state_update_capacity > 0"),
         Port("kernel_delta", "T", optional=True, shape="[total_tokens, taps, channels/group]",
              supported=False, doc="CUDA dynamic mode"),
         Port("previous_mask", "T", optional=True, shape="[total_tokens, 1]", supported=False,
@@ -79,14 +89,15 @@ SPEC = OpSpec(
         Port("output", "T", shape="[total_tokens, channels]"),
         Port("final_state", "T", shape="[batch_size, channels, (K-1)*dilation]"),
         Port("state_update", "T", optional=True,
-             shape="[batch_size, state_update_capacity, channels]", supported=False),
+             shape="[batch_size, state_update_capacity, channels]",
+             doc="the captured tokens' input rows (present when state_update_capacity > 0)"),
     ),
     attributes=(
         Attribute("activation", "string", "none", choices=("none", "silu", "swish"),
                   doc="fused activation; swish == silu"),
         Attribute("dilation", "int", 1, doc="spacing of the kernel taps, >= 1"),
-        Attribute("state_update_capacity", "int", 0, choices=(0,),
-                  unsupported=tuple(range(1, 9)), doc="compact state-update capture, [0, 8]"),
+        Attribute("state_update_capacity", "int", 0, choices=tuple(range(MAX_CAPACITY + 1)),
+                  doc="compact state-update capture: tokens per sequence, [0, 8]"),
         Attribute("group_size", "int", 1, doc="CUDA dynamic mode only"),
         Attribute("delta_offset", "int", 0, doc="CUDA dynamic mode only"),
     ),
@@ -111,6 +122,11 @@ class ConvDims(NamedTuple):
     dtype: torch.dtype  # activation dtype (input, output and state)
     compute_dtype: torch.dtype  # float32, or float64 for double inputs
     attrs: dict[str, Any]  # resolved attributes
+    captured: tuple[int, ...] = ()  # n_b: tokens captured per sequence (empty: no capture)
+
+    @property
+    def capacity(self) -> int:
+        return int(self.attrs["state_update_capacity"])
 
 
 def validate_call(call: BoundCall) -> ConvDims:
@@ -142,8 +158,20 @@ def validate_call(call: BoundCall) -> ConvDims:
         check_shape(SPEC, "initial_state", initial_state, [batch, channels, state_len],
                     "[batch_size, channels, (kernel_size-1)*dilation]")
     compute = torch.float64 if input.dtype == torch.float64 else torch.float32
+    capture_count = call.inputs[5]
+    cap = a["state_update_capacity"]
+    SPEC.check((capture_count is not None) == (cap > 0), "capture_count",
+               "must be given exactly when state_update_capacity > 0",
+               f"state_update_capacity={cap}, capture_count "
+               f"{'given' if capture_count is not None else 'absent'}")
+    captured: tuple[int, ...] = ()
+    if capture_count is not None:
+        check_shape(SPEC, "capture_count", capture_count, [batch], "[batch_size]")
+        counts = capture_count.tolist()
+        captured = tuple(max(0, min(int(n), cap, hi - lo))
+                         for n, lo, hi in zip(counts, cu, cu[1:], strict=False))
     return ConvDims(total, channels, k, a["dilation"], state_len, batch, tuple(cu), input.dtype,
-                    compute, a)
+                    compute, a, captured)
 
 
 validate = SPEC.define(validate_call, "validate")  # the same check, called like the op
@@ -195,14 +223,58 @@ def reference(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return y.to(d.dtype), final.to(d.dtype)
 
 
+def state_update(input: torch.Tensor, d: ConvDims) -> torch.Tensor:
+    """``[B, C, channels]`` (input dtype): the first ``n_b`` input rows of each sequence, zeros
+    after (the module docstring's capture)."""
+    out = torch.zeros(d.batch, d.capacity, d.channels, dtype=input.dtype)
+    for b, n in enumerate(d.captured):
+        out[b, :n] = input[d.cu_seqlens[b]:d.cu_seqlens[b] + n]
+    return out
+
+
+def with_capture(outputs: tuple[torch.Tensor, torch.Tensor], input: torch.Tensor, d: ConvDims
+                 ) -> tuple[torch.Tensor, ...]:
+    """``(output, final_state)``, and ``state_update`` when the call captures (C > 0)."""
+    return (*outputs, state_update(input, d)) if d.capacity else outputs
+
+
+def replay_state(initial_state: torch.Tensor, state_update: torch.Tensor,
+                 accepted: Sequence[int], captured: Sequence[int] | None = None) -> torch.Tensor:
+    """The conv state ``[B, C, L]`` after the first ``accepted[b]`` tokens of each sequence of a
+    capturing call, from its ``initial_state`` and ``state_update`` (module docstring): what a
+    call on those tokens alone leaves, exactly. ``captured``: the call's ``n_b`` (when given,
+    each ``accepted[b]`` must be within it)."""
+    op = f"{SPEC.qualname}.replay_state"
+    b, c, length = initial_state.shape
+    if state_update.dim() != 3 or state_update.shape[0] != b or state_update.shape[2] != c:
+        raise ContractViolation(op, "state_update", f"must be [B={b}, capacity, C={c}]",
+                                list(state_update.shape))
+    if len(accepted) != b:
+        raise ContractViolation(op, "accepted", f"must hold one count per sequence ({b})",
+                                list(accepted))
+    limits = captured if captured is not None else [state_update.shape[1]] * b
+    for i, (j, n) in enumerate(zip(accepted, limits, strict=True)):
+        if not 0 <= j <= n:
+            raise ContractViolation(op, "accepted", f"[{i}] must be in [0, {n}] (the tokens "
+                                    "that sequence captured)", j)
+    out = initial_state.clone()
+    for i, j in enumerate(accepted):
+        if j:
+            ext = torch.cat([initial_state[i], state_update[i, :j].to(out.dtype).t()], 1)
+            out[i] = ext[:, j:j + length]
+    return out
+
+
 @SPEC.implement("reference")
-def varlen_causal_conv(call: BoundCall) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference ``VarlenCausalConvWithState``: returns ``(output [T, C], final_state [B, C, L])``.
+def varlen_causal_conv(call: BoundCall) -> tuple[torch.Tensor, ...]:
+    """Reference ``VarlenCausalConvWithState``: returns ``(output [T, C], final_state [B, C, L])``
+    and, when ``state_update_capacity > 0``, ``state_update [B, capacity, C]``.
 
     ``initial_state=None`` means zeros (a Python convenience; ORT requires the input).
     """
     input, weight, _cu, bias, initial_state = call.inputs[:5]
-    return reference(input, weight, bias, initial_state, validate_call(call))
+    d = validate_call(call)
+    return with_capture(reference(input, weight, bias, initial_state, d), input, d)
 
 
 # -- conformance --------------------------------------------------------------------------------
@@ -210,10 +282,13 @@ def conformance_recipes() -> list[dict[str, Any]]:
     """Deterministic JSON-able cases covering the supported features."""
 
     def r(name: str, seq_lens: Sequence[int], channels: int, kernel_size: int, *,
-          bias: bool = False, state: str = "random", **attrs: Any) -> dict[str, Any]:
-        return {"name": name, "dims": {"seq_lens": list(seq_lens), "channels": channels,
-                                       "kernel_size": kernel_size, "bias": bias,
-                                       "state": state}, "attrs": attrs}
+          bias: bool = False, state: str = "random", capture: Sequence[int] | None = None,
+          **attrs: Any) -> dict[str, Any]:
+        dims = {"seq_lens": list(seq_lens), "channels": channels, "kernel_size": kernel_size,
+                "bias": bias, "state": state}
+        if capture is not None:
+            dims["capture"] = list(capture)
+        return {"name": name, "dims": dims, "attrs": attrs}
 
     return [
         r("k4_silu_prefill_unequal", [5, 1, 9, 3], 16, 4, activation="silu"),
@@ -229,6 +304,14 @@ def conformance_recipes() -> list[dict[str, Any]]:
         r("single_long_sequence", [70], 8, 4, activation="silu"),
         r("qwen_like_qkv_channels", [6, 1, 3], 64, 4, activation="silu"),
         r("schema_default_activation", [3, 4], 8, 4, bias=True),
+        # compact state updates: a verify step of drafts, counts clamped to the capacity and to
+        # the sequence (9 -> 3, -1 -> 0), and a step that captures nothing
+        r("capture_verify_step", [4, 1, 3, 2], 16, 4, activation="silu", capture=[4, 1, 2, 2],
+          state_update_capacity=4),
+        r("capture_clamped_dilation2", [5, 3, 1], 8, 3, bias=True, activation="silu",
+          capture=[2, 9, -1], dilation=2, state_update_capacity=4),
+        r("capture_none_capacity8", [3, 2], 8, 4, activation="silu", capture=[0, 0],
+          state_update_capacity=8),
     ]
 
 
@@ -252,4 +335,5 @@ def make_inputs(recipe: dict[str, Any], dtype: torch.dtype, seed: int
         state = torch.zeros(b, c, state_len, dtype=dtype)
     else:
         state = randn(b, c, state_len, scale=0.5)  # [B, C, L]
-    return [x, w, cu, bias, state, None, None, None], attrs
+    capture = (torch.tensor(d["capture"], dtype=torch.int32) if "capture" in d else None)  # [B]
+    return [x, w, cu, bias, state, capture, None, None], attrs

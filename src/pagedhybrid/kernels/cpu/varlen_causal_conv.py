@@ -22,7 +22,7 @@ import torch
 
 from pagedhybrid.kernels.registry import OpCoverage
 from pagedhybrid.ops.spec import BoundCall
-from pagedhybrid.ops.varlen_causal_conv import SPEC, ConvDims, validate_call
+from pagedhybrid.ops.varlen_causal_conv import SPEC, ConvDims, validate_call, with_capture
 
 __all__ = ["COVERAGE", "compute", "varlen_causal_conv"]
 
@@ -32,7 +32,7 @@ COVERAGE = OpCoverage(
     op="com.microsoft.VarlenCausalConvWithState",
     dtypes=(torch.float32, torch.bfloat16, torch.float16, torch.float64),
     features=("activation:none", "activation:silu/swish", "bias", "dilation", "kernel_size>=1",
-              "varlen", "initial_state_none_as_zeros"),
+              "varlen", "initial_state_none_as_zeros", "state_update_capture"),
     delegated={},
     paths={"stream": "rows with local position >= (K-1)*dilation: blocked shifted addcmul",
            "boundary": "rows with local position < (K-1)*dilation (all decode rows): explicit "
@@ -41,10 +41,12 @@ COVERAGE = OpCoverage(
 
 
 @SPEC.implement("torch")
-def varlen_causal_conv(call: BoundCall) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fast ``VarlenCausalConvWithState``: ``(output [T, C], final_state [B, C, L])``."""
+def varlen_causal_conv(call: BoundCall) -> tuple[torch.Tensor, ...]:
+    """Fast ``VarlenCausalConvWithState``: ``(output [T, C], final_state [B, C, L])``, and the
+    contract's ``state_update`` when the call captures."""
     input, weight, _cu, bias, initial_state = call.inputs[:5]
-    return compute(input, weight, bias, initial_state, validate_call(call))
+    d = validate_call(call)
+    return with_capture(compute(input, weight, bias, initial_state, d), input, d)
 
 
 def compute(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

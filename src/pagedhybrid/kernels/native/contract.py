@@ -59,7 +59,7 @@ COVERAGE: dict[str, OpCoverage] = {
     "com.microsoft.VarlenCausalConvWithState": OpCoverage(
         op="com.microsoft.VarlenCausalConvWithState", dtypes=NATIVE_DTYPES,
         features=("decode", "activation:none", "activation:silu/swish", "bias",
-                  "in_place_state_pool"),
+                  "in_place_state_pool", "state_update_capture"),
         delegated={"prefill": "sequences longer than one token: the torch stream conv",
                    "dilation > 1": "not in the native kernel"},
         paths={"native": "one token per sequence, state shifted in place"}),
@@ -144,8 +144,9 @@ def gated_delta_net(call: BoundCall) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @ref_conv.SPEC.implement("native")
-def varlen_causal_conv(call: BoundCall) -> tuple[torch.Tensor, torch.Tensor]:
-    """Native ``VarlenCausalConvWithState`` (decode; the rest on the torch kernel)."""
+def varlen_causal_conv(call: BoundCall) -> tuple[torch.Tensor, ...]:
+    """Native ``VarlenCausalConvWithState`` (decode; the rest on the torch kernel; the
+    contract's ``state_update`` appended when the call captures)."""
     d = ref_conv.validate_call(call)
     x, weight, _cu, bias, initial_state = call.inputs[:5]
     native = (d.dtype in NATIVE_DTYPES and d.dilation == 1 and d.total_tokens == d.batch
@@ -153,7 +154,7 @@ def varlen_causal_conv(call: BoundCall) -> tuple[torch.Tensor, torch.Tensor]:
               and d.attrs["activation"] in ("none", "silu", "swish"))
     if not native:
         _note("varlen_causal_conv", "torch")
-        return cpu_conv.compute(x, weight, bias, initial_state, d)
+        return ref_conv.with_capture(cpu_conv.compute(x, weight, bias, initial_state, d), x, d)
     b = d.batch
     pool = (initial_state.to(d.dtype, copy=True).contiguous() if initial_state is not None else
             torch.empty(b, d.channels, d.state_len, dtype=d.dtype))
@@ -164,4 +165,4 @@ def varlen_causal_conv(call: BoundCall) -> tuple[torch.Tensor, torch.Tensor]:
         None if bias is None else bias.to(d.dtype).contiguous(), pool, torch.arange(b), fresh,
         y, d.attrs["activation"] != "none")
     _note("varlen_causal_conv", "native")
-    return y, pool
+    return ref_conv.with_capture((y, pool), x, d)
