@@ -29,12 +29,15 @@ def cu_of(lens: list[int]) -> torch.Tensor:
 
 
 def assert_same(ins: list, attrs: dict, dtype: torch.dtype) -> None:
-    want_o, want_s = ref_mod.varlen_causal_conv(*ins, **attrs)
-    got_o, got_s = varlen_causal_conv(*ins, **attrs)
+    want_o, want_s, *want_u = ref_mod.varlen_causal_conv(*ins, **attrs)
+    got_o, got_s, *got_u = varlen_causal_conv(*ins, **attrs)
     rtol, atol = TOL[dtype]
     assert got_o.dtype == want_o.dtype == dtype and got_s.dtype == want_s.dtype
     torch.testing.assert_close(got_o, want_o, rtol=rtol, atol=atol)
     assert torch.equal(got_s, want_s)
+    # a capturing call's state_update: raw input rows, bitwise (absent when not capturing)
+    assert len(got_u) == len(want_u) == (1 if attrs.get("state_update_capacity") else 0)
+    assert all(torch.equal(g, w) for g, w in zip(got_u, want_u, strict=True))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
