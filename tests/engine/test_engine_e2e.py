@@ -88,7 +88,7 @@ def test_batch_is_the_packed_abi(make_engine: Callable[..., Engine]) -> None:
     engine.step()
     engine.add_request("b", prompt_of(1, 40), GREEDY)
     sched = engine.scheduler.schedule()
-    batch, meta, rows, sampling, sample_rows, spans, _ = build_batch(sched, engine.cache)
+    batch, meta, rows, sampling, sample_rows, spans, _, verify = build_batch(sched, engine.cache)
     assert isinstance(batch, PackedBatch)
     assert set(ABI_INPUT_NAMES) <= set(PackedBatch._fields)
     (a, b) = sched.sequences
@@ -106,7 +106,7 @@ def test_batch_is_the_packed_abi(make_engine: Callable[..., Engine]) -> None:
     assert batch.state_slots.tolist() == [a.slot, b.slot] and a.slot != b.slot
     assert batch.attention_metadata.tolist() == [23, 23, 23]
     assert rows.tolist() == [0] and sampling == [0]  # b's chunk does not reach its last token
-    assert sample_rows == [0] and spans == []  # nobody asked for prompt logprobs
+    assert sample_rows == [0] and spans == [] and verify == ()  # no prompt logprobs, no drafts
     # the step metadata every layer reads: lengths, page slots written, state rows, fresh mask
     assert (meta.q_lens, meta.past_lens, meta.decode, meta.multi) == ((1, 23), (5, 0), (0,), (1,))
     assert meta.fresh == (False, True) and meta.state_slots.tolist() == [a.slot, b.slot]

@@ -75,7 +75,7 @@ class Runner:
             assert s.slot == self.states.slot(req.request_id)
             self.computed[req.request_id] = s.start + s.num_new_tokens
             if s.samples:
-                sampled[req.request_id] = SampledToken(next_token(req.token_ids), None)
+                sampled[req.request_id] = [SampledToken(next_token(req.token_ids), None)]
         for req in self.sched.update(out, sampled):
             self.finished[req.request_id] = req
         self.sched.check_invariants()
@@ -253,13 +253,13 @@ def test_eos_stops_unless_ignored() -> None:
     sched.add(make_request("ign", [1, 2], SamplingParams(temperature=0.0, max_tokens=5,
                                                           ignore_eos=True), 1))
     out = sched.schedule()
-    done = sched.update(out, {"eos": SampledToken(9, None), "ign": SampledToken(9, None)})
+    done = sched.update(out, {"eos": [SampledToken(9, None)], "ign": [SampledToken(9, None)]})
     assert [r.request_id for r in done] == ["eos"] and done[0].finish_reason == "stop"
     assert done[0].output_token_ids == [9]  # the stop token is part of the output
     assert not blocks.has("eos") and not states.has("eos")
     for _ in range(4):
         out = sched.schedule()
-        done = sched.update(out, {"ign": SampledToken(7, None)})
+        done = sched.update(out, {"ign": [SampledToken(7, None)]})
     assert [(r.request_id, r.finish_reason, r.num_output_tokens) for r in done] == [
         ("ign", "length", 5)]
     assert sched.alloc.idle

@@ -195,6 +195,66 @@ GDN_VARLEN: list[Corruption] = [
 ]
 
 
+CAP = 3  # capsule tokens
+
+
+def _capture() -> Args:
+    return {**_gdn(True), "fresh": torch.tensor([False, False]),
+            "decay": torch.zeros(S, CAP, HV), "key": torch.zeros(S, CAP, HK, DK),
+            "delta": torch.zeros(S, CAP, HV, DV)}
+
+
+CAPSULE_CASES: list[Corruption] = [
+    ("decay shape", _set("decay", lambda a: torch.zeros(S, CAP, HV + 1)),
+     r"decay: must be \[slots, capacity, ...\] = \[4, 3, 4\]"),
+    ("key head size", _set("key", lambda a: torch.zeros(S, CAP, HK, DK + 1)),
+     r"key: must be \[slots, capacity, ...\]"),
+    ("delta dtype", _set("delta", lambda a: a["delta"].double()), r"delta: must be Float"),
+]
+CAPTURE: list[Corruption] = [
+    *GDN_VARLEN, *CAPSULE_CASES,
+    ("chunk over the capacity", lambda a: a.update(
+        decay=torch.zeros(S, 1, HV), key=torch.zeros(S, 1, HK, DK),
+        delta=torch.zeros(S, 1, HV, DV)),
+     r"cu_seqlens: sequence 0 has 2 tokens, more than the capsule's capacity 1"),
+]
+
+
+def _run_capture(a: Args) -> None:
+    names = ["q", "k", "v", "a", "b", "a_log", "dt_bias", "pool", "slots", "fresh",
+             "cu_seqlens", "out", "scale", "decay", "key", "delta"]
+    library().gated_delta_capture(*[a[n] for n in names])
+
+
+def _replay() -> Args:
+    gen = torch.Generator().manual_seed(10)
+    return {"pool": torch.randn(S, HV, DV, DK, generator=gen), "slots": torch.tensor([3, 1]),
+            "decay": torch.rand(S, CAP, HV, generator=gen),
+            "key": torch.randn(S, CAP, HK, DK, generator=gen),
+            "delta": torch.randn(S, CAP, HV, DV, generator=gen),
+            "begin": torch.tensor([0, 1], dtype=torch.int32),
+            "end": torch.tensor([2, 3], dtype=torch.int32)}
+
+
+REPLAY: list[Corruption] = [
+    *[c for c in SLOT_CASES if not c[0].startswith(("fresh", "slot count"))], *CAPSULE_CASES,
+    ("begin after end", _set("begin", lambda a: torch.tensor([3, 1], dtype=torch.int32)),
+     r"begin/end: sequence 0: need 0 <= begin <= end <= capacity 3 \(got 3, 2\)"),
+    ("end past the capacity", _set("end", lambda a: torch.tensor([2, 4], dtype=torch.int32)),
+     r"begin/end: sequence 1"),
+    ("end dtype", _set("end", lambda a: a["end"].long()), r"end: must be Int"),
+    ("end count", _set("end", lambda a: a["end"][:1]),
+     r"end: size\(0\) must equal the sequences of slots"),
+    ("key head ratio", _set("key", lambda a: torch.zeros(S, CAP, 3, DK)),
+     r"key: head ratio: the value heads \(4\) must be a multiple of the key heads"),
+]
+
+
+def _run_replay(a: Args) -> None:
+    library().gated_delta_replay(*[a[n] for n in ("pool", "slots", "decay", "key", "delta",
+                                                  "begin", "end")])
+
+
 def _run_gdn(a: Args) -> None:
     names = ["q", "k", "v", "a", "b", "a_log", "dt_bias", "pool", "slots", "fresh"]
     if "cu_seqlens" in a:
@@ -241,13 +301,26 @@ MIXER: list[Corruption] = [
     ("norm weight size", _set("norm_weight", lambda a: torch.randn(DV + 1)),
      r"norm_weight: size\(0\) must equal the value head size of pool"),
     ("out dtype", _set("out", lambda a: a["out"].bfloat16()), r"out: must be Float"),
+    ("verify without cu_seqlens", _set("verify", lambda a: torch.tensor([True, False])),
+     r"verify: needs cu_seqlens"),
+    ("verify without capsule", lambda a: a.update(
+        cu_seqlens=torch.tensor([0, 1, 2], dtype=torch.int32),
+        verify=torch.tensor([False, False])), r"capsule: verify chunks need capsule_conv"),
+    ("verify chunk over the capacity", lambda a: a.update(
+        cu_seqlens=torch.tensor([0, 2, 2], dtype=torch.int32), fresh=torch.tensor([False, False]),
+        verify=torch.tensor([True, False]), capsule_conv=torch.zeros(S, 1, QKV),
+        decay=torch.zeros(S, 1, HV), key=torch.zeros(S, 1, HK, DK),
+        delta=torch.zeros(S, 1, HV, DV)),
+     r"cu_seqlens: verify chunk 0 has 2 tokens, more than the capsule's capacity 1"),
 ]
+MIXER_OPTIONAL = ("cu_seqlens", "verify", "capsule_conv", "decay", "key", "delta")
 
 
 def _run_mixer(a: Args) -> None:
     names = ["qkv", "z", "a", "b", "conv_weight", "conv_pool", "a_log", "dt_bias", "pool",
              "slots", "fresh", "norm_weight", "out", "key_heads"]
-    library().gdn_decode_mixer(*[a[n] for n in names], DK ** -0.5, 1e-6, 1e-6)
+    library().gdn_decode_mixer(*[a[n] for n in names], DK ** -0.5, 1e-6, 1e-6,
+                               **{k: a[k] for k in MIXER_OPTIONAL if k in a})
 
 
 # -- whole decoder layers of a decode step --------------------------------------------------------
@@ -508,6 +581,8 @@ OPS: dict[str, tuple[Callable[[], Args], Callable[[Args], None], list[Corruption
     "paged_attention": (_attention, _run_attention, ATTENTION, "out"),
     "gated_delta_decode": (lambda: _gdn(False), _run_gdn, GDN, "pool"),
     "gated_delta_varlen": (lambda: _gdn(True), _run_gdn, GDN_VARLEN, "pool"),
+    "gated_delta_capture": (_capture, _run_capture, CAPTURE, "out"),
+    "gated_delta_replay": (_replay, _run_replay, REPLAY, "pool"),
     "gdn_decode_mixer": (_mixer, _run_mixer, MIXER, "pool"),
     "gdn_decode_layer": (_gdn_layer, _run_gdn_layer, GDN_LAYER, "pool"),
     "attention_decode_layer": (_attention_layer, _run_attention_layer, ATTENTION_LAYER,

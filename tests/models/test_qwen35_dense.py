@@ -56,8 +56,11 @@ def test_other_layer_patterns_match_hf(tmp_path, interval, layers):
     model = load(save_checkpoint(hf, tmp_path))
     assert model.config.layer_types == tuple(hf.config.layer_types)
     ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(interval))
-    err = (model.forward_dense(ids)[0] - hf_logits(hf, ids)).abs().max().item()
-    assert err <= TOL, err
+    ours, theirs = model.forward_dense(ids)[0].double(), hf_logits(hf, ids).double()
+    truth = hf_logits(hf.double(), ids).double()  # (HF's own fp32 noise is the budget)
+    budget = (theirs - truth).abs().max().item()
+    err = (ours - truth).abs().max().item()
+    assert err <= max(3 * budget, TOL), (err, budget)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 0.25), (torch.float16, 0.04)])

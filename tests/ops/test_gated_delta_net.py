@@ -272,14 +272,15 @@ def test_split_calls_with_carried_state_equal_one_call(lens: list[int], seed: in
 
 def test_validate_output_shapes_and_recipes() -> None:
     recipes = gdn_mod.conformance_recipes()
-    assert 10 <= len(recipes) <= 20 and len({r["name"] for r in recipes}) == len(recipes)
+    assert 10 <= len(recipes) <= 30 and len({r["name"] for r in recipes}) == len(recipes)
     for r in recipes:
         ins, attrs = gdn_mod.make_inputs(r, torch.float32, 0)
         assert len(ins) == len(gdn_mod.SPEC.inputs)
-        out, final = gated_delta_net(*ins, **attrs)
-        assert gdn_mod.output_shapes(*ins, **attrs) == (
-            (tuple(out.shape), out.dtype), (tuple(final.shape), final.dtype))
-        assert final.dtype == torch.float32
+        outs = gated_delta_net(*ins, **attrs)
+        assert len(outs) == (3 if "capture" in r["dims"] else 2)
+        assert gdn_mod.output_shapes(*ins, **attrs) == tuple((tuple(o.shape), o.dtype)
+                                                             for o in outs)
+        assert outs[1].dtype == torch.float32
     ins, attrs = gdn_mod.make_inputs(recipe("packed_qkv_varlen"), torch.float16, 0)
     d = gdn_mod.validate(*ins, **attrs)
     assert (d.packed_qkv, d.batch, d.num_heads_qk, d.num_heads_v, d.head_size_qk,

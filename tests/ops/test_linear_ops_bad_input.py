@@ -198,13 +198,40 @@ GDN_CASES: list[tuple[str, Callable[[], Call], type[Exception], str]] = [
      "initial_state"),
     ("packed_rank4", lambda: edit(gdn_call("packed"), Q, torch.zeros(2, 4, 1, 28)),
      ContractViolation, "query"),
+    ("state_update_capacity_9", lambda: edit(gdn_call(), CAPTURE, i32(1, 1),
+                                             state_update_capacity=9),
+     ContractViolation, "state_update_capacity"),
+    ("capture_count_without_capacity", lambda: edit(gdn_call(), CAPTURE, i32(1, 1)),
+     ContractViolation, "capture_count"),
+    ("capacity_without_capture_count", lambda: edit(gdn_call(), state_update_capacity=2),
+     ContractViolation, "capture_count"),
+    ("capacity_without_capture_count_inactive",
+     lambda: edit(gdn_call(), ACTIVE, i32(0), state_update_capacity=2),
+     ContractViolation, "capture_count"),
+    ("capture_count_wrong_shape", lambda: edit(gdn_call(), CAPTURE, i32(1, 1, 1),
+                                               state_update_capacity=2),
+     ContractViolation, "capture_count"),
+    ("capture_count_rank2", lambda: edit(gdn_call(), CAPTURE, i32(1, 1)[None],
+                                         state_update_capacity=2),
+     ContractViolation, "capture_count"),
+    ("capture_count_int64", lambda: edit(gdn_call(), CAPTURE, torch.ones(2, dtype=torch.int64),
+                                         state_update_capacity=2),
+     ContractViolation, "capture_count"),
+    ("state_update_active_wrong_shape",
+     lambda: edit(edit(gdn_call(), CAPTURE, i32(1, 1), state_update_capacity=2), ACTIVE,
+                  i32(1, 1)),
+     ContractViolation, "state_update_active"),
+    ("state_update_active_rank0_without_capture",
+     lambda: edit(gdn_call(), ACTIVE, torch.tensor(1, dtype=torch.int32)),
+     ContractViolation, "state_update_active"),
+    ("state_update_active_int64",
+     lambda: edit(edit(gdn_call(), CAPTURE, i32(1, 1), state_update_capacity=2), ACTIVE,
+                  torch.ones(1, dtype=torch.int64)),
+     ContractViolation, "state_update_active"),
 ]
 
 UNSUPPORTED_CASES: list[tuple[str, Callable[[], Call], str]] = [
     ("conv_kernel_delta", lambda: edit(conv_call(), C_DELTA, torch.zeros(7, 2, 4)), "conv"),
-    ("gdn_capture_count", lambda: edit(gdn_call(), CAPTURE, i32(1, 1)), "gdn"),
-    ("gdn_state_update_active", lambda: edit(gdn_call(), ACTIVE, i32(1)), "gdn"),
-    ("gdn_state_update_capacity", lambda: edit(gdn_call(), state_update_capacity=1), "gdn"),
 ]
 
 
@@ -219,6 +246,12 @@ def test_bases_are_valid() -> None:
     for args in (("separate",), ("packed",), ("separate", "key", "kda"), ("separate", "head",
                                                                            "softplus")):
         run("gdn", gdn_call(*args))
+    # capturing, switched on / off, and state_update_active without capture (ORT accepts it)
+    for active in (None, i32(1), i32(0)):
+        out = run("gdn", edit(edit(gdn_call(), CAPTURE, i32(9, -1), state_update_capacity=8),
+                              ACTIVE, active))
+        assert out[2].shape == (2, 8 * (4 + 2 * 4 + 4 * 3))
+    assert len(run("gdn", edit(gdn_call(), ACTIVE, i32(0)))) == 2
 
 
 @pytest.mark.parametrize(("make", "exc", "where"), [c[1:] for c in CONV_CASES],

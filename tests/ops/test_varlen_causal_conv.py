@@ -95,7 +95,9 @@ def test_recipes_are_well_formed() -> None:
     for r in recipes:
         ins, attrs = vcc.make_inputs(r, torch.float32, 0)
         assert len(ins) == len(vcc.SPEC.inputs)
-        varlen_causal_conv(*ins, **attrs)
+        outs = varlen_causal_conv(*ins, **attrs)
+        assert vcc.output_shapes(*ins, **attrs) == tuple((tuple(o.shape), o.dtype)
+                                                         for o in outs)
 
 
 # -- independent formulation: torch conv1d per sequence with the state prepended ------------------

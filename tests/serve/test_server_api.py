@@ -5,6 +5,8 @@ documented status and OpenAI error body while the server keeps serving."""
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 
 import httpx
 import openai
@@ -224,3 +226,35 @@ def test_backpressure_refuses_with_503_and_drops_nothing_accepted(tmp_path) -> N
         assert m["pagedhybrid:generation_tokens_total"] == 40 * codes.count(200)
     finally:
         assert s.stop() == 0
+
+
+def test_speculative_server_answers_as_without_and_counts_drafts(tmp_path, llm: LLM) -> None:
+    """``--speculative-config`` (vLLM's JSON): n-gram drafts on a repetitive prompt leave the
+    greedy answers -- plain and streamed, through the openai client -- as ``LLM.generate``
+    gives them without speculation, and /metrics counts the drafts vLLM's way. A bad config
+    stops the server at start, naming the key."""
+    spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}'
+    s = start_server(tmp_path, "--max-num-seqs", "4", "--speculative-config", spec)
+    try:
+        tok = llm.engine.tokenizer
+        prompt = "the king heard it, and the king said: " * 3 + "the king"
+        want = tok.decode(greedy(llm, tok.encode(prompt), 32))
+        c = client(s)
+        r = c.completions.create(model=s.model, prompt=prompt, max_tokens=32, temperature=0)
+        assert r.choices[0].text == want and r.usage.completion_tokens == 32
+        streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+            model=s.model, prompt=prompt, max_tokens=32, temperature=0, stream=True)
+            if ch.choices)
+        assert streamed == want
+        m = s.metrics()
+        drafts = m["pagedhybrid:spec_decode_num_draft_tokens_total"]
+        accepted = m["pagedhybrid:spec_decode_num_accepted_tokens_total"]
+        assert m["pagedhybrid:spec_decode_num_drafts_total"] > 0 and 0 < accepted <= drafts
+        assert m["pagedhybrid:spec_decode_num_accepted_tokens_per_pos_total"] == accepted
+        assert m["pagedhybrid:generation_tokens_total"] == 64
+    finally:
+        assert s.stop() == 0
+    bad = subprocess.run([sys.executable, "-m", "pagedhybrid", "serve", "--speculative-config",
+                          '{"num_speculative_tokens": 9}'], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "num_speculative_tokens" in bad.stderr, bad.stderr

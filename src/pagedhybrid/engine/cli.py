@@ -66,6 +66,20 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-scales", default=None, metavar="FILE",
                    help="KV scale file (default: kv_scales/{dtype}-{quant}.safetensors in the "
                    "checkpoint folder)")
+    g.add_argument("--speculative-config", type=json_object, default=None, metavar="JSON",
+                   help='speculative decoding as vLLM spells it, e.g. \'{"method": "ngram", '
+                   '"num_speculative_tokens": 3, "prompt_lookup_max": 5}\' (default off)')
+
+
+def json_object(text: str) -> dict[str, object]:
+    """A command-line JSON object (argparse type)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
@@ -101,7 +115,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
             "num_state_checkpoints": args.num_state_checkpoints, "backend": args.backend,
             "kv_cache_dtype": args.kv_cache_dtype, "kv_quant": args.kv_quant,
             "kv_scales": args.kv_scales, "batch_invariant": args.batch_invariant,
-            "adaptive_threads": args.adaptive_threads}
+            "adaptive_threads": args.adaptive_threads,
+            "speculative_config": args.speculative_config}
 
 
 def _record(out: RequestOutput, prompt: str | None = None) -> dict[str, object]:

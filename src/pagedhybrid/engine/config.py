@@ -3,10 +3,13 @@ state slot (``engine/memory.py`` plans the pools from them)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from pagedhybrid.engine.speculative import SpeculativeConfig
 from pagedhybrid.errors import ContractViolation
 from pagedhybrid.kvquant import QUANTS, kv_dtype
 from pagedhybrid.models.qwen35.config import Qwen35Config
@@ -50,6 +53,12 @@ class EngineConfig:
     ``adaptive_threads`` (on by default; off in batch-invariant mode): the engine drops to one
     thread while other processes keep the cores busy and returns to its threads when they leave
     room (``engine/contention.py``).
+
+    ``speculative_config`` (vLLM's: a mapping or ``SpeculativeConfig``, e.g. ``{"method":
+    "ngram", "num_speculative_tokens": 3}``; None = off): drafts verified in the same packed
+    steps, the linear layers' states rolled back by replaying the accepted tokens' compact
+    state updates (``engine/speculative.py``); each state slot gets capsules of ``k + 1``
+    tokens (``kernels.capsule.capsule_bytes``).
     """
 
     block_size: int = 16
@@ -73,8 +82,11 @@ class EngineConfig:
     kv_scales: str | None = None  # scale file; default: kv_scales/ in the checkpoint
     batch_invariant: bool = False
     adaptive_threads: bool = True  # one thread while other processes keep the cores busy
+    speculative_config: SpeculativeConfig | Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative_config",
+                           SpeculativeConfig.of(self.speculative_config))
         given = [n for n in ("num_blocks", "cache_memory_bytes", "cache_memory_fraction")
                  if getattr(self, n) is not None]
         if len(given) > 1:
@@ -100,6 +112,11 @@ class EngineConfig:
             raise ContractViolation("EngineConfig", "state_checkpoint_interval",
                                     f"must be a multiple of block_size {self.block_size}",
                                     self.state_checkpoint_interval)
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """The speculative-decoding config (None: off)."""
+        return self.speculative_config  # type: ignore[return-value]  # (normalised above)
 
     @property
     def checkpoint_interval(self) -> int:

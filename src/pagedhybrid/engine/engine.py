@@ -9,8 +9,12 @@ One ``step()`` is schedule -> run -> update:
    the cache in place and samples: sampled tokens by request, and requests that failed (non-finite
    logits, a sampling error) -- those fail alone.
 3. ``Scheduler.update`` advances cursors, appends tokens and finishes requests on stop token /
-   EOS / max_tokens / max_model_len, returning their pages and slots at once; each reported
-   request's text grows through its ``IncrementalDetokenizer``.
+   EOS / max_tokens / max_model_len, returning their pages and slots at once (verify chunks'
+   accepted states committed through ``ModelRunner.commit``); each reported request's text
+   grows through its ``IncrementalDetokenizer``.
+4. With speculative decoding (``EngineConfig.speculative_config``), the drafter proposes the
+   next step's drafts for the decoding requests (``speculative.py``) -- none while more than
+   ``disable_by_batch_size`` requests are running.
 
 ``step`` returns one ``RequestOutput`` per request that got a token or finished (aborts are
 reported by the next ``step``). A step that raises (a bug, never a request's input) does not
@@ -37,6 +41,7 @@ from pagedhybrid.engine.request import InvalidRequest, Request, RequestOutput, R
 from pagedhybrid.engine.runner import ModelRunner, StepResult
 from pagedhybrid.engine.sampling import SamplingParams, bad_words_token_ids
 from pagedhybrid.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedhybrid.engine.speculative import Drafter, NgramDrafter, draftable
 from pagedhybrid.engine.states import CheckpointPool, StatePool
 from pagedhybrid.engine.stats import EngineStats
 from pagedhybrid.errors import ContractViolation
@@ -65,6 +70,8 @@ class Engine:
         self.sizes = self.memory.sizes
         self.runner.allocate(self.sizes)
         self._make_pools()
+        spec = self.config.speculative
+        self.drafter: Drafter | None = None if spec is None else NgramDrafter(spec)
         self._generator = torch.Generator().manual_seed(self.config.seed)
         self._arrivals = 0
         self._pending: list[RequestOutput] = []
@@ -228,7 +235,8 @@ class Engine:
                     if self.checkpoints is not None:  # never keep a failed computation's states
                         seq = next(s for s in sched.sequences if s.request is req)
                         self.checkpoints.discard(row for _, row in seq.checkpoints)
-                self.scheduler.update(sched, result.sampled)
+                self.scheduler.update(sched, result.sampled, self.runner.commit)
+                self._draft()
                 outputs.extend(self._output(s.request) for s in sched.sequences
                                if s.request.finished
                                or s.request.num_output_tokens > s.request.num_emitted)
@@ -238,6 +246,23 @@ class Engine:
         outputs.extend(self._output(r) for r in self.scheduler.take_failed())
         return outputs
 
+    def _draft(self) -> None:
+        """The next step's drafts (speculative decoding): for each decoding request that may
+        be drafted for, none for the others or while the batch is larger than
+        ``disable_by_batch_size``."""
+        spec = self.config.speculative
+        if self.drafter is None or spec is None:
+            return
+        running = self.scheduler.running
+        on = spec.disable_by_batch_size is None or len(running) <= spec.disable_by_batch_size
+        todo = []
+        for req in running:
+            req.draft_ids = ()
+            if on and req.num_tokens - req.num_computed_tokens == 1 and draftable(req):
+                todo.append(req)
+        if todo:
+            self.drafter.propose(todo, spec.num_speculative_tokens)
+
     def _account(self, sched: SchedulerOutput, result: StepResult, t0: float, t_sched: float,
                  t1: float) -> None:
         st = self.stats
@@ -246,7 +271,7 @@ class Engine:
         st.prompt_tokens += sum(s.request.num_prompt_tokens for s in sched.sequences
                                 if s.request.finished)
         st.computed_tokens += sched.num_batched_tokens
-        st.generated_tokens += len(result.sampled)
+        st.generated_tokens += sum(len(t) for t in result.sampled.values())
         st.peak_running = max(st.peak_running, len(sched.sequences))
         st.peak_blocks = max(st.peak_blocks, self.blocks.num_owned)
         st.update_s += t2 - t1

@@ -10,7 +10,8 @@ Budget:
   cgroup's limit less its use when that is lower) less the weights (counted as still to be paged
   in: they are memory-mapped, so the kernel counts their pages as reclaimable -- all but the
   packed ones, which are private copies made before the plan and already out of the available
-  memory) and less the workspace of the largest step (``workspace_bytes``).
+  memory) and less the workspace of the largest step (``workspace_bytes``; with speculative
+  decoding it includes every state slot's verify-step capsules, ``capsule_bytes``).
 
 Split: state slots = ``num_state_slots`` or ``max_num_seqs``; state checkpoints =
 ``num_state_checkpoints`` or one per slot (prefix caching on); pages = the rest, at most what
@@ -37,6 +38,7 @@ import torch
 from pagedhybrid.dtypes import logical_name
 from pagedhybrid.engine.config import EngineConfig, PoolSizes, page_bytes, slot_bytes
 from pagedhybrid.errors import CapacityError
+from pagedhybrid.kernels.capsule import capsule_bytes
 from pagedhybrid.models.qwen35.config import Qwen35Config
 
 DEFAULT_CACHE_FRACTION = 0.5  # of the memory there is for the cache (module docstring)
@@ -76,7 +78,10 @@ def workspace_bytes(config: Qwen35Config, cfg: EngineConfig) -> int:
                + 3 * q_width)
     scores = config.num_attention_heads * t * ATTENTION_TILE
     logits = 4 * cfg.max_num_seqs * config.vocab_size
-    return WORKSPACE_FLOOR + 4 * (t * per_row + scores + logits)
+    spec = cfg.speculative
+    capsules = 0 if spec is None else (cfg.num_state_slots or cfg.max_num_seqs) * capsule_bytes(
+        config, spec.capacity, torch.float32)
+    return WORKSPACE_FLOOR + 4 * (t * per_row + scores + logits) + capsules
 
 
 def weight_bytes(model: torch.nn.Module, packed: bool = True) -> int:

@@ -69,6 +69,7 @@ class Request:
     admitted: bool = False  # admitted at least once (num_cached_tokens is then final)
     bad_word_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token sequences
     detokenizer: IncrementalDetokenizer | None = None  # the output's text, grown per step
+    draft_ids: tuple[int, ...] = ()  # speculative drafts for the next step (the drafter's)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -9,7 +9,8 @@
    ``StepMetadata`` (validated once; every layer's kernels read it) and the logits rows: the last
    row of every chunk that reaches its request's last known token, and, for requests that asked
    for ``prompt_logprobs``, the rows of the prompt positions in the chunk that predict a prompt
-   token. A decode step of the same requests as the last one, one token further on the same
+   token, and every row of a speculative verify chunk (its last token and its drafts). A decode
+   step of the same requests as the last one, one token further on the same
    pages, is the last step advanced (``StepMetadata.advance``: the new values written into the
    persistent ``DecodeInputs`` buffers) rather than built again from the lists -- vLLM's
    persistent batch;
@@ -19,10 +20,14 @@
    its slot holds (pages are never zeroed: attention reads only a sequence's own positions);
 4. prompt logprobs are recorded, and the sampler picks the tokens (tensor in, tensor out, one
    host copy; the finite check rides in the greedy pick's pass): a row with non-finite logits,
-   or whose sampling raises, fails its request alone.
+   or whose sampling raises, fails its request alone; verify chunks keep their accepted drafts
+   and one sampled token (``speculative.verify``).
 
-It returns a ``StepResult`` (sampled tokens by request id, failed requests with a reason); the
-engine applies it to the scheduler. ``score(pairs)`` is the training-side recompute: each
+It returns a ``StepResult`` (the tokens each request keeps, failed requests with a reason); the
+engine applies it to the scheduler, whose update hands the verify chunks' accepted states back
+to ``commit`` (``PagedHybridCache.commit_verified``: replayed from the step's capsules).
+
+``score(pairs)`` is the training-side recompute: each
 ``prompt + completion`` as one whole sequence (packed back to back, each from zero state, no
 prefix reuse, no chunking, no scheduler) over transient buffers sized exactly for them --
 contiguous pages of the runner's block size and element type (and KV scales, so quantized pages
@@ -46,7 +51,8 @@ from pagedhybrid.engine.config import EngineConfig, PoolSizes
 from pagedhybrid.engine.contention import ThreadGovernor
 from pagedhybrid.engine.request import Request
 from pagedhybrid.engine.sampling import SampledToken, bad_word_bans, logprob_dicts, sample
-from pagedhybrid.engine.scheduler import SchedulerOutput
+from pagedhybrid.engine.scheduler import Commit, SchedulerOutput
+from pagedhybrid.engine.speculative import verify
 from pagedhybrid.engine.stats import EngineStats
 from pagedhybrid.errors import ContractViolation
 from pagedhybrid.kernels.backend import Needs, Selection, select
@@ -80,14 +86,15 @@ class StepBatch(NamedTuple):
     batch: PackedBatch
     meta: StepMetadata  # validated once here; every layer's kernels read it
     rows: torch.Tensor | None  # int64 [R]: token rows whose logits are computed (None: all)
-    sampling: list[int]  # sequences that sample this step
+    sampling: list[int]  # sequences that sample this step (verify chunks aside)
     sample_rows: list[int]  # their positions in ``rows``
     prompt_spans: list[PromptSpan]  # prompt-logprob rows
     requests: tuple[Request, ...]  # the step's requests, in batch order
+    verify: tuple[tuple[int, int], ...] = ()  # verify chunks: (sequence, first row in ``rows``)
 
 
 class StepResult(NamedTuple):
-    sampled: dict[str, SampledToken]
+    sampled: dict[str, list[SampledToken]]  # the tokens each request keeps, in order
     failed: list[tuple[Request, str]]  # requests that fail alone, with the reason
     prepare_s: float  # batch building and checkpoint restores (host work before the model)
 
@@ -143,15 +150,22 @@ def build_batch(output: SchedulerOutput, cache: PagedHybridCache, device: str = 
                               num_slots=cache.num_slots, device=device,
                               checkpoints=[(i, off, row) for i, s in enumerate(seqs)
                                            for off, row in s.checkpoints],
-                              num_checkpoints=cache.num_checkpoints)
+                              num_checkpoints=cache.num_checkpoints,
+                              verify=[i for i, s in enumerate(seqs) if s.drafts])
     batch = PackedBatch.from_metadata(
-        meta, [t for s in seqs for t in s.request.token_ids[s.start:s.start + s.num_new_tokens]],
-        device)
+        meta, [t for s in seqs for t in (
+            *s.request.token_ids[s.start:s.start + s.num_new_tokens - len(s.drafts)],
+            *s.drafts)], device)
     rows: list[int] = []
-    sampling, sample_rows, spans = [], [], []
+    sampling, sample_rows, spans, verify = [], [], [], []
     offset = 0
     for i, s in enumerate(seqs):
         req = s.request
+        if s.drafts:  # every row of a verify chunk
+            verify.append((i, len(rows)))
+            rows.extend(range(offset, offset + s.num_new_tokens))
+            offset += s.num_new_tokens
+            continue
         if req.params.prompt_logprobs is not None and not req.prompt_logprobs_done:
             hi = min(s.start + s.num_new_tokens, req.num_prompt_tokens - 1)  # last scored + 1
             if hi > s.start:
@@ -165,7 +179,7 @@ def build_batch(output: SchedulerOutput, cache: PagedHybridCache, device: str = 
     every = len(rows) == offset and rows == list(range(offset))  # a decode step: all rows
     return StepBatch(batch, meta,
                      None if every else int_tensor(rows, torch.int64, device),
-                     sampling, sample_rows, spans, reqs)
+                     sampling, sample_rows, spans, reqs, tuple(verify))
 
 
 class ModelRunner:
@@ -190,7 +204,8 @@ class ModelRunner:
         self.kernels: Selection = select(needs=Needs(
             backend=config.backend, dtype=model.dtype, config=mc,
             prefix_caching=config.enable_prefix_caching, kv_page_dtype=kvd,
-            batch_invariant=config.batch_invariant))
+            batch_invariant=config.batch_invariant,
+            speculative=config.speculative is not None))
         model.backend = self.kernels.backend
         if self.kernels.backend.name not in ("native", "native_batch_invariant") and \
                 config.backend == "auto":
@@ -208,7 +223,8 @@ class ModelRunner:
             num_slots=sizes.num_slots, dtype=model.dtype, device=config.device,
             fill=config.cache_fill, generator=torch.Generator().manual_seed(config.seed),
             num_checkpoints=sizes.num_checkpoints, kv_dtype=kvd,
-            kv_scales=self._kv_scales(kvd) if is_quantized(kvd) else None)
+            kv_scales=self._kv_scales(kvd) if is_quantized(kvd) else None,
+            capsule_capacity=config.speculative.capacity if config.speculative else 0)
         model.check_cache(self.cache)  # once: steps pass their validated metadata
 
     @property
@@ -223,7 +239,11 @@ class ModelRunner:
         mm = self.kernels.backend.linear_for(self.model.dtype)
         parts.append("projections: " + ("torch" if mm is None else
                                         f"{mm.__module__.rsplit('.', 1)[-1]}.{mm.__name__}"))
-        if mm is not None and self._native and dense.bf16_dot():
+        if self._native and self.model.dtype == torch.float32:
+            small, large = dense.fp32_gemm_timing()
+            parts[-1] += (f" (timed at start: torch's fp32 GEMM {small:.2f}x the native "
+                          f"kernel's time at 4 rows, {large:.2f}x at 256)")
+        elif mm is not None and self._native and dense.bf16_dot():
             parts[-1] += (f" (timed at start: torch's bf16 GEMM {dense.bf16_gemm_timing():.2f}x"
                           " the widened fp32 GEMM's time at 256 rows)")
         return "; ".join(parts)
@@ -277,21 +297,42 @@ class ModelRunner:
             targets = req.token_ids[span.first + 1:span.first + 1 + span.count]
             req.record_prompt_logprobs(span.first, logprob_dicts(
                 logits[span.row:span.row + span.count], targets, req.params.prompt_logprobs or 0))
-        sampled: dict[str, SampledToken] = {}
+        sampled: dict[str, list[SampledToken]] = {}
         failed: list[tuple[Request, str]] = []
         if step.sampling:
             reqs = [scheduled.sequences[i].request for i in step.sampling]
+            rows = logits
             if len(step.sample_rows) != logits.shape[0]:  # (distinct rows, ascending)
-                logits = logits[step.sample_rows]  # [S, V] (rows of prompt logprobs left out)
-            sampled, failed = self._sample(logits, reqs)
+                rows = logits[step.sample_rows]  # [S, V] (rows of prompt logprobs left out)
+            sampled, failed = self._sample(rows, reqs)
+        if step.verify:
+            seqs = [scheduled.sequences[i] for i, _ in step.verify]
+            for s, kept in zip(seqs, verify(logits, [s.request for s in seqs],
+                                            [s.drafts for s in seqs],
+                                            [r for _, r in step.verify], self._noise),
+                               strict=True):
+                if isinstance(kept, str):
+                    failed.append((s.request, kept))
+                else:
+                    sampled[s.request.request_id] = kept
         t3 = time.perf_counter()
         st.build_s += t1 - t0
         st.forward_s += t2 - t1
         st.sample_s += t3 - t2
         return StepResult(sampled, failed, t1 - t0)
 
+    def commit(self, commits: Sequence[Commit]) -> None:
+        """Verify chunks' accepted tokens into their state slots (``Scheduler.update``'s
+        ``commit``), counted in the speculative-decoding stats."""
+        assert self.kernels.backend.capture is not None
+        self.cache.commit_verified(self.kernels.backend.capture, [c.slot for c in commits],
+                                   [c.count for c in commits],
+                                   [c.checkpoints for c in commits])
+        for c in commits:
+            self.stats.spec.record(c.proposed, c.accepted)
+
     def _sample(self, rows: torch.Tensor, reqs: list[Request]
-                ) -> tuple[dict[str, SampledToken], list[tuple[Request, str]]]:
+                ) -> tuple[dict[str, list[SampledToken]], list[tuple[Request, str]]]:
         """Tokens of ``reqs`` from their logits ``rows [S, V]``; a request whose logits are not
         all finite, or whose sampling raises, fails alone: on a raise the rows are sampled one
         by one from the generator states they had before the failed batch, so a seeded request
@@ -320,11 +361,11 @@ class ModelRunner:
                                        reqs[j:j + 1], banned[j:j + 1], self._noise))
                 except Exception as exc:
                     toks.append(f"sampling failed: {type(exc).__name__}: {exc}")
-        sampled: dict[str, SampledToken] = {}
+        sampled: dict[str, list[SampledToken]] = {}
         failed: list[tuple[Request, str]] = []
         for r, t in zip(reqs, toks, strict=True):
             if isinstance(t, SampledToken):
-                sampled[r.request_id] = t
+                sampled[r.request_id] = [t]
             else:
                 failed.append((r, "non-finite logits" if t is None else t))
         return sampled, failed

@@ -299,7 +299,7 @@ def _top_p_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         width = min(4 * width, vocab)
 
 
-def _filtered_probs(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor,
+def filtered_probs(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor,
                     top_p: torch.Tensor, min_p: torch.Tensor | None = None, *,
                     inplace: bool = False) -> torch.Tensor:
     """Temperature, min-p, top-k and top-p applied row-wise; probabilities in vocab order.
@@ -370,7 +370,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
         every = len(random_rows) == rows
         idx = torch.tensor(random_rows)
         sel = [params[i] for i in random_rows]
-        probs = _filtered_probs(
+        probs = filtered_probs(
             proc if every else proc[idx],
             torch.tensor([p.temperature for p in sel], dtype=torch.float32),
             torch.tensor([p.top_k for p in sel], dtype=torch.int64),

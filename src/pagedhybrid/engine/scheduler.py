@@ -12,7 +12,12 @@ Per step, with a token budget ``max_num_batched_tokens`` (vLLM v1 style, no phas
    atomically (both or neither); the first request that cannot be admitted stops admission
    (no overtaking).
 
-Prefill chunks and decodes share one packed step. A request whose KV need (``max_model_len - 1``
+Prefill chunks and decodes share one packed step. Speculative decoding: a decoding request with
+``draft_ids`` gets a verify chunk (its last token and the drafts, cut to the budget, its pages,
+``max_model_len`` and ``max_tokens``; drafts are dropped before anything is preempted for them);
+``update`` appends the tokens the runner kept and hands the commit of the accepted tokens' states
+-- with the checkpoints inside them, planned now that their tokens are known -- to ``commit``
+(``speculative.py``). A request whose KV need (``max_model_len - 1``
 tokens) exceeds the whole pool is refused at ``add`` with ``CapacityError``; any admissible
 request eventually runs because the oldest running request is never a victim.
 
@@ -54,7 +59,7 @@ Hybrid prefix caching (``HybridAllocator``; on unless ``enable_prefix_caching=Fa
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -217,6 +222,21 @@ class ScheduledSequence(NamedTuple):
     samples: bool  # the chunk reaches the last known token: its last row's logits are sampled
     restore: int | None = None
     checkpoints: tuple[tuple[int, int], ...] = ()
+    drafts: tuple[int, ...] = ()  # speculative: the chunk is the last token and these drafts
+
+
+class Commit(NamedTuple):
+    """A verify chunk's outcome: the first ``count`` tokens of ``request``'s chunk are kept
+    (its last token and the accepted drafts), their states go into state slot ``slot``, with
+    checkpoint row ``row`` saved after ``offset`` of them for each ``(offset, row)``;
+    ``proposed`` drafts were verified and ``accepted`` of them kept."""
+
+    request: Request
+    slot: int
+    count: int
+    proposed: int
+    accepted: int
+    checkpoints: tuple[tuple[int, int], ...]
 
 
 class SchedulerOutput(NamedTuple):
@@ -292,13 +312,26 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(victim)
 
-    def _entry(self, req: Request, n: int, slot: int, restore: int | None = None
-               ) -> ScheduledSequence:
+    def _entry(self, req: Request, n: int, slot: int, restore: int | None = None,
+               drafts: tuple[int, ...] = ()) -> ScheduledSequence:
         start = req.num_computed_tokens
-        return ScheduledSequence(req, start, n, slot,
-                                 tuple(self.alloc.blocks.table(req.request_id)),
-                                 start + n == req.num_tokens, restore,
-                                 self.alloc.plan_checkpoints(req, start, n))
+        table = tuple(self.alloc.blocks.table(req.request_id))
+        if drafts:  # checkpoints inside a verify chunk are planned at its commit
+            return ScheduledSequence(req, start, n, slot, table, True, None, (), drafts)
+        return ScheduledSequence(req, start, n, slot, table, start + n == req.num_tokens,
+                                 restore, self.alloc.plan_checkpoints(req, start, n))
+
+    def _drafts(self, req: Request, budget: int) -> tuple[int, ...]:
+        """The drafts a decoding request verifies this step (cut to the budget, max_model_len
+        and the tokens it may still generate), taking the pages for them; () when none."""
+        if not req.draft_ids or req.num_tokens - req.num_computed_tokens != 1:
+            return ()
+        room = min(budget - 1, self.config.max_model_len - 1 - req.num_tokens,
+                   req.params.max_tokens - req.num_output_tokens - 1)
+        drafts = req.draft_ids[:max(room, 0)]
+        if drafts and not self.alloc.grow(req.request_id, req.num_tokens + len(drafts)):
+            return ()
+        return drafts
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
@@ -307,7 +340,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            drafts = self._drafts(req, budget)
+            n = len(drafts) + min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.alloc.grow(req.request_id, req.num_computed_tokens + n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -316,7 +350,8 @@ class Scheduler:
                     break
             if req.status is not RequestStatus.RUNNING:
                 break
-            out.append(self._entry(req, n, self.alloc.states.slot(req.request_id)))
+            out.append(self._entry(req, n, self.alloc.states.slot(req.request_id),
+                                   drafts=drafts))
             budget -= n
             i += 1
         if not preempted:
@@ -341,34 +376,68 @@ class Scheduler:
                 budget -= n
         return SchedulerOutput(tuple(out), tuple(preempted))
 
-    def update(self, output: SchedulerOutput,
-               sampled: dict[str, SampledToken]) -> list[Request]:
+    def update(self, output: SchedulerOutput, sampled: dict[str, list[SampledToken]],
+               commit: Callable[[list[Commit]], None] | None = None) -> list[Request]:
         """Advance cursors after the model ran ``output``; append sampled tokens; finish the
-        requests that hit a stop condition. Returns the requests finished here."""
+        requests that hit a stop condition; hand verify chunks' accepted states to ``commit``
+        (one call for the step, before the step's checkpoints count as cached). Returns the
+        requests finished here."""
         finished = []
+        commits: list[Commit] = []
         for seq in output.sequences:
             req = seq.request
             if req.status is not RequestStatus.RUNNING:
                 continue  # aborted or finished (e.g. error) in between
             try:
-                reason = self._advance(seq, sampled.get(req.request_id))
+                reason = self._advance(seq, sampled.get(req.request_id), commits)
             except Exception as exc:  # this request fails alone; the others advance
                 self._fail(req, "bookkeeping", exc)
                 continue
             if reason is not None:
                 self.finish(req, reason)
                 finished.append(req)
+        if commits:
+            try:
+                assert commit is not None, "a verify step needs a commit"
+                commit(commits)
+            except Exception as exc:  # their states are not trustworthy: they fail
+                for c in commits:
+                    if self.alloc.checkpoints is not None:
+                        self.alloc.checkpoints.discard(row for _, row in c.checkpoints)
+                    if not c.request.finished:
+                        self._fail(c.request, "speculative commit", exc)
         if self.alloc.checkpoints is not None:
             self.alloc.checkpoints.commit()
         return finished
 
-    def _advance(self, seq: ScheduledSequence, tok: SampledToken | None) -> FinishReason | None:
+    def _advance(self, seq: ScheduledSequence, toks: list[SampledToken] | None,
+                 commits: list[Commit]) -> FinishReason | None:
         req = seq.request
+        if seq.drafts:
+            return self._advance_verified(seq, toks or [], commits)
         req.num_computed_tokens = seq.start + seq.num_new_tokens
         self.alloc.computed(req)
-        if not seq.samples or tok is None:
+        if not seq.samples or not toks:
             return None
-        return req.append(tok, self.eos_token_ids, self.config.max_model_len)
+        return req.append(toks[0], self.eos_token_ids, self.config.max_model_len)
+
+    def _advance_verified(self, seq: ScheduledSequence, toks: list[SampledToken],
+                          commits: list[Commit]) -> FinishReason | None:
+        """A verify chunk: the kept tokens (accepted drafts, then one sampled) appended; its
+        last token and the accepted drafts among them computed and committed."""
+        req = seq.request
+        reason, kept = None, 0
+        for tok in toks:
+            kept += 1
+            reason = req.append(tok, self.eos_token_ids, self.config.max_model_len)
+            if reason is not None:
+                break
+        n = 1 + min(kept, len(toks) - 1)  # the last token and the accepted drafts kept
+        req.num_computed_tokens = seq.start + n
+        self.alloc.computed(req)
+        commits.append(Commit(req, seq.slot, n, len(seq.drafts), len(toks) - 1,
+                              self.alloc.plan_checkpoints(req, seq.start, n)))
+        return reason
 
     def _fail(self, req: Request, where: str, exc: Exception) -> None:
         self.finish(req, "error", f"internal error in {where}: {type(exc).__name__}: {exc}")

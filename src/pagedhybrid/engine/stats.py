@@ -6,6 +6,30 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class SpecStats:
+    """vLLM's speculative-decoding counters: verify chunks, draft tokens proposed, accepted,
+    and accepted per draft position."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.drafts += 1
+        self.draft_tokens += proposed
+        self.accepted_tokens += accepted
+        while len(self.accepted_per_pos) < proposed:
+            self.accepted_per_pos.append(0)
+        for i in range(accepted):
+            self.accepted_per_pos[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+
+@dataclass
 class EngineStats:
     """Cumulative counters; times in seconds."""
 
@@ -23,6 +47,7 @@ class EngineStats:
     pool_rebuilds: int = 0  # of those, the ones whose pools had to be rebuilt
     peak_running: int = 0
     peak_blocks: int = 0
+    spec: SpecStats = field(default_factory=SpecStats)  # speculative decoding
     # per step: (sequences, tokens, scheduling + batch building s, whole step s)
     step_log: list[tuple[int, int, float, float]] = field(default_factory=list)
 

@@ -119,6 +119,35 @@ class PackedAbi:
             return TensorSpec(name, self.io_dtype, self.conv_shape())
         return TensorSpec(name, "float", self.recurrent_shape())
 
+    @property
+    def capacity(self) -> int:
+        """Tokens per sequence whose compact state updates the graph captures (0: none)."""
+        return self.options.state_update_capacity
+
+    def capsule_width(self) -> int:
+        """Floats per sequence of a GatedDeltaNet capsule: C (Hv + Hk Dk + Hv Dv)."""
+        cfg = self.config
+        hv, hk = cfg.linear_num_value_heads, cfg.linear_num_key_heads
+        return self.capacity * (hv + hk * cfg.linear_key_head_dim + hv * cfg.linear_value_head_dim)
+
+    def state_update_inputs(self) -> list[TensorSpec]:
+        if not self.capacity or not self.linear_layers:
+            return []
+        return [TensorSpec(c.STATE_UPDATE_CAPTURE_COUNT, "int32", (c.DIM_BATCH,)),
+                TensorSpec(c.STATE_UPDATE_ACTIVE, "int32", (1,))]
+
+    def state_update_outputs(self) -> list[TensorSpec]:
+        """Per linear layer: the conv's captured input rows and GatedDeltaNet's capsule."""
+        if not self.capacity:
+            return []
+        out = []
+        for i in self.linear_layers:
+            out.append(TensorSpec(c.STATE_UPDATE_CONV % i, self.io_dtype,
+                                  (c.DIM_BATCH, self.capacity, self.config.conv_dim)))
+            out.append(TensorSpec(c.STATE_UPDATE_RECURRENT % i, "float",
+                                  (c.DIM_BATCH, self.capsule_width())))
+        return out
+
     def inputs(self) -> list[TensorSpec]:
         shared = [
             TensorSpec(c.INPUT_IDS, "int64", (c.DIM_TOKENS,)),
@@ -128,20 +157,28 @@ class PackedAbi:
             TensorSpec(c.PAST_SEQLENS, "int32", (c.DIM_BATCH,)),
             TensorSpec(c.ATTENTION_METADATA, "int32", (3,)),
         ]
-        return shared + [self.cache_spec(p.kind, p.past) for p in self.cache_pairs()]
+        return (shared + [self.cache_spec(p.kind, p.past) for p in self.cache_pairs()]
+                + self.state_update_inputs())
 
     def outputs(self) -> list[TensorSpec]:
         logits = TensorSpec(c.LOGITS, "float", self.logits_shape())
-        return [logits] + [self.cache_spec(p.kind, p.present) for p in self.cache_pairs()]
+        return ([logits] + [self.cache_spec(p.kind, p.present) for p in self.cache_pairs()]
+                + self.state_update_outputs())
 
     def state_groups(self) -> list[dict[str, object]]:
         """onnxruntime-genai 0.18.0 ``model.decoder.state_groups`` (typed kinds)."""
         groups: list[dict[str, object]] = [
             {"kind": c.GROUP_PAGED_KV, "layer_ids": list(self.full_layers)}]
         if self.linear_layers:
-            groups.append({"kind": c.GROUP_FIXED_CONV, "layer_ids": list(self.linear_layers)})
-            groups.append({"kind": c.GROUP_FIXED_RECURRENT,
-                           "layer_ids": list(self.linear_layers)})
+            conv: dict[str, object] = {"kind": c.GROUP_FIXED_CONV,
+                                       "layer_ids": list(self.linear_layers)}
+            rec: dict[str, object] = {"kind": c.GROUP_FIXED_RECURRENT,
+                                      "layer_ids": list(self.linear_layers)}
+            if self.capacity:
+                conv["state_update"] = {"capacity": self.capacity}
+                rec["state_update"] = {"capacity": self.capacity,
+                                       "key_head_count": self.config.linear_num_key_heads}
+            groups += [conv, rec]
         return groups
 
     def metadata_props(self) -> dict[str, str]:
@@ -157,6 +194,7 @@ class PackedAbi:
             c.META_KV_DTYPE: self.kv_dtype,
             c.META_KV_QUANT: o.quant_type,
             c.META_PRUNE_LOGITS: "1" if o.prune_logits else "0",
+            c.META_STATE_UPDATE: str(self.capacity),
             c.META_WEIGHTS: "included" if o.weights else "absent",
             c.META_ORT: c.ONNXRUNTIME_PIN,
             c.META_ORT_GPU: c.ONNXRUNTIME_GPU_PIN,

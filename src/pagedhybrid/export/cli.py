@@ -35,6 +35,10 @@ def register_subcommands(subparsers: Any) -> None:
     e.add_argument("--max-scheduled-tokens", type=int)
     e.add_argument("--prefill-chunk-size", type=int,
                    help="most prompt tokens of one request per step (genai search.chunk_size)")
+    e.add_argument("--state-update-capacity", type=int, default=0, metavar="K",
+                   help="GatedDeltaNet / conv nodes return their compact state updates for up to "
+                   "K tokens per sequence (speculative verification in onnxruntime-genai; "
+                   "1-8, default 0 = off)")
     e.add_argument("--prune-logits", action="store_true",
                    help="emit logits only for each sequence's last token [B, vocab]")
     e.add_argument("--kv-cache-dtype", choices=["int8", "fp8"], default=None,
@@ -59,7 +63,8 @@ def options_from_args(args: argparse.Namespace) -> ExportOptions:
         max_scheduled_tokens=args.max_scheduled_tokens,
         prefill_chunk_size=args.prefill_chunk_size, prune_logits=args.prune_logits,
         weights=not args.no_weights, kv_cache_dtype=args.kv_cache_dtype,
-        kv_quant=args.kv_quant, kv_scales=args.kv_scales)
+        kv_quant=args.kv_quant, kv_scales=args.kv_scales,
+        state_update_capacity=args.state_update_capacity)
 
 
 def run_export(args: argparse.Namespace) -> int:

@@ -10,6 +10,9 @@ buffers, per linear layer ``past_key_values.{i}.conv_state`` / ``.recurrent_stat
 from __future__ import annotations
 
 from pagedhybrid.models.qwen35.packed import ABI_INPUT_NAMES
+from pagedhybrid.ops.spec import MAX_STATE_UPDATE_CAPACITY
+
+__all__ = ["MAX_STATE_UPDATE_CAPACITY"]  # (the ops' limit, re-exported beside the names)
 
 # -- graph inputs (order of the graph) ------------------------------------------------------------
 # The names are the model's own PackedBatch ABI map, so the engine and the export cannot disagree.
@@ -32,6 +35,12 @@ PRESENT_KEY = "present.%d.key"
 PRESENT_VALUE = "present.%d.value"
 PRESENT_CONV = "present.%d.conv_state"
 PRESENT_RECURRENT = "present.%d.recurrent_state"
+
+# -- compact state updates (--state-update-capacity; onnxruntime-genai 0.18.0's names) -----------
+STATE_UPDATE_CAPTURE_COUNT = "state_update_capture_count"  # int32 [B]
+STATE_UPDATE_ACTIVE = "state_update_active"  # int32 [1]
+STATE_UPDATE_CONV = "state_update.%d.conv_value"  # [B, C, conv_dim] (activation type)
+STATE_UPDATE_RECURRENT = "state_update.%d.recurrent_capsule"  # float [B, C (Hv + Hk Dk + Hv Dv)]
 
 # -- symbolic dimensions --------------------------------------------------------------------------
 DIM_TOKENS = "num_tokens"
@@ -91,6 +100,7 @@ META_DTYPE = META_PREFIX + "dtype"
 META_KV_DTYPE = META_PREFIX + "kv_cache_dtype"  # the page buffers' ONNX element type
 META_KV_QUANT = META_PREFIX + "kv_quant_type"  # NONE | PER_TENSOR | PER_CHANNEL
 META_PRUNE_LOGITS = META_PREFIX + "prune_logits"
+META_STATE_UPDATE = META_PREFIX + "state_update_capacity"
 META_WEIGHTS = META_PREFIX + "weights"
 META_ORT = META_PREFIX + "onnxruntime_version"
 META_ORT_GPU = META_PREFIX + "onnxruntime_gpu_version"

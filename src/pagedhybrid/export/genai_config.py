@@ -8,6 +8,12 @@ Layout (format A of ``reference/qwen35-model.md`` §6, the one 0.18.0's own buil
   and the ``present.%d.*`` outputs;
 * ``model.decoder.state_groups``: ``paged_kv`` (full-attention layer ids), ``fixed_conv`` and
   ``fixed_recurrent`` (linear layer ids), from ``PackedAbi``;
+* with ``--state-update-capacity C``: ``model.decoder.state_update_capacity = C``, the inputs
+  ``state_update_capture_count`` / ``state_update_active``, the outputs
+  ``state_update_conv_value_names = state_update.%d.conv_value`` and
+  ``state_update_recurrent_capsule_names = state_update.%d.recurrent_capsule``, and each fixed
+  state group's ``state_update`` (``capacity``; ``key_head_count`` for the recurrent group) --
+  the bindings 0.18.0 reads to verify drafts and replay the accepted updates;
 * ``model.decoder.session_options.provider_options``: ``cuda`` (``enable_cuda_graph=0``) or
   ``webgpu`` (graph capture off, basic validation);
 * ``engine.dynamic_batching``: ``block_size``, ``max_batch_size``, ``num_blocks`` or
@@ -39,6 +45,11 @@ def decoder_io(abi: PackedAbi) -> tuple[dict[str, str], dict[str, str]]:
         inputs |= {"past_conv_names": c.PAST_CONV, "past_recurrent_names": c.PAST_RECURRENT}
         outputs |= {"present_conv_names": c.PRESENT_CONV,
                     "present_recurrent_names": c.PRESENT_RECURRENT}
+    if abi.state_update_outputs():
+        inputs |= {"state_update_capture_count": c.STATE_UPDATE_CAPTURE_COUNT,
+                   "state_update_active": c.STATE_UPDATE_ACTIVE}
+        outputs |= {"state_update_conv_value_names": c.STATE_UPDATE_CONV,
+                    "state_update_recurrent_capsule_names": c.STATE_UPDATE_RECURRENT}
     return inputs, outputs
 
 
@@ -74,6 +85,7 @@ def make_genai_config(abi: PackedAbi) -> dict[str, Any]:
             "num_hidden_layers": cfg.num_hidden_layers,
             "num_key_value_heads": cfg.num_key_value_heads,
             "state_groups": abi.state_groups(),
+            **({"state_update_capacity": abi.capacity} if abi.state_update_outputs() else {}),
         },
         "eos_token_id": eos if eos is not None else pad,
         "pad_token_id": pad,

@@ -85,8 +85,11 @@ def build_packed_model(config: Qwen35Config, options: ExportOptions, weights: We
                                       (kv_scales or {}).get(i) if options.kv_cache_dtype
                                       else None)
         else:
-            out = emit_gated_delta_net(b, config, i, x, inp[c.CU_SEQLENS], inp[c.PAST_CONV % i],
-                                       inp[c.PAST_RECURRENT % i])
+            out = emit_gated_delta_net(
+                b, config, i, x, inp[c.CU_SEQLENS], inp[c.PAST_CONV % i],
+                inp[c.PAST_RECURRENT % i],
+                (inp[c.STATE_UPDATE_CAPTURE_COUNT], inp[c.STATE_UPDATE_ACTIVE], abi.capacity)
+                if abi.capacity else None)
         x, h = b.skip_rms_norm(h, out, f"{w}.post_attention_layernorm.weight", eps,
                                f"{p}/post_attention_layernorm")  # h += attention output
         delta = _mlp(b, i, x)  # [N, hidden]

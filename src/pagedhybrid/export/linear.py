@@ -23,6 +23,10 @@ Per layer ``i`` (``Hk``/``Hv`` key/value heads of ``Dk``/``Dv``, ``conv_dim = 2Â
    not (no transformed gates).
 5. ``GatedRMSNorm(core, norm.weight (raw), z; activation=silu, epsilon=rms_norm_eps)`` ->
    ``[N, HvÂ·Dv]`` -> ``out_proj``.
+
+With ``--state-update-capacity C`` both ops also take ``state_update_capture_count`` (and
+GatedDeltaNet ``state_update_active``) and return their compact state updates as
+``state_update.i.conv_value`` / ``state_update.i.recurrent_capsule`` (``emit_gated_delta_net``).
 """
 
 from __future__ import annotations
@@ -36,10 +40,22 @@ from pagedhybrid.models.qwen35.linear_attention import QK_L2_NORM_EPS
 
 
 def emit_gated_delta_net(b: GraphBuilder, config: Qwen35Config, i: int, x: ir.Value,
-                         cu_seqlens: ir.Value, past_conv: ir.Value,
-                         past_recurrent: ir.Value) -> ir.Value:
+                         cu_seqlens: ir.Value, past_conv: ir.Value, past_recurrent: ir.Value,
+                         capture: tuple[ir.Value, ir.Value, int] | None = None) -> ir.Value:
     """``x[N, hidden]`` (normalised) -> ``[N, hidden]``; emits ``present.i.conv_state`` and
-    ``present.i.recurrent_state``."""
+    ``present.i.recurrent_state``; with ``capture`` (the graph's capture count and active flag,
+    and the capacity) also ``state_update.i.conv_value`` and ``state_update.i.recurrent_capsule``
+    (both ops' compact state updates, ``state_update_capacity`` set on both nodes; the conv has
+    no ``state_update_active`` input: ONNX Runtime's conv captures whenever it has a capacity)."""
+    extra_in: list[ir.Value] = []
+    cap_attr: dict[str, int] = {}
+    conv_out: list[str | None] = [None, c.PRESENT_CONV % i]
+    gdn_out: list[str | None] = [None, c.PRESENT_RECURRENT % i]
+    if capture is not None:
+        count, active, capacity = capture
+        extra_in, cap_attr = [count, active], {"state_update_capacity": capacity}
+        conv_out.append(c.STATE_UPDATE_CONV % i)
+        gdn_out.append(c.STATE_UPDATE_RECURRENT % i)
     hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
     dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
     p, w = f"/model/layers.{i}/linear_attn", f"model.layers.{i}.linear_attn"
@@ -51,10 +67,11 @@ def emit_gated_delta_net(b: GraphBuilder, config: Qwen35Config, i: int, x: ir.Va
     beta = b.cast(beta, "float", f"{p}/in_proj_b/Cast")  # [N, Hv] raw b
     decay = b.cast(decay, "float", f"{p}/in_proj_a/Cast")  # [N, Hv] raw a
     bias = b.zeros(f"{w}.conv1d.bias", config.conv_dim)  # Qwen3.5's conv has no bias
-    mixed, _ = b.op(
-        c.VARLEN_CONV, [qkv, b.weight(f"{w}.conv1d.weight"), cu_seqlens, bias, past_conv],
-        f"{p}/{c.VARLEN_CONV}", {"activation": "silu"}, domain=c.MS_DOMAIN,
-        outputs=[None, c.PRESENT_CONV % i])  # [N, conv_dim], present conv
+    mixed = b.op(
+        c.VARLEN_CONV,
+        [qkv, b.weight(f"{w}.conv1d.weight"), cu_seqlens, bias, past_conv, *extra_in[:1]],
+        f"{p}/{c.VARLEN_CONV}", {"activation": "silu", **cap_attr}, domain=c.MS_DOMAIN,
+        outputs=conv_out)[0]  # [N, conv_dim] (present conv, conv values)
     qk, v = b.op("Split", [mixed, b.const_i64([2 * hk * dk, hv * dv])], f"{p}/SplitQKV",
                  {"axis": 1}, outputs=2)  # [N, 2*Hk*Dk], [N, Hv*Dv]
     qk = b.l2_normalize(b.reshape(qk, [0, 2 * hk, dk], f"{p}/qk/Reshape"), QK_L2_NORM_EPS,
@@ -64,15 +81,15 @@ def emit_gated_delta_net(b: GraphBuilder, config: Qwen35Config, i: int, x: ir.Va
     v = b.reshape(v, [0, hv, dv], f"{p}/v/Reshape")  # [N, Hv, Dv]
     if b.io_dtype != "float":
         v = b.cast(v, "float", f"{p}/v/Cast")  # float [N, Hv, Dv]
-    core, _ = b.op(
+    core = b.op(
         c.GATED_DELTA_NET,
         [q, k, v, cu_seqlens, decay, beta, past_recurrent, b.weight(f"{w}.A_log"),
-         b.weight(f"{w}.dt_bias")],
+         b.weight(f"{w}.dt_bias"), *extra_in],
         f"{p}/{c.GATED_DELTA_NET}",
         {"update_rule": "gated_delta", "gate_activation": "qwen", "beta_activation": "sigmoid",
-         "qk_l2_norm": 0, "scale": 0.0},
-        domain=c.MS_DOMAIN, outputs=[None, c.PRESENT_RECURRENT % i],
-    )  # float [N, Hv, Dv], present recurrent (float [B, Hv, Dv, Dk])
+         "qk_l2_norm": 0, "scale": 0.0, **cap_attr},
+        domain=c.MS_DOMAIN, outputs=gdn_out,
+    )[0]  # float [N, Hv, Dv] (present recurrent float [B, Hv, Dv, Dk], capsule)
     if b.io_dtype != "float":
         core = b.cast(core, b.io_dtype, f"{p}/{c.GATED_DELTA_NET}/Cast")  # [N, Hv, Dv]
     y = b.op1("GatedRMSNorm", [core, b.weight(f"{w}.norm.weight"), z], f"{p}/norm/GatedRMSNorm",

@@ -27,6 +27,7 @@ import torch
 
 from pagedhybrid import dtypes
 from pagedhybrid.errors import UnsupportedConfiguration
+from pagedhybrid.export import constants as c
 from pagedhybrid.kernels.onnxruntime.paged_attention import QUANTIZED_CACHE
 from pagedhybrid.models.qwen35.config import Qwen35Config
 
@@ -56,6 +57,7 @@ class ExportOptions:
     kv_cache_dtype: str | None = None  # None: the activation dtype; int8 | fp8 (e4m3)
     kv_quant: str = "per-channel"  # per-channel | per-tensor
     kv_scales: str | None = None  # scale file; default: kv_scales/ in the checkpoint
+    state_update_capacity: int = 0  # compact state updates per linear layer (speculation)
 
     @property
     def onnx_dtype(self) -> str:
@@ -144,6 +146,13 @@ def check_options(options: ExportOptions) -> None:
     if o.prefill_chunk_size is not None and o.prefill_chunk_size < 1:
         raise UnsupportedConfiguration(
             f"--prefill-chunk-size {o.prefill_chunk_size}: must be >= 1")
+    cap = o.state_update_capacity
+    if isinstance(cap, bool) or not isinstance(cap, int) or \
+            not 0 <= cap <= c.MAX_STATE_UPDATE_CAPACITY:
+        raise UnsupportedConfiguration(
+            f"--state-update-capacity {cap}: must be an int in [0, "
+            f"{c.MAX_STATE_UPDATE_CAPACITY}] (ONNX Runtime 1.32's GatedDeltaNet / "
+            "VarlenCausalConvWithState capture at most 8 tokens per sequence; 0 = off)")
 
 
 def check_model(config: Qwen35Config) -> None:

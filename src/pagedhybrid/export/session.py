@@ -71,6 +71,8 @@ class StepOutput(NamedTuple):
     logits: np.ndarray  # float32 [N or B, V]
     conv: dict[int, np.ndarray]  # layer -> [B, conv_dim, K-1] (the arrays passed in, updated)
     recurrent: dict[int, np.ndarray]  # layer -> float32 [B, Hv, Dv, Dk]
+    # --state-update-capacity packages: output name -> the step's compact state updates
+    updates: dict[str, np.ndarray] | None = None
 
 
 class PackedGraphSession:
@@ -133,14 +135,27 @@ class PackedGraphSession:
     def step(self, *, input_ids: np.ndarray, position_ids: np.ndarray, cu_seqlens: np.ndarray,
              past_seqlens: np.ndarray, block_table: np.ndarray,
              attention_metadata: np.ndarray, conv: dict[int, np.ndarray],
-             recurrent: dict[int, np.ndarray]) -> StepOutput:
+             recurrent: dict[int, np.ndarray], capture_count: np.ndarray | None = None
+             ) -> StepOutput:
+        """One step; in a package exported with ``--state-update-capacity``, ``capture_count``
+        (int ``[B]``) asks each sequence's first tokens' compact state updates (None: capture
+        off, ``state_update_active = [0]``), returned in ``StepOutput.updates``."""
         ort = self._ort
+        capturing = c.STATE_UPDATE_CAPTURE_COUNT in self._inputs
         io = self.session.io_binding()
         feeds = {c.INPUT_IDS: input_ids.astype(np.int64), c.POSITION_IDS: position_ids.astype(
             np.int64), c.CU_SEQLENS: cu_seqlens.astype(np.int32),
             c.PAST_SEQLENS: past_seqlens.astype(np.int32),
             c.BLOCK_TABLE: block_table.astype(np.int32),
             c.ATTENTION_METADATA: attention_metadata.astype(np.int32)}
+        if capturing:
+            batch = len(cu_seqlens) - 1
+            feeds[c.STATE_UPDATE_CAPTURE_COUNT] = (np.zeros(batch, np.int32) if capture_count
+                                                   is None else capture_count.astype(np.int32))
+            feeds[c.STATE_UPDATE_ACTIVE] = np.array([int(capture_count is not None)], np.int32)
+        elif capture_count is not None:
+            raise ContractViolation(OP, "capture_count", "needs a package exported with "
+                                    "--state-update-capacity", capture_count.shape)
         for name, arr in feeds.items():
             io.bind_cpu_input(name, np.ascontiguousarray(arr))
         for i in self.full_layers:
@@ -158,7 +173,14 @@ class PackedGraphSession:
                 value = ort.OrtValue.ortvalue_from_numpy(arr)  # shares arr's memory
                 io.bind_ortvalue_input(past, value)
                 io.bind_ortvalue_output(present, value)
+        update_names = [o.name for o in self.session.get_outputs()
+                        if o.name.startswith("state_update.")]
+        for name in update_names:
+            io.bind_output(name, "cpu")
         io.bind_output(c.LOGITS, "cpu")  # bound last: get_outputs() is in binding order
         self.session.run_with_iobinding(io)
-        logits = io.get_outputs()[-1]
-        return StepOutput(np.array(logits.numpy()), conv, recurrent)
+        values = io.get_outputs()
+        logits = values[-1]
+        updates = {n: np.array(v.numpy()) for n, v in zip(update_names, values[-1 - len(
+            update_names):-1], strict=True)}
+        return StepOutput(np.array(logits.numpy()), conv, recurrent, updates)

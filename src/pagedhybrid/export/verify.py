@@ -249,7 +249,9 @@ def _verify(model: ir.Model, genai: dict[str, Any], workflow: dict[str, Any] | N
     for i in linear:
         expected_states[c.PAST_CONV % i] = (i, "conv_state")
         expected_states[c.PAST_RECURRENT % i] = (i, "recurrent_state")
-    extra = sorted(set(inputs) - set(SHARED) - set(expected_states))
+    cap = _capacity(meta)
+    updates_in, updates_out = _state_update_names(cap, linear)
+    extra = sorted(set(inputs) - set(SHARED) - set(expected_states) - updates_in)
     chk(not extra, "inputs exact", f"unexpected inputs {extra}" if extra else "no extra inputs")
     for name, (_layer, kind) in expected_states.items():
         v = inputs.get(name)
@@ -279,7 +281,7 @@ def _verify(model: ir.Model, genai: dict[str, Any], workflow: dict[str, Any] | N
     present_of |= {c.PAST_VALUE % i: c.PRESENT_VALUE % i for i in full}
     present_of |= {c.PAST_CONV % i: c.PRESENT_CONV % i for i in linear}
     present_of |= {c.PAST_RECURRENT % i: c.PRESENT_RECURRENT % i for i in linear}
-    extra_out = sorted(set(outputs) - {c.LOGITS} - set(present_of.values()))
+    extra_out = sorted(set(outputs) - {c.LOGITS} - set(present_of.values()) - updates_out)
     chk(not extra_out, "outputs exact",
         f"unexpected outputs {extra_out}" if extra_out else "no extra outputs")
     for past, present in present_of.items():
@@ -292,6 +294,7 @@ def _verify(model: ir.Model, genai: dict[str, Any], workflow: dict[str, Any] | N
         chk(bad not in inputs, "no dense inputs", f"{bad} absent")
     # -- 4. operators -----------------------------------------------------------------------------
     _verify_nodes(graph, dec, full, linear, inputs, quant, chk)
+    _verify_state_updates(graph, dec, cap, linear, inputs, outputs, chk)
     # -- 5. genai_config --------------------------------------------------------------------------
     _verify_genai(genai, meta, full, linear, block_size, inputs, outputs, logits, chk)
     # -- 6. workflow ------------------------------------------------------------------------------
@@ -307,6 +310,93 @@ def _verify(model: ir.Model, genai: dict[str, Any], workflow: dict[str, Any] | N
             paged.get("quantization", {}).get("type", "NONE") == quant, "workflow kv cache",
             f"element_type {paged.get('element_type')!r}, quantization "
             f"{paged.get('quantization')!r} vs {kv_dtype} {quant}")
+
+
+def _capacity(meta: dict[str, str]) -> int:
+    try:
+        return int(meta.get(c.META_STATE_UPDATE, "0"))
+    except ValueError:
+        return -1
+
+
+def _state_update_names(cap: int, linear: list[int]) -> tuple[set[str], set[str]]:
+    """The graph inputs and outputs of compact state updates at capacity ``cap``."""
+    if cap <= 0 or not linear:
+        return set(), set()
+    return ({c.STATE_UPDATE_CAPTURE_COUNT, c.STATE_UPDATE_ACTIVE},
+            {t % i for i in linear for t in (c.STATE_UPDATE_CONV, c.STATE_UPDATE_RECURRENT)})
+
+
+def _verify_state_updates(graph: ir.Graph, dec: dict[str, Any], cap: int, linear: list[int],
+                          inputs: dict[str, ir.Value], outputs: dict[str, ir.Value],
+                          chk: _Checker) -> None:
+    """``--state-update-capacity``: the capture inputs, each linear layer's conv / GatedDeltaNet
+    capacity, operands and ``state_update`` outputs (shapes from the layer's states), and the
+    genai_config bindings onnxruntime-genai 0.18.0 reads."""
+    chk(0 <= cap <= c.MAX_STATE_UPDATE_CAPACITY, "state_update capacity",
+        f"{cap} (metadata {c.META_STATE_UPDATE}, 0..{c.MAX_STATE_UPDATE_CAPACITY})")
+    on = cap > 0 and bool(linear)
+    for name, dims in ((c.STATE_UPDATE_CAPTURE_COUNT, 1), (c.STATE_UPDATE_ACTIVE, 1)):
+        v = inputs.get(name)
+        chk((v is not None and _dtype(v) == "int32" and len(_dims(v)) == dims) == on,
+            "state_update inputs", f"{name}: {'int32 rank 1' if on else 'absent'} expected")
+    gin, gout = dec.get("inputs", {}), dec.get("outputs", {})
+    bindings = {"state_update_capture_count": (gin, c.STATE_UPDATE_CAPTURE_COUNT),
+                "state_update_active": (gin, c.STATE_UPDATE_ACTIVE),
+                "state_update_conv_value_names": (gout, c.STATE_UPDATE_CONV),
+                "state_update_recurrent_capsule_names": (gout, c.STATE_UPDATE_RECURRENT)}
+    for key, (table, want) in bindings.items():
+        chk(table.get(key) == (want if on else None), "genai state_update",
+            f"{key} = {table.get(key)!r}")
+    chk(dec.get("state_update_capacity", 0) == (cap if on else 0), "genai state_update",
+        f"decoder.state_update_capacity = {dec.get('state_update_capacity')!r} (graph {cap})")
+    for i in linear:
+        for op, state, k_count, out_name in (
+                (c.VARLEN_CONV, c.PAST_CONV % i, 5, c.STATE_UPDATE_CONV % i),
+                (c.GATED_DELTA_NET, c.PAST_RECURRENT % i, 9, c.STATE_UPDATE_RECURRENT % i)):
+            idx = 4 if op == c.VARLEN_CONV else 6
+            nodes = [n for n in _by_op(graph, op) if _name(_inp(n, idx)) == state]
+            if len(nodes) != 1:
+                continue  # (counted by _verify_linear)
+            n = nodes[0]
+            outs = [_name(v) for v in n.outputs]
+            got = (_attr(n, "state_update_capacity", 0), _name(_inp(n, k_count)),
+                   outs[2] if len(outs) > 2 else "")
+            want = ((cap, c.STATE_UPDATE_CAPTURE_COUNT, out_name) if on else (0, "", ""))
+            ok = got == want and (op == c.VARLEN_CONV or
+                                  _name(_inp(n, 10)) == (c.STATE_UPDATE_ACTIVE if on else ""))
+            chk(ok, "state_update operands", f"layer {i} {op}: capacity, capture_count, output "
+                f"{got} (expected {want})")
+            v, s = outputs.get(out_name), inputs.get(state)
+            if not on or v is None or s is None:
+                continue
+            d, sd = _dims(v), _dims(s)
+            if op == c.VARLEN_CONV:
+                ok = _dtype(v) == _dtype(s) and d[1:] == (cap, sd[1])
+                exp = f"{_dtype(s)} [B, {cap}, {sd[1]}]"
+            else:  # C (Hv + Hk Dk + Hv Dv), Hk from the graph's q|k heads (2 Hk of them)
+                qk = _reshape_dims(_l2_normalized(_skip(_inp(n, 0), "Split"))[0])
+                hk = qk[1] // 2 if qk and len(qk) == 3 else None
+                width = cap * (sd[1] + (hk or 0) * sd[3] + sd[1] * sd[2]) if hk else None
+                ok = _dtype(v) == "float" and len(d) == 2 and d[1] == width
+                exp = f"float [B, {width}]"
+                group = next((g for g in dec.get("state_groups", []) if isinstance(g, dict)
+                              and g.get("kind") == c.GROUP_FIXED_RECURRENT), {})
+                heads = group.get("state_update", {}).get("key_head_count")
+                chk(heads == hk, "genai state_update", f"fixed_recurrent key_head_count "
+                    f"{heads!r} (graph's key heads {hk})")
+            chk(ok, "state_update outputs", f"{out_name} {_dtype(v)} {list(d)} (expected {exp})")
+
+
+def _without_key_heads(groups: Any) -> Any:
+    """``state_groups`` without the recurrent group's ``key_head_count`` (checked against the
+    graph by ``_verify_state_updates``)."""
+    if not isinstance(groups, list):
+        return groups
+    return [{**g, "state_update": {k: v for k, v in g["state_update"].items()
+                                   if k != "key_head_count"}}
+            if isinstance(g, dict) and isinstance(g.get("state_update"), dict) else g
+            for g in groups]
 
 
 def _producers(graph: ir.Graph) -> dict[str, ir.Node]:
@@ -478,9 +568,11 @@ def _verify_genai(genai: dict[str, Any], meta: dict[str, str], full: list[int],
     groups = dec.get("state_groups")
     want_groups = [{"kind": c.GROUP_PAGED_KV, "layer_ids": full}]
     if linear:
-        want_groups += [{"kind": c.GROUP_FIXED_CONV, "layer_ids": linear},
-                        {"kind": c.GROUP_FIXED_RECURRENT, "layer_ids": linear}]
-    chk(groups == want_groups, "genai state_groups", f"{groups}")
+        cap = _capacity(meta)
+        update = {"state_update": {"capacity": cap}} if cap > 0 else {}
+        want_groups += [{"kind": c.GROUP_FIXED_CONV, "layer_ids": linear, **update},
+                        {"kind": c.GROUP_FIXED_RECURRENT, "layer_ids": linear, **update}]
+    chk(_without_key_heads(groups) == want_groups, "genai state_groups", f"{groups}")
     dyn = genai.get("engine", {}).get("dynamic_batching", {})
     budget = [k for k in ("num_blocks", "gpu_utilization_factor") if k in dyn]
     chk(dyn.get("block_size") == block_size and isinstance(dyn.get("max_batch_size"), int)

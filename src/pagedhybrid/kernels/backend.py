@@ -12,7 +12,11 @@ Bundles, in priority order (``REGISTRY``):
   fp32 / bf16;
 * ``torch``     -- the vectorised torch kernels (``kernels/cpu``);
 * ``reference`` -- the op references (``pagedhybrid.ops``): the declared slow path, exact; it
-  emits no state checkpoints, so it cannot serve prefix caching.
+  emits no state checkpoints and captures no state updates, so it cannot serve prefix caching
+  or speculative decoding.
+
+The other three capture a verify step's compact state updates and replay the accepted ones
+(``Backend.capture``, ``kernels/capsule.py``): the native bundles in C++, torch in torch.
 
 All of them update state rows in their pools and read / write KV pages of the activation dtype
 or quantized (int8 / fp8 e4m3). None exports attention-domain LSE; none runs context
@@ -40,7 +44,7 @@ import torch
 from pagedhybrid import ops
 from pagedhybrid.dtypes import to_torch
 from pagedhybrid.errors import UnsupportedConfiguration
-from pagedhybrid.kernels import cpu, native, step_reference
+from pagedhybrid.kernels import capsule, cpu, native, step_reference
 from pagedhybrid.kernels.cpu import step as cpu_step
 from pagedhybrid.kernels.native import contract as native_contract
 from pagedhybrid.kernels.native import dense as native_dense
@@ -81,31 +85,35 @@ def _declare() -> KernelRegistry:
             "native", "C++ kernels (kernels/native): paged decode / short-query attention, "
             "in-place state updates; torch kernels for long prefill", "native_paged_attention",
             BundleCapability(_DTYPES, native_pages, max_head_dim=NATIVE_MAX_HEAD_DIM,
-                             in_place_state=True, paged_in_place=True, state_checkpoints=True),
+                             in_place_state=True, paged_in_place=True, state_checkpoints=True,
+                             state_capture=True),
             native_step.attention, native_step.causal_conv, native_step.gated_delta,
             native_ops, _native_available, native_dense.preferred_linear,
             native_dense.preferred_pack,
             norms=native_norms.NATIVE_NORMS, gdn_decode=native_step.gdn_decode,
             gdn_decode_layer=native_step.gdn_decode_layer,
-            attention_decode_layer=native_step.attention_decode_layer),
+            attention_decode_layer=native_step.attention_decode_layer,
+            capture=native_step.CAPTURE),
         Backend(
             "native_batch_invariant", "C++ kernels for every token and projection in "
             "batch-invariant forms (kernels/native/invariant.py)", "native_batch_invariant",
             BundleCapability(native_invariant.DTYPES, native_pages,
                              max_head_dim=NATIVE_MAX_HEAD_DIM, in_place_state=True,
-                             paged_in_place=True, state_checkpoints=True, batch_invariant=True),
+                             paged_in_place=True, state_checkpoints=True, state_capture=True,
+                             batch_invariant=True),
             native_invariant.attention, native_invariant.causal_conv,
             native_invariant.gated_delta, native_ops, _native_available,
             lambda dtype: native_invariant.linear,
             pointwise=Pointwise(native_invariant.silu, native_invariant.sigmoid),
-            norms=native_norms.NATIVE_NORMS),
+            norms=native_norms.NATIVE_NORMS, capture=native_step.CAPTURE),
         Backend(
             "torch", "vectorised torch kernels (kernels/cpu)", "cpu_paged_attention",
             BundleCapability(_TORCH_DTYPES, (*_TORCH_DTYPES, *_QUANT), in_place_state=True,
-                             state_checkpoints=True),
+                             state_checkpoints=True, state_capture=True),
             cpu_step.attention, cpu_step.causal_conv, cpu_step.gated_delta,
             ContractOps(cpu.paged_attention, cpu.varlen_causal_conv, cpu.gated_delta_net,
-                        cpu.COVERAGE)),
+                        cpu.COVERAGE), capture=capsule.StateCapture(capsule.torch_capture,
+                                                                    capsule.torch_replay)),
         Backend(
             "reference", "op references (pagedhybrid.ops), exact, slow",
             "paged_attention_reference",

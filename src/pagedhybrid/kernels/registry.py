@@ -12,7 +12,9 @@ A ``Backend`` (a kernel bundle) holds, for one implementation family:
   by default); optionally ``gdn_decode``, the Gated DeltaNet mixer of a decode-only step fused
   into one call, and ``gdn_decode_layer`` / ``attention_decode_layer``, a whole decoder layer of
   either kind (signatures in ``kernels/native/step.py``; each returns None for a step it does not
-  fuse, and the model then runs the layer's ops one by one);
+  fuse, and the model then runs the layer's ops one by one); ``capture``, the speculative
+  verify step's kernels (``kernels.capsule.StateCapture``: the recurrent state's capture and
+  replay; None: the bundle cannot verify drafts);
 * the three operator contracts with the signatures of ``pagedhybrid.ops`` (``ops``), each
   validating its call fully (contract entry points), with ``ops.coverage``: per op type an
   ``OpCoverage`` -- the dtypes and contract features its fast path computes, and each feature it
@@ -26,7 +28,9 @@ A ``Backend`` (a kernel bundle) holds, for one implementation family:
 pages it reads and writes, quantized ones included); ``max_head_dim``; ``in_place_state`` (state
 rows updated in their pool), ``paged_in_place`` (attention reads pages without gathering the
 context), ``state_checkpoints`` (the linear layers emit intermediate states, which prefix caching
-needs), ``batch_invariant`` (every row bitwise independent of the batch), ``exports_lse``,
+needs), ``state_capture`` (verify steps: compact state updates captured, accepted ones
+replayed -- speculative decoding needs it), ``batch_invariant`` (every row bitwise independent
+of the batch), ``exports_lse``,
 ``rope_in_op`` (its contract op rotates q/k itself), ``tp_world_sizes`` / ``cp_world_sizes``,
 ``implementation_kind`` and ``platform``. ``gaps(needs)`` lists every reason it falls short.
 
@@ -161,7 +165,8 @@ class Needs:
     """What a caller needs from the model's kernels (the engine builds one per engine).
 
     ``backend``: ``"auto"`` or one bundle's name. ``config``: the model config (its ``head_dim``
-    is checked unless ``head_dim`` is given). ``prefix_caching`` needs state checkpoints.
+    is checked unless ``head_dim`` is given). ``prefix_caching`` needs state checkpoints,
+    ``speculative`` (speculative decoding) state capture.
     ``kv_page_dtype``: the KV pages' element type (None: the activation ``dtype``).
     """
 
@@ -170,6 +175,7 @@ class Needs:
     config: Any = None
     head_dim: int | None = None
     prefix_caching: bool = False
+    speculative: bool = False
     kv_page_dtype: torch.dtype | None = None
     batch_invariant: bool = False
     exports_lse: bool = False
@@ -208,6 +214,7 @@ class Needs:
         if self.kv_page_dtype is not None and self.kv_page_dtype != self.dtype:
             parts.append(f"KV pages {dtype_name(self.kv_page_dtype)}")
         for flag, text in ((self.prefix_caching, "prefix caching"),
+                           (self.speculative, "speculative decoding"),
                            (self.batch_invariant, "batch invariance"),
                            (self.exports_lse, "LSE export")):
             if flag:
@@ -229,6 +236,7 @@ class BundleCapability:
     in_place_state: bool = False
     paged_in_place: bool = False
     state_checkpoints: bool = False
+    state_capture: bool = False
     batch_invariant: bool = False
     exports_lse: bool = False
     rope_in_op: bool = False
@@ -263,6 +271,9 @@ class BundleCapability:
             r.append("prefix caching needs state checkpoints (the linear layers' intermediate "
                      "states), which these kernels do not emit; use a bundle that does or turn "
                      "prefix caching off (enable_prefix_caching=False)")
+        if needs.speculative and not self.state_capture:
+            r.append("speculative decoding needs compact state capture and replay in verify "
+                     "steps, which these kernels do not have")
         if needs.batch_invariant and not self.batch_invariant:
             r.append("batch-invariant reduction is unsupported (its rows depend on the batch: "
                      "GEMM kernels and K splits chosen by shape, chunked prefill forms)")
@@ -281,6 +292,7 @@ class BundleCapability:
                 "max_head_dim": self.max_head_dim, "in_place_state": self.in_place_state,
                 "paged_in_place": self.paged_in_place,
                 "state_checkpoints": self.state_checkpoints,
+                "state_capture": self.state_capture,
                 "batch_invariant": self.batch_invariant, "exports_lse": self.exports_lse,
                 "rope_in_op": self.rope_in_op,
                 "tp_world_sizes": None if self.tp_world_sizes is None else
@@ -326,6 +338,7 @@ class Backend:
     gdn_decode: Callable[..., torch.Tensor | None] | None = None
     gdn_decode_layer: Callable[..., torch.Tensor | None] | None = None
     attention_decode_layer: Callable[..., torch.Tensor | None] | None = None
+    capture: Any = None  # kernels.capsule.StateCapture (this module imports nothing above it)
 
     @property
     def dtypes(self) -> tuple[torch.dtype, ...]:
@@ -339,7 +352,8 @@ class Backend:
     def features(self) -> frozenset[str]:
         """Deprecated string view of the capability's flags (read ``capability`` instead)."""
         c = self.capability
-        return frozenset(n for n in ("in_place_state", "paged_in_place", "state_checkpoints")
+        return frozenset(n for n in ("in_place_state", "paged_in_place", "state_checkpoints",
+                                     "state_capture")
                          if getattr(c, n))
 
     def rejections(self, needs: Needs) -> tuple[str, ...]:

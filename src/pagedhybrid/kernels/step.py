@@ -15,6 +15,9 @@ and as tensors (for the kernels), so no layer converts tensors to lists or re-va
   conv and recurrent state after the sequence's first ``offset`` new tokens of this step goes
   into row ``row`` of the layer's checkpoint pools (``offset`` = its new-token count: the state
   at the end of the chunk).
+* speculative verify sequences: ``verify`` -- sequences (each with at least two new tokens: its
+  last sampled token and its drafts, never fresh, no checkpoints) whose state rows the step
+  leaves unchanged, capturing their compact state updates instead (``kernels/capsule.py``).
 
 ``GdnLayerWeights`` / ``AttentionLayerWeights`` are what a bundle's ``gdn_decode_layer`` /
 ``attention_decode_layer`` read of one decoder layer (the model gathers them; the kernels never
@@ -67,6 +70,7 @@ class StepMetadata:
     decode: tuple[int, ...]  # sequences with exactly one new token
     multi: tuple[int, ...]  # sequences with more than one new token
     checkpoints: tuple[tuple[int, int, int], ...] = ()  # (sequence, offset, checkpoint row)
+    verify: tuple[int, ...] = ()  # speculative verify sequences (state captured, not committed)
     _memo: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -88,6 +92,28 @@ class StepMetadata:
     @property
     def all_decode(self) -> bool:
         return len(self.decode) == self.batch
+
+    @property
+    def unverified(self) -> tuple[int, ...]:
+        """The sequences that are not verify sequences."""
+        return self.memo("unverified", lambda: tuple(
+            b for b in range(self.batch) if b not in set(self.verify)))
+
+    @property
+    def decode_or_verify(self) -> bool:
+        """Every sequence decodes one token or verifies drafts (the fused layers' steps)."""
+        return len(self.decode) + len(self.verify) == self.batch
+
+    @property
+    def verify_mask(self) -> torch.Tensor:
+        """bool ``[B]``: the verify sequences."""
+        return self.memo("verify_mask", lambda: int_tensor(
+            (b in set(self.verify) for b in range(self.batch)), torch.bool))
+
+    @property
+    def verify_slots(self) -> torch.Tensor:
+        """int64 ``[n]``: the verify sequences' state slots."""
+        return self.memo("verify_slots", lambda: self.state_slots[list(self.verify)])
 
     def memo(self, key: str, fn: Callable[[], Any]) -> Any:
         """``fn()`` computed once per step (per ``key``)."""
@@ -118,7 +144,8 @@ class StepMetadata:
                 cu_seqlens=tuple(cu), decode=tuple(i for i, n in enumerate(q) if n == 1),
                 multi=tuple(i for i, n in enumerate(q) if n > 1),
                 checkpoints=tuple((seqs.index(s), o, r) for s, o, r in self.checkpoints
-                                  if s in seqs))
+                                  if s in seqs),
+                verify=tuple(seqs.index(s) for s in self.verify if s in seqs))
             return rows, sub
 
         return self.memo(f"subset{seqs}", make)
@@ -132,8 +159,8 @@ class StepMetadata:
               block_tables: Sequence[Sequence[int]] | torch.Tensor | None,
               state_slots: Sequence[int], *, block_size: int, num_pages: int, num_slots: int,
               device: torch.device | str = "cpu",
-              checkpoints: Sequence[tuple[int, int, int]] = (), num_checkpoints: int = 0
-              ) -> StepMetadata:
+              checkpoints: Sequence[tuple[int, int, int]] = (), num_checkpoints: int = 0,
+              verify: Sequence[int] = ()) -> StepMetadata:
         """Validated metadata of a step (``block_tables``: lists, an int32 ``[B, M]``, or None
         for a step without KV pages)."""
 
@@ -180,6 +207,12 @@ class StepMetadata:
                   for s, o, r in ck), "checkpoints",
               f"must be (sequence, 1 <= offset <= its new tokens, row < {num_checkpoints})", ck)
         check(len({r for _, _, r in ck}) == len(ck), "checkpoints", "rows must not repeat", ck)
+        ver = tuple(int(s) for s in verify)
+        check(len(set(ver)) == len(ver) and all(
+            0 <= s < b and q_lens[s] >= 2 and past_lens[s] > 0 for s in ver), "verify",
+            "must name distinct sequences, each with past tokens and >= 2 new tokens", ver)
+        check(not any(s in ver for s, _, _ in ck), "verify",
+              "sequences take no checkpoints during the step (their commit does)", ver)
         cu = [0]
         for q in q_lens:
             cu.append(cu[-1] + q)
@@ -199,7 +232,7 @@ class StepMetadata:
             fresh_t=int_tensor((p == 0 for p in past_lens), torch.bool, device),
             positions=positions, write_slots=write, cu_seqlens=tuple(cu),
             decode=tuple(i for i, q in enumerate(q_lens) if q == 1),
-            multi=tuple(i for i, q in enumerate(q_lens) if q > 1), checkpoints=ck)
+            multi=tuple(i for i, q in enumerate(q_lens) if q > 1), checkpoints=ck, verify=ver)
 
     def advance(self, write_slots: Sequence[int], inputs: DecodeInputs | None = None
                 ) -> StepMetadata | None:

@@ -1,7 +1,9 @@
 """Conformance recipes of ``com.microsoft.GatedDeltaNet`` and their deterministic inputs.
 
 A recipe is JSON: ``{"name", "dims", "attrs"}``; ``make_inputs(recipe, dtype, seed)`` returns the
-full positional input list of the op (None for absent ports) and the attribute dict.
+full positional input list of the op (None for absent ports) and the attribute dict. Capturing
+recipes (compact state updates) add ``dims["capture"]`` (``capture_count``) and optionally
+``dims["active"]`` (``state_update_active``).
 """
 
 from __future__ import annotations
@@ -15,15 +17,23 @@ _DELTA = ("delta", "gated_delta")  # update rules that take a beta
 
 
 def conformance_recipes() -> list[dict[str, Any]]:
-    """Deterministic JSON-able cases covering layouts, packing, rules, gates and head ratios."""
+    """Deterministic JSON-able cases covering layouts, packing, rules, gates, head ratios and
+    compact state updates."""
 
     def r(name: str, seq_lens: list[int], hk: int, hv: int, dk: int, dv: int, *,
           layout: str = "separate", cu: bool = True, decay: str = "head", dt_bias: str = "head",
-          state: str = "random", gate_dtype: str = "input", **attrs: Any) -> dict[str, Any]:
+          state: str = "random", gate_dtype: str = "input", capture: list[int] | None = None,
+          active: int | None = None, **attrs: Any) -> dict[str, Any]:
         dims = {"seq_lens": seq_lens, "num_heads_k": hk, "num_heads_v": hv, "head_size_qk": dk,
                 "head_size_v": dv, "layout": layout, "cu_seqlens": cu, "decay": decay,
                 "dt_bias": dt_bias, "initial_state": state, "gate_dtype": gate_dtype}
+        if capture is not None:
+            dims["capture"] = capture
+        if active is not None:
+            dims["active"] = active
         return {"name": name, "dims": dims, "attrs": attrs}
+
+    qwen = {"gate_activation": "qwen", "beta_activation": "sigmoid"}  # the model's form
 
     return [
         r("prefill_unequal_gqa2", [5, 17, 1, 9], 2, 4, 8, 6),
@@ -53,6 +63,22 @@ def conformance_recipes() -> list[dict[str, Any]]:
         r("no_initial_state", [4, 9], 2, 4, 8, 8, state="none"),
         r("explicit_scale", [6, 2], 1, 2, 4, 4, scale=0.5),
         r("zero_length_sequences", [3, 0, 4, 0], 1, 2, 4, 4),
+        # compact state updates: a verify step of drafts (GQA, the model's form: its decode
+        # shape runs natively), per-key decay, counts clamped to the capacity and to the
+        # sequence (9 -> 3, -1 -> 0, 5 -> 0 for an empty one) with the rules without decay /
+        # retrieval, capture switched off, a step capturing nothing
+        r("capture_verify_step_gqa", [4, 1, 3, 2], 2, 4, 8, 8, gate_dtype="float",
+          capture=[4, 1, 3, 2], state_update_capacity=4, **qwen),
+        r("capture_per_key_decay_kda", [5, 3], 1, 2, 4, 4, decay="key", dt_bias="flat",
+          capture=[5, 2], state_update_capacity=6, gate_activation="kda", qk_l2_norm=1),
+        r("capture_clamped_rule_delta_packed", [5, 2, 3], 1, 2, 4, 4, layout="packed",
+          capture=[9, -1, 2], state_update_capacity=3, update_rule="delta"),
+        r("capture_clamped_rule_gated", [3, 0, 4], 1, 2, 4, 6, capture=[2, 5, 9],
+          state_update_capacity=3, update_rule="gated"),
+        r("capture_inactive", [3, 2], 2, 4, 4, 4, capture=[2, 2], active=0,
+          state_update_capacity=2, qk_l2_norm=1, **qwen),
+        r("capture_none_capacity8", [3, 2], 1, 2, 4, 4, capture=[0, 0],
+          state_update_capacity=8),
     ]
 
 
@@ -114,4 +140,6 @@ def make_inputs(recipe: dict[str, Any], dtype: torch.dtype, seed: int
     cu = None
     if d["cu_seqlens"]:
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-    return [q, k, v, cu, decay, beta, state, a_log, dt_bias, None, None], attrs
+    capture = torch.tensor(d["capture"], dtype=torch.int32) if "capture" in d else None  # [B]
+    active = torch.tensor([d["active"]], dtype=torch.int32) if "active" in d else None  # [1]
+    return [q, k, v, cu, decay, beta, state, a_log, dt_bias, capture, active], attrs

@@ -41,6 +41,7 @@ from pagedhybrid import dtypes
 from pagedhybrid.errors import ContractViolation, UnsupportedConfiguration
 
 REQUIRED = object()  # sentinel default of a required attribute
+MAX_STATE_UPDATE_CAPACITY = 8  # ONNX Runtime's bound on state_update_capacity (linear ops)
 _MISSING = object()  # an input the caller did not pass
 R = TypeVar("R")
 

@@ -54,6 +54,7 @@ import torch
 
 from pagedhybrid.errors import ContractViolation
 from pagedhybrid.ops.spec import (
+    MAX_STATE_UPDATE_CAPACITY,
     Attribute,
     BoundCall,
     OpSpec,
@@ -64,7 +65,6 @@ from pagedhybrid.ops.spec import (
 )
 
 _T = ("float", "float16", "bfloat16")
-MAX_CAPACITY = 8  # ONNX Runtime's bound on state_update_capacity
 
 SPEC = OpSpec(
     domain="com.microsoft",
@@ -96,7 +96,8 @@ SPEC = OpSpec(
         Attribute("activation", "string", "none", choices=("none", "silu", "swish"),
                   doc="fused activation; swish == silu"),
         Attribute("dilation", "int", 1, doc="spacing of the kernel taps, >= 1"),
-        Attribute("state_update_capacity", "int", 0, choices=tuple(range(MAX_CAPACITY + 1)),
+        Attribute("state_update_capacity", "int", 0,
+                  choices=tuple(range(MAX_STATE_UPDATE_CAPACITY + 1)),
                   doc="compact state-update capture: tokens per sequence, [0, 8]"),
         Attribute("group_size", "int", 1, doc="CUDA dynamic mode only"),
         Attribute("delta_offset", "int", 0, doc="CUDA dynamic mode only"),
@@ -179,10 +180,12 @@ validate = SPEC.define(validate_call, "validate")  # the same check, called like
 
 def output_shapes(*inputs: torch.Tensor | None, **attrs: Any
                   ) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
-    """(shape, dtype) of ``output`` and ``final_state`` for these inputs and attributes."""
+    """(shape, dtype) of ``output``, ``final_state`` and, when capturing, ``state_update`` for
+    these inputs and attributes."""
     d = validate(*inputs, **attrs)
     return (((d.total_tokens, d.channels), d.dtype),
-            ((d.batch, d.channels, d.state_len), d.dtype))
+            ((d.batch, d.channels, d.state_len), d.dtype),
+            *([((d.batch, d.capacity, d.channels), d.dtype)] if d.capacity else []))
 
 
 def _gather_index(d: ConvDims, offsets: torch.Tensor, seq: torch.Tensor,

@@ -50,12 +50,14 @@ def build_state(args: argparse.Namespace) -> Any:
 
     from pagedhybrid.engine.cli import _engine_kwargs
     from pagedhybrid.engine.llm import load_engine
+    from pagedhybrid.engine.speculative import SpeculativeConfig
     from pagedhybrid.models.qwen35 import default_model_dir, load_tokenizer
     from pagedhybrid.serve.app import ServerState
     from pagedhybrid.serve.core import EngineClient
     from pagedhybrid.serve.metrics import ServerMetrics
 
     model_dir = Path(args.model_dir or args.model or default_model_dir())
+    spec = SpeculativeConfig.of(args.speculative_config)  # refused here, by field
     core = EngineClient.launch(functools.partial(load_engine, model_dir, dtype=args.dtype,
                                                  **_engine_kwargs(args)))
     info = core.info
@@ -63,7 +65,7 @@ def build_state(args: argparse.Namespace) -> Any:
         core.stop()
         raise PagedHybridError(f"{model_dir} has no tokenizer; the server needs one")
     name = args.served_model_name or model_dir.name
-    metrics = ServerMetrics(name)
+    metrics = ServerMetrics(name, spec.num_speculative_tokens if spec else 0)
     core.on_step = metrics.on_step
     return ServerState(core, load_tokenizer(model_dir, info.vocab_size), name,
                        info.max_model_len, info.vocab_size, metrics, args.api_key,

@@ -47,6 +47,7 @@ from typing import Any, NamedTuple
 
 from pagedhybrid.engine import Engine, RequestOutput, SamplingParams
 from pagedhybrid.engine.sampling import Logprob
+from pagedhybrid.engine.stats import SpecStats
 from pagedhybrid.errors import PagedHybridError
 
 
@@ -92,13 +93,16 @@ class Snapshot:
     slot_usage: float = 0.0
     preemptions: int = 0
     prefix: dict[str, float | int] = field(default_factory=dict)
+    spec: SpecStats = field(default_factory=SpecStats)
 
     @classmethod
     def of(cls, engine: Engine) -> Snapshot:
         s = engine.scheduler
         return cls(len(s.running), len(s.waiting), engine.blocks.num_owned /
                    engine.blocks.capacity, engine.states.num_owned / engine.states.capacity,
-                   engine.stats.preemptions, engine.prefix_cache_stats())
+                   engine.stats.preemptions, engine.prefix_cache_stats(),
+                   dataclasses.replace(engine.stats.spec,
+                                       accepted_per_pos=list(engine.stats.spec.accepted_per_pos)))
 
 
 @dataclass(slots=True)

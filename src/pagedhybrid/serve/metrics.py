@@ -7,7 +7,11 @@ pages), ``state_slot_usage_perc``, and for prefix caching ``prefix_cache_cached_
 ``generation_tokens_total``, ``num_preemptions_total``,
 ``request_success_total{finished_reason}``, ``prefix_cache_queries_total`` /
 ``prefix_cache_hits_total`` (tokens looked up / served from the cache, as vLLM counts them),
-``prefix_cache_evictions_total{kind=page|checkpoint}``. Histograms (seconds):
+``prefix_cache_evictions_total{kind=page|checkpoint}``; with speculative decoding
+``spec_decode_num_drafts_total``, ``spec_decode_num_draft_tokens_total``,
+``spec_decode_num_accepted_tokens_total`` and ``spec_decode_num_accepted_tokens_per_pos_total
+{position}`` (one series per draft position; the acceptance rate is accepted / draft tokens, per
+position accepted-per-pos / drafts). Histograms (seconds):
 ``time_to_first_token_seconds``, ``inter_token_latency_seconds``,
 ``e2e_request_latency_seconds``. Every metric carries ``model_name``; each server has its own
 registry, exposed in the text format at ``GET /metrics``. Every series exists from the start
@@ -38,7 +42,7 @@ LATENCY = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, draft_positions: int = 0) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         r, label = self.registry, ["model_name"]
@@ -66,6 +70,12 @@ class ServerMetrics:
         self.prefix_queries = counter("prefix_cache_queries", "Tokens looked up in the cache")
         self.prefix_hits = counter("prefix_cache_hits", "Tokens served from the prefix cache")
         self.evictions = counter("prefix_cache_evictions", "Prefix-cache evictions", ["kind"])
+        self.spec = {k: counter(f"spec_decode_num_{k}", doc) for k, doc in (
+            ("drafts", "Verify chunks (requests with drafts in a step)"),
+            ("draft_tokens", "Draft tokens verified"),
+            ("accepted_tokens", "Draft tokens accepted"))}
+        self.spec_pos = counter("spec_decode_num_accepted_tokens_per_pos",
+                                "Draft tokens accepted at each draft position", ["position"])
         self.ttft = hist("time_to_first_token_seconds", "Time to first token")
         self.itl = hist("inter_token_latency_seconds", "Time between output tokens")
         self.e2e = hist("e2e_request_latency_seconds", "Request latency, arrival to finish")
@@ -78,10 +88,15 @@ class ServerMetrics:
             self.success.labels(model_name=model_name, finished_reason=reason)
         for kind in ("page", "checkpoint"):
             self.evictions.labels(model_name=model_name, kind=kind)
-        self._seen = {"preemptions": 0, "queries": 0, "hits": 0, "page": 0, "checkpoint": 0}
+        for c in self.spec.values():
+            c.labels(model_name=model_name)
+        for pos in range(draft_positions):
+            self.spec_pos.labels(model_name=model_name, position=str(pos))
+        self._seen = {"preemptions": 0, "queries": 0, "hits": 0, "page": 0, "checkpoint": 0,
+                      "drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
 
     def _inc(self, metric: Counter, key: str, now: int, **labels: str) -> None:
-        delta = now - self._seen[key]
+        delta = now - self._seen.get(key, 0)
         if delta > 0:
             metric.labels(model_name=self.model_name, **labels).inc(delta)
         self._seen[key] = now
@@ -108,6 +123,10 @@ class ServerMetrics:
         self._inc(self.evictions, "page", int(pc["page_evictions"]), kind="page")
         self._inc(self.evictions, "checkpoint", int(pc["checkpoint_evictions"]),
                   kind="checkpoint")
+        for key, c in self.spec.items():
+            self._inc(c, key, int(getattr(snap.spec, key)))
+        for pos, n in enumerate(snap.spec.accepted_per_pos):
+            self._inc(self.spec_pos, f"pos{pos}", n, position=str(pos))
         self.cached_pages.labels(model_name=m).set(pc["cached_pages"])
         self.cached_checkpoints.labels(model_name=m).set(pc["cached_checkpoints"])
 

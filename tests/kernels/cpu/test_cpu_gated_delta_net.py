@@ -30,8 +30,11 @@ def cu_of(lens: list[int]) -> torch.Tensor:
 
 
 def assert_same(ins: list, attrs: dict, dtype: torch.dtype) -> None:
-    want_o, want_s = ref_mod.gated_delta_net(*ins, **attrs)
-    got_o, got_s = gated_delta_net(*ins, **attrs)
+    want_o, want_s, *want_u = ref_mod.gated_delta_net(*ins, **attrs)
+    got_o, got_s, *got_u = gated_delta_net(*ins, **attrs)
+    # a capturing call's state_update: the contract's exact capture, bitwise (absent otherwise)
+    assert len(got_u) == len(want_u) == (1 if attrs.get("state_update_capacity") else 0)
+    assert all(torch.equal(g, w) for g, w in zip(got_u, want_u, strict=True))
     rtol, atol = TOL[dtype]
     assert got_o.dtype == want_o.dtype and got_s.dtype == want_s.dtype
     assert got_o.shape == want_o.shape and got_s.shape == want_s.shape

@@ -1,10 +1,12 @@
 """Fast CPU ``com.microsoft.GatedDeltaNet``: chunked WY/UT prefill + blocked recurrent decode.
 
 Same contract, signature and validation (``gated_delta_net`` is the ``torch`` implementation
-registered with ``pagedhybrid.ops.gated_delta_net.SPEC``; ``validate_call``), same gates
-(the reference's fused softplus/qwen or sigmoid/kda gate and sigmoid beta, computed vectorised
-over all tokens), a different compute order. Everything runs in float32 (float64 for double
-inputs); outputs are cast back to the input type, the state stays float32.
+registered with ``pagedhybrid.ops.gated_delta_net.SPEC``; ``validate_call``), same operands
+(the contract's ``prepare``: L2 norm, fused softplus/qwen or sigmoid/kda gate and sigmoid beta,
+with torch's vectorised functions over all tokens), a different compute order. Everything runs
+in float32 (float64 for double inputs); outputs are cast back to the input type, the state stays
+float32. A capturing call (``state_update_capacity > 0``) gets the contract's ``state_update``
+appended by ``with_capture`` (its few captured tokens rerun exactly, ORT's bits).
 
 State layout: ``[B, Hv, Dv, Dk]`` (V-major, as the contract), updated in place in a working
 buffer (or in the caller's pool rows, ``forward(..., state_rows=slots)``); it is never
@@ -47,11 +49,11 @@ from pagedhybrid.kernels.registry import OpCoverage
 from pagedhybrid.ops.gated_delta_net import (
     _DELTA,
     _GATED,
-    L2_NORM_EPS,
     SPEC,
     GdnDims,
-    _gates,
+    prepare,
     validate_call,
+    with_capture,
 )
 from pagedhybrid.ops.spec import BoundCall
 
@@ -69,7 +71,8 @@ COVERAGE = OpCoverage(
               "update_rule:gated_delta", "decay:per_head", "decay:per_key",
               "gate:none", "gate:softplus/qwen", "gate:sigmoid/kda", "beta:sigmoid",
               "qk_l2_norm", "gqa", "layout:separate", "layout:rank4", "layout:packed_qkv",
-              "varlen", "zero_length_sequences", "in_place_state_pool"),
+              "varlen", "zero_length_sequences", "in_place_state_pool",
+              "state_update_capture"),
     delegated={},
     paths={"decode": "sequences of length 1: one blocked recurrent step, state in place",
            "chunked": "sequences of length > 1: WY/UT chunks (C=64, 16 with per-key decay), "
@@ -77,40 +80,19 @@ COVERAGE = OpCoverage(
 )
 
 
-# -- input preparation ---------------------------------------------------------------------------
-def _prepare(d: GdnDims, query: torch.Tensor, key: torch.Tensor | None,
-             value: torch.Tensor | None, decay: torch.Tensor | None, beta: torch.Tensor | None,
-             a_log: torch.Tensor | None, dt_bias: torch.Tensor | None
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None,
-                        torch.Tensor | None]:
-    """q, k ``[T, Hk, Dk]`` (l2-normed if asked), v ``[T, Hv, Dv]``, g, beta (activated)."""
-    ct, t = d.compute_dtype, d.total_tokens
-    hq, hv, dk, dv = d.num_heads_qk, d.num_heads_v, d.head_size_qk, d.head_size_v
-    if d.packed_qkv:
-        flat = query.reshape(t, -1).to(ct)  # [T, W]
-        q, k, v = flat.split([hq * dk, hq * dk, hv * dv], dim=-1)
-    else:
-        assert key is not None and value is not None
-        q, k, v = (x.reshape(t, -1).to(ct) for x in (query, key, value))
-    q, k, v = q.reshape(t, hq, dk), k.reshape(t, hq, dk), v.reshape(t, hv, dv)
-    if d.attrs["qk_l2_norm"]:
-        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + L2_NORM_EPS)  # [T, Hk, Dk]
-        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + L2_NORM_EPS)  # [T, Hk, Dk]
-    g, b = _gates(d, decay, beta, a_log, dt_bias)  # [T, Hv(, Dk)], [T, Hv]
-    return q, k, v, g, b
-
-
 # -- public API ----------------------------------------------------------------------------------
 @SPEC.implement("torch")
-def gated_delta_net(call: BoundCall) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fast ``GatedDeltaNet``: returns ``(output, final_state [B, Hv, Dv, Dk])`` (new tensors)."""
-    return compute(call, validate_call(call))
+def gated_delta_net(call: BoundCall) -> tuple[torch.Tensor, ...]:
+    """Fast ``GatedDeltaNet``: returns ``(output, final_state [B, Hv, Dv, Dk])`` (new tensors),
+    and the contract's ``state_update`` when the call captures."""
+    d = validate_call(call)
+    return with_capture(compute(call, d), call.inputs, d)
 
 
 def compute(call: BoundCall, d: GdnDims) -> tuple[torch.Tensor, torch.Tensor]:
     """The fast path on a validated call (``d = validate_call(call)``)."""
-    query, key, value, _cu, decay, beta, initial_state, a_log, dt_bias = call.inputs[:9]
-    q, k, v, g, b = _prepare(d, query, key, value, decay, beta, a_log, dt_bias)
+    initial_state = call.inputs[6]
+    q, k, v, g, b = prepare(d, call.inputs)  # [T, Hk, Dk] x2, [T, Hv, Dv], g, beta
     shape = (d.batch, d.num_heads_v, d.head_size_v, d.head_size_qk)
     state = (initial_state.to(d.compute_dtype, copy=True) if initial_state is not None
              else torch.zeros(shape, dtype=d.compute_dtype))  # [B, Hv, Dv, Dk] working copy

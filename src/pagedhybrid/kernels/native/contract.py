@@ -51,7 +51,7 @@ COVERAGE: dict[str, OpCoverage] = {
     "com.microsoft.GatedDeltaNet": OpCoverage(
         op="com.microsoft.GatedDeltaNet", dtypes=NATIVE_DTYPES,
         features=("decode", "update_rule:gated_delta", "gate:qwen", "beta:sigmoid", "gqa",
-                  "in_place_state_pool"),
+                  "in_place_state_pool", "state_update_capture"),
         delegated={"prefill": "sequences longer than one token: the torch chunked WY form",
                    "other rules/gates, per-key decay, packed/rank-4 layouts, qk_l2_norm=1":
                        "the model's form only"},
@@ -117,8 +117,9 @@ def paged_attention(call: BoundCall) -> tuple[torch.Tensor, torch.Tensor, torch.
 
 
 @ref_gdn.SPEC.implement("native")
-def gated_delta_net(call: BoundCall) -> tuple[torch.Tensor, torch.Tensor]:
-    """Native ``GatedDeltaNet`` (decode in the model's form; the rest on the torch kernel)."""
+def gated_delta_net(call: BoundCall) -> tuple[torch.Tensor, ...]:
+    """Native ``GatedDeltaNet`` (decode in the model's form; the rest on the torch kernel; the
+    contract's ``state_update`` appended when the call captures)."""
     d = ref_gdn.validate_call(call)
     query, key, value, _cu, decay, beta, initial_state, a_log, dt_bias = call.inputs[:9]
     a = d.attrs
@@ -129,7 +130,7 @@ def gated_delta_net(call: BoundCall) -> tuple[torch.Tensor, torch.Tensor]:
               and all(d.cu_seqlens[i + 1] - d.cu_seqlens[i] == 1 for i in range(d.batch)))
     if not native:
         _note("gated_delta_net", "torch")
-        return cpu_gdn.compute(call, d)
+        return ref_gdn.with_capture(cpu_gdn.compute(call, d), call.inputs, d)
     b = d.batch
     pool = (initial_state.to(torch.float32, copy=True) if initial_state is not None else
             torch.empty(b, d.num_heads_v, d.head_size_v, d.head_size_qk))
@@ -140,7 +141,7 @@ def gated_delta_net(call: BoundCall) -> tuple[torch.Tensor, torch.Tensor]:
         decay.float().contiguous(), beta.float().contiguous(), a_log.float().contiguous(),
         dt_bias.float().contiguous(), pool, torch.arange(b), fresh, out, d.scale)
     _note("gated_delta_net", "native")
-    return out.to(d.dtype), pool
+    return ref_gdn.with_capture((out.to(d.dtype), pool), call.inputs, d)
 
 
 @ref_conv.SPEC.implement("native")

@@ -15,17 +15,24 @@ whatever the number of rows), for ``kernels/native/invariant.py``.
 
 ``preferred_linear(dtype)`` says what the ``native`` bundle multiplies with in ``dtype`` on the
 chosen CPU form (``kernels.native.status()``): ``linear`` for bf16 / fp16 models on a form without
-BF16 dot instructions; None (torch's GEMM) for fp32, where MKL's is as fast or faster at every
-size (``benchmarks/latency.py``: the native kernel made fp32 decode 1.2x and a 16-request batch
-1.5x slower). On a form with BF16 dot instructions it depends on how good oneDNN's bf16 GEMM is
-on the machine, which the CPU flags do not tell. Below ``DECODE_ROWS`` rows the native kernel
-runs (oneDNN's per-call overhead dominates such small products), up to ``WIDEN_ROWS`` torch's bf16
-GEMM (the 0.8B geometry decoded 16 sequences at 38 tok/s with it, 21 with the native packed form);
-from ``WIDEN_ROWS`` rows on whichever of torch's bf16 GEMM and ``linear``'s widened fp32 GEMM the
-first call timed faster (``bf16_gemm_timing``: a [4096, 1024] bf16 weight at 256 rows, medians of
-5, ~0.1 s once per process and form): ``decode_linear`` (torch's) or
-``mixed_linear`` (the widened fp32 GEMM: an AVX512-BF16 Xeon without AMX timed torch's bf16 GEMM
-1.1-1.5x slower, and prefilled 512 tokens of the 0.8B geometry in 4.7 s instead of 6.2).
+BF16 dot instructions. For fp32 it is timed at start (``fp32_gemm_timing``: torch's fp32 GEMM
+against the native kernel on a [4096, 1024] weight at 4 and at 256 rows, medians of 5), because
+torch's GEMM is MKL's and MKL's speed depends on the CPU's vendor, not its flags: on an Intel Xeon
+it was as fast or faster at every size (``benchmarks/latency.py``: the native kernel made fp32
+decode 1.2x and a 16-request batch 1.5x slower), on an AMD EPYC (AVX2) it ran 2 to 16 rows 15x
+slower than one row and 3-5x slower than the native kernel (which stays within 2x of one row's
+time up to 16 rows), and 256 rows 1.5x slower. So fp32 runs torch's GEMM (None) where it is the
+faster at 4 rows, else the native kernel below ``DECODE_ROWS`` (``decode_linear``) or at every
+size (``linear``) when it is also the faster at 256 rows. On a form with BF16 dot instructions
+it depends on how good oneDNN's bf16 GEMM is on the machine, which the CPU flags do not tell.
+Below ``DECODE_ROWS`` rows the native kernel runs (oneDNN's per-call overhead dominates such small
+products), up to ``WIDEN_ROWS`` torch's bf16 GEMM (the 0.8B geometry decoded 16 sequences at 38
+tok/s with it, 21 with the native packed form); from ``WIDEN_ROWS`` rows on whichever of torch's
+bf16 GEMM and ``linear``'s widened fp32 GEMM the first call timed faster (``bf16_gemm_timing``: a
+[4096, 1024] bf16 weight at 256 rows, medians of 5, ~0.1 s once per process and form):
+``decode_linear`` (torch's) or ``mixed_linear`` (the widened fp32 GEMM: an AVX512-BF16 Xeon without
+AMX timed torch's bf16 GEMM 1.1-1.5x slower, and prefilled 512 tokens of the 0.8B geometry in 4.7 s
+instead of 6.2).
 
 Packed weights (``preferred_pack``, ``pack``): on a form with BF16 dot instructions a bf16
 projection weight of ``PACK_MIN_BYTES`` or more is reordered once, at load, into oneDNN's blocked
@@ -218,11 +225,40 @@ def bf16_gemm_timing() -> float:
     return _bf16_gemm_timing(status().isa)
 
 
+@functools.cache
+def _fp32_gemm_timing(form: str) -> tuple[float, float]:
+    with torch.device("cpu"):  # also when called while a model is built on the meta device
+        weight = torch.randn(4096, 1024, generator=torch.Generator().manual_seed(0))
+        out = []
+        for rows in (4, 256):
+            x = torch.randn(rows, 1024, generator=torch.Generator().manual_seed(1))
+            times: dict[str, list[float]] = {"torch": [], "native": []}
+            for _ in range(6):  # the first round warms both up and is dropped
+                for name, fn in (("torch", F.linear), ("native", linear)):
+                    t0 = time.perf_counter()
+                    fn(x, weight)
+                    times[name].append(time.perf_counter() - t0)
+            out.append(statistics.median(times["torch"][1:])
+                       / statistics.median(times["native"][1:]))
+    return out[0], out[1]
+
+
+def fp32_gemm_timing() -> tuple[float, float]:
+    """Time of torch's fp32 GEMM over the native kernel's at 4 and at 256 rows on this machine
+    (> 1: torch's is slower), measured once per form."""
+    return _fp32_gemm_timing(status().isa)
+
+
 def preferred_linear(dtype: torch.dtype) -> Callable[[torch.Tensor, torch.Tensor],
                                                      torch.Tensor] | None:
     """What a ``dtype`` model's projections multiply with on the chosen form (module
     docstring); None (torch's) when the native kernels are not loaded."""
-    if not status().available or dtype not in WIDENED_DTYPES:
+    if not status().available:
+        return None
+    if dtype == torch.float32:
+        small, large = fp32_gemm_timing()
+        return None if small <= 1.0 else linear if large > 1.0 else decode_linear
+    if dtype not in WIDENED_DTYPES:
         return None
     if not bf16_dot():
         return linear

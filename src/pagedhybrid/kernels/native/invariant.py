@@ -104,20 +104,7 @@ def sigmoid(x: torch.Tensor) -> torch.Tensor:
 attention = functools.partial(native_step.attention, max_query=1 << 62)
 
 
-def causal_conv(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, meta: StepMetadata,
-                activation: str, checkpoints: torch.Tensor | None = None) -> torch.Tensor:
-    silu = activation in ("silu", "swish")
-    w = weight.view(weight.shape[0], weight.shape[-1])  # [C, K]
-    x = x.contiguous()
-    init = (torch_step.initial_conv_rows(pool, meta)
-            if checkpoints is not None and torch_step.inner_checkpoints(meta) else None)
-    y = torch.empty_like(x)
-    library().causal_conv_varlen(x, w, None, pool, meta.state_slots, meta.fresh_t,  # type: ignore[attr-defined]
-                                 meta.cu_seqlens_t, y, silu)
-    if init is not None:
-        torch_step.save_inner_conv_checkpoints(x, init, meta, checkpoints)
-    torch_step.save_chunk_ends(pool, checkpoints, meta)
-    return y
+causal_conv = native_step.conv_varlen  # the token-recurrent conv, prefill included
 
 
 def _gdn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,

@@ -41,7 +41,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedhybrid.kernels import capsule as capsules
 from pagedhybrid.kernels.backend import Backend
+from pagedhybrid.kernels.capsule import Capsule
 from pagedhybrid.kernels.registry import TORCH_NORMS, Norms
 from pagedhybrid.kernels.step import StepMetadata
 from pagedhybrid.models.qwen35.config import Qwen35Config
@@ -101,11 +103,14 @@ class GatedDeltaNet(nn.Module):
         recurrent_pool: torch.Tensor,
         backend: Backend,
         checkpoints: tuple[torch.Tensor, torch.Tensor] | None = None,
+        capsule: Capsule | None = None,
     ) -> torch.Tensor:
         """``x[T, hidden]`` -> ``[T, hidden]``; rows ``meta.state_slots`` of the conv pool
         ``[S, conv_dim, K-1]`` and the fp32 recurrent pool ``[S, Hv, Dv, Dk]`` advance in place
         (fresh sequences start from zero state); ``checkpoints`` -- this layer's (conv,
-        recurrent) checkpoint pools, written where ``meta.checkpoints`` asks."""
+        recurrent) checkpoint pools, written where ``meta.checkpoints`` asks; ``capsule`` --
+        this layer's verify-step capsules: the rows of ``meta.verify`` sequences stay as they
+        were and their compact state updates go there (``kernels/capsule.py``)."""
         ck_conv, ck_rec = checkpoints if checkpoints is not None else (None, None)
         t = x.shape[0]
         qkv = self.in_proj_qkv(x)  # [T, conv_dim]
@@ -115,20 +120,21 @@ class GatedDeltaNet(nn.Module):
             y = backend.gdn_decode(qkv, z, a, b, self.conv1d.weight, conv_pool, self.A_log,
                                    self.dt_bias, recurrent_pool, self.norm.weight, meta,
                                    self.num_k_heads, self.head_k_dim ** -0.5, QK_L2_NORM_EPS,
-                                   self.norm.eps, (ck_conv, ck_rec))  # [T, Hv*Dv] or None
+                                   self.norm.eps, (ck_conv, ck_rec), capsule)  # [T, Hv*Dv] / None
             if y is not None:
                 return self.out_proj(y)
         z = z.view(t, self.num_v_heads, self.head_v_dim)  # [T, Hv, Dv]
         b, a = b.float(), a.float()
-        mixed = backend.causal_conv(qkv, self.conv1d.weight, conv_pool, meta, "silu",
-                                    ck_conv)  # [T, conv_dim]
+        mixed = capsules.causal_conv(backend.causal_conv, qkv, self.conv1d.weight, conv_pool,
+                                     meta, "silu", ck_conv, capsule)  # [T, conv_dim]
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = self.norms.l2(q.reshape(t, self.num_k_heads, self.head_k_dim),
                           QK_L2_NORM_EPS)  # fp32 [T, Hk, Dk]
         k = self.norms.l2(k.reshape(t, self.num_k_heads, self.head_k_dim),
                           QK_L2_NORM_EPS)  # fp32 [T, Hk, Dk]
         v = v.reshape(t, self.num_v_heads, self.head_v_dim).float()  # fp32 [T, Hv, Dv]
-        core = backend.gated_delta(q, k, v, a, b, self.A_log, self.dt_bias, recurrent_pool, meta,
-                                   self.head_k_dim ** -0.5, ck_rec)  # fp32 [T, Hv, Dv]
+        core = capsules.gated_delta(backend.gated_delta, backend.capture, q, k, v, a, b,
+                                    self.A_log, self.dt_bias, recurrent_pool, meta,
+                                    self.head_k_dim ** -0.5, ck_rec, capsule)  # fp32 [T, Hv, Dv]
         y = self.norm(core.to(x.dtype), z).reshape(t, self.value_dim)  # [T, Hv*Dv]
         return self.out_proj(y)

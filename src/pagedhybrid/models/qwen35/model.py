@@ -163,7 +163,7 @@ class DecoderLayer(nn.Module):
         fn = backend.gdn_decode_layer
         return None if fn is None else fn(
             h, self.decode_weights(), cache.conv_state[i], cache.recurrent_state[i], meta,
-            matmul, cache.checkpoint_pools(i) or (None, None))
+            matmul, cache.checkpoint_pools(i) or (None, None), cache.capsules.get(i))
 
 
 class Qwen35TextModel(nn.Module):
@@ -399,7 +399,8 @@ class Qwen35ForCausalLM(nn.Module):
                                                      cache.kv_scales.get(i))
             else:
                 out = layer.linear_attn(x, meta, cache.conv_state[i], cache.recurrent_state[i],
-                                        backend, cache.checkpoint_pools(i))
+                                        backend, cache.checkpoint_pools(i),
+                                        cache.capsules.get(i))
             h = layer.feed_forward(h + out)
         if logits_rows is not None:
             h = h.index_select(0, logits_rows.long())  # [R, hidden]

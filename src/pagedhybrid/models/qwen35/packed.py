@@ -36,6 +36,7 @@ from typing import NamedTuple
 import torch
 
 from pagedhybrid.errors import ContractViolation
+from pagedhybrid.kernels.capsule import Capsule, StateCapture, replay_conv, segments
 from pagedhybrid.kernels.step import StepMetadata, int_tensor
 from pagedhybrid.kvquant import KVScales, dequantize
 from pagedhybrid.models.qwen35.config import Qwen35Config
@@ -229,6 +230,8 @@ class PagedHybridCache:
     checkpoint_recurrent: dict[int, torch.Tensor] = field(default_factory=dict)
     # quantized pages (int8 / float8e4m3fn): each full layer's K/V scales (pagedhybrid.kvquant)
     kv_scales: dict[int, KVScales] = field(default_factory=dict)
+    # speculative decoding: each linear layer's verify-step capsules (kernels/capsule.py)
+    capsules: dict[int, Capsule] = field(default_factory=dict)
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -243,6 +246,28 @@ class PagedHybridCache:
         if layer not in self.checkpoint_conv:
             return None
         return self.checkpoint_conv[layer], self.checkpoint_recurrent[layer]
+
+    def commit_verified(self, capture: StateCapture, slots: Sequence[int],
+                        counts: Sequence[int],
+                        checkpoints: Sequence[Sequence[tuple[int, int]]]) -> None:
+        """A verify step's commit: state slot ``slots[b]`` of every linear layer advanced by
+        the first ``counts[b]`` tokens of its capsule, with checkpoint row ``row`` saved after
+        ``offset`` tokens for each ``(offset, row)`` of ``checkpoints[b]``."""
+        for begin, end, saves in segments(counts, checkpoints):
+            todo = [i for i, (b0, b1) in enumerate(zip(begin, end, strict=True)) if b1 > b0]
+            if not todo:
+                continue
+            sl = int_tensor([slots[i] for i in todo], torch.int64)
+            b0 = int_tensor([begin[i] for i in todo], torch.int32)
+            b1 = int_tensor([end[i] for i in todo], torch.int32)
+            for i, caps in self.capsules.items():
+                replay_conv(self.conv_state[i], caps, sl, b0, b1)
+                capture.replay(self.recurrent_state[i], sl, caps, b0, b1)
+            for i, row in saves:
+                for layer, conv in self.checkpoint_conv.items():
+                    conv[row].copy_(self.conv_state[layer][slots[i]])
+                    self.checkpoint_recurrent[layer][row].copy_(
+                        self.recurrent_state[layer][slots[i]])
 
     def restore_checkpoint(self, row: int, slot: int) -> None:
         """Copy checkpoint ``row`` into state slot ``slot`` (every linear layer)."""
@@ -278,10 +303,12 @@ class PagedHybridCache:
         num_checkpoints: int = 0,
         kv_dtype: torch.dtype | None = None,
         kv_scales: dict[int, KVScales] | None = None,
+        capsule_capacity: int = 0,
     ) -> PagedHybridCache:
         """Allocate pools; ``fill=None`` fills them with random garbage (for tests). KV pages
         are ``kv_dtype`` (default ``dtype``); int8 / float8 pages need every full layer's
-        ``kv_scales``."""
+        ``kv_scales``; ``capsule_capacity`` > 0 adds verify-step capsules of that many tokens
+        per slot (speculative decoding)."""
 
         def pool(shape: tuple[int, ...], dt: torch.dtype) -> torch.Tensor:
             if fill is None:
@@ -310,6 +337,8 @@ class PagedHybridCache:
                 i: pool(cls.recurrent_state_shape(config, num_checkpoints), torch.float32)
                 for i in lin} if num_checkpoints else {},
             kv_scales=dict(kv_scales or {}),
+            capsules={i: Capsule.allocate(config, num_slots, capsule_capacity, dtype, device)
+                      for i in lin} if capsule_capacity else {},
         )
 
     def clone(self) -> PagedHybridCache:
@@ -322,7 +351,9 @@ class PagedHybridCache:
                                 copy(self.conv_state), copy(self.recurrent_state),
                                 self.block_size, self.num_pages, self.num_slots,
                                 copy(self.checkpoint_conv), copy(self.checkpoint_recurrent),
-                                dict(self.kv_scales))
+                                dict(self.kv_scales),
+                                {i: Capsule(*(t.clone() for t in c))
+                                 for i, c in self.capsules.items()})
 
     def gather_kv(self, layer: int, pages: Sequence[int], length: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,5 @@
-// A whole decoder layer of a decode step (one token per sequence) in one call.
+// A whole decoder layer of a decode step (one token per sequence) -- or of a step of decodes and
+// speculative verify chunks (gdn_decode_mixer's cu_seqlens / verify / capsule) -- in one call.
 //
 // gdn_decode_layer -- a Gated DeltaNet layer:
 //
@@ -217,7 +218,13 @@ at::Tensor gdn_decode_layer(const at::Tensor& h, const at::Tensor& input_norm,
                             const at::Tensor& post_norm, const at::Tensor& gate_proj,
                             const at::Tensor& up_proj, const at::Tensor& down_proj,
                             int64_t key_heads, double scale, double l2_eps, double gated_eps,
-                            double rms_eps, bool native_linear) {
+                            double rms_eps, bool native_linear,
+                            const c10::optional<at::Tensor>& cu_seqlens,
+                            const c10::optional<at::Tensor>& verify,
+                            const c10::optional<at::Tensor>& capsule_conv,
+                            const c10::optional<at::Tensor>& decay,
+                            const c10::optional<at::Tensor>& key,
+                            const c10::optional<at::Tensor>& delta) {
   return naming("gdn_decode_layer", [&](const char* op) {
     check_h(op, h);
     const int64_t hidden = h.size(1);
@@ -240,7 +247,8 @@ at::Tensor gdn_decode_layer(const at::Tensor& h, const at::Tensor& input_norm,
     gdn_decode_mixer(product(x, in_proj_qkv, native_linear), product(x, in_proj_z, native_linear),
                      product(x, in_proj_a, native_linear), product(x, in_proj_b, native_linear),
                      conv_weight, conv_pool, a_log, dt_bias, pool, slots, fresh, gated_norm, y,
-                     key_heads, scale, l2_eps, gated_eps);
+                     key_heads, scale, l2_eps, gated_eps, cu_seqlens, verify, capsule_conv, decay,
+                     key, delta);
     const at::Tensor h2 = at::add(h, product(y, out_proj, native_linear));
     return mlp_block(h2, post_norm, gate_proj, up_proj, down_proj, rms_eps, native_linear);
   });
@@ -263,7 +271,9 @@ TORCH_LIBRARY_FRAGMENT(PH_NS, m) {
       "Tensor a_log, Tensor dt_bias, Tensor(b!) pool, Tensor slots, Tensor fresh, "
       "Tensor gated_norm, Tensor out_proj, Tensor post_norm, Tensor gate_proj, Tensor up_proj, "
       "Tensor down_proj, int key_heads, float scale, float l2_eps, float gated_eps, "
-      "float rms_eps, bool native_linear) -> Tensor");
+      "float rms_eps, bool native_linear, Tensor? cu_seqlens=None, Tensor? verify=None, "
+      "Tensor(c!)? capsule_conv=None, Tensor(d!)? decay=None, Tensor(e!)? key=None, "
+      "Tensor(f!)? delta=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(PH_NS, CPU, m) {

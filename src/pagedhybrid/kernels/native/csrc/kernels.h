@@ -29,13 +29,19 @@ PH_LOCAL void check_paged_attention(const at::Tensor& q, const at::Tensor& key_c
                                     const at::Tensor& seqs, const at::Tensor& out,
                                     int64_t split);
 
-// state_updates.cpp: the Gated DeltaNet mixer of one decode token per sequence
+// state_updates.cpp: the Gated DeltaNet mixer of a decode step (or of decodes and verify chunks)
 PH_LOCAL void gdn_decode_mixer(const at::Tensor& qkv, const at::Tensor& z, const at::Tensor& a,
                                const at::Tensor& b, const at::Tensor& conv_weight,
                                at::Tensor conv_pool, const at::Tensor& a_log,
                                const at::Tensor& dt_bias, at::Tensor pool,
                                const at::Tensor& slots, const at::Tensor& fresh,
                                const at::Tensor& norm_weight, at::Tensor out, int64_t key_heads,
-                               double scale, double l2_eps, double norm_eps);
+                               double scale, double l2_eps, double norm_eps,
+                               const c10::optional<at::Tensor>& cu_seqlens,
+                               const c10::optional<at::Tensor>& verify,
+                               const c10::optional<at::Tensor>& capsule_conv,
+                               const c10::optional<at::Tensor>& decay,
+                               const c10::optional<at::Tensor>& key,
+                               const c10::optional<at::Tensor>& delta);
 
 }  // namespace pagedhybrid

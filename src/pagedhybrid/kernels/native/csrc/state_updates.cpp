@@ -24,6 +24,11 @@
 // composition (the batch-invariant mode's linear layers; the chunked WY form is faster but its
 // arithmetic depends on where the chunk boundaries fall).
 //
+// gated_delta_capture / gated_delta_replay -- a speculative verify step: the verify sequences'
+// tokens run through gdn_token on a copy of their pool rows (never written), capturing ONNX
+// Runtime's compact state update per token (decay, key, delta) into a capsule indexed by slot;
+// once the accepted count is known, replay advances the pool row by the accepted tokens alone.
+//
 // gdn_decode_mixer -- a decode step's whole Gated DeltaNet mixer, from the layer's projections
 // (contiguous, or row views of a wider product) to the gated-norm output: conv_token + SiLU, rows.h's L2
 // norms of q and k, gdn_token, the rounding to the model dtype and rows.h's gated norm with z --
@@ -39,6 +44,7 @@
 #include <torch/library.h>
 
 #include <array>
+#include <optional>
 #include <cmath>
 #include <utility>
 #include <vector>
@@ -60,7 +66,8 @@ inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); 
 // independent, so their latencies overlap; each dot is two partial sums (even / odd vectors).
 template <int NV>
 inline void gdn_row_pair(float* s0, float* s1, const float* kv, const float* qv, float v0,
-                         float v1, VF decay, float beta, bool zero, float sc, float* o) {
+                         float v1, VF decay, float beta, bool zero, float sc, float* o,
+                         float* u) {
   VF x0[NV], x1[NV];
   float r0 = 0.f, r1 = 0.f;
   if (!zero) {
@@ -80,7 +87,9 @@ inline void gdn_row_pair(float* s0, float* s1, const float* kv, const float* qv,
     r0 = reduce_add(add(a0, a1));
     r1 = reduce_add(add(b0, b1));
   }
-  const VF u0 = bcast(beta * (v0 - r0)), u1 = bcast(beta * (v1 - r1));
+  const float d0 = beta * (v0 - r0), d1 = beta * (v1 - r1);
+  if (u != nullptr) u[0] = d0, u[1] = d1;
+  const VF u0 = bcast(d0), u1 = bcast(d1);
   VF a0 = pagedhybrid::zero(), a1 = pagedhybrid::zero(), b0 = a0, b1 = a0;
   for (int i = 0; i < NV; ++i) {
     const VF k = load(kv + i * kLanes), q = load(qv + i * kLanes);
@@ -102,38 +111,49 @@ inline void gdn_row_pair(float* s0, float* s1, const float* kv, const float* qv,
 
 template <int NV>
 void gdn_rows(float* state, const float* qv, const float* kv, const float* vv, float decay,
-              float beta, bool zero, int64_t dv, float sc, float* o) {
+              float beta, bool zero, int64_t dv, float sc, float* o, float* u) {
   const VF d = bcast(decay);
   constexpr int64_t dk = NV * kLanes;
   for (int64_t r = 0; r + 1 < dv; r += 2)
     gdn_row_pair<NV>(state + r * dk, state + (r + 1) * dk, kv, qv, vv[r], vv[r + 1], d, beta,
-                     zero, sc, o + r);
+                     zero, sc, o + r, u != nullptr ? u + r : nullptr);
   if (dv % 2) {  // the last row paired with a scratch copy of itself
-    float scratch[dk], out2[2];
+    float scratch[dk], out2[2], u2[2];
     float* last = state + (dv - 1) * dk;
     for (int64_t e = 0; e < dk; ++e) scratch[e] = last[e];
-    gdn_row_pair<NV>(last, scratch, kv, qv, vv[dv - 1], vv[dv - 1], d, beta, zero, sc, out2);
+    gdn_row_pair<NV>(last, scratch, kv, qv, vv[dv - 1], vv[dv - 1], d, beta, zero, sc, out2, u2);
     o[dv - 1] = out2[0];
+    if (u != nullptr) u[dv - 1] = u2[0];
   }
 }
 
-// One Gated DeltaNet token of one value head: state [Dv, Dk] advanced in place, o [Dv] written.
-// Dk of 1, 2, 4, 8 or 16 whole vectors runs gdn_rows (the two dots of a row in registers); any other Dk the
-// scalar loops below.
+// What a verify step keeps of one token of one value head: the decay exp(g) and the delta
+// u [Dv] that the update adds as u k^T (the rest of ORT's capsule, the key, is the input row).
+struct TokenCapture {
+  float* decay;
+  float* delta;
+};
+
+// One Gated DeltaNet token of one value head: state [Dv, Dk] advanced in place, o [Dv] written
+// (and, with `cap`, its decay and delta). Dk of 1, 2, 4, 8 or 16 whole vectors runs gdn_rows (the
+// two dots of a row in registers); any other Dk the scalar loops below.
 __attribute__((noinline)) void gdn_token(float* state, const float* qv, const float* kv,
                                          const float* vv, float a, float b, float a_log,
                                          float dt_bias, bool zero, int64_t dv, int64_t dk,
-                                         float sc, float* o) {
+                                         float sc, float* o,
+                                         const TokenCapture* cap = nullptr) {
   const float g = -std::exp(a_log) * softplus(a + dt_bias);
   const float decay = std::exp(g);
   const float beta = 1.f / (1.f + std::exp(-b));
+  float* u = nullptr;
+  if (cap != nullptr) *cap->decay = decay, u = cap->delta;
   if (dk % kLanes == 0) {
     switch (dk / kLanes) {
-      case 1: return gdn_rows<1>(state, qv, kv, vv, decay, beta, zero, dv, sc, o);
-      case 2: return gdn_rows<2>(state, qv, kv, vv, decay, beta, zero, dv, sc, o);
-      case 4: return gdn_rows<4>(state, qv, kv, vv, decay, beta, zero, dv, sc, o);
-      case 8: return gdn_rows<8>(state, qv, kv, vv, decay, beta, zero, dv, sc, o);
-      case 16: return gdn_rows<16>(state, qv, kv, vv, decay, beta, zero, dv, sc, o);
+      case 1: return gdn_rows<1>(state, qv, kv, vv, decay, beta, zero, dv, sc, o, u);
+      case 2: return gdn_rows<2>(state, qv, kv, vv, decay, beta, zero, dv, sc, o, u);
+      case 4: return gdn_rows<4>(state, qv, kv, vv, decay, beta, zero, dv, sc, o, u);
+      case 8: return gdn_rows<8>(state, qv, kv, vv, decay, beta, zero, dv, sc, o, u);
+      case 16: return gdn_rows<16>(state, qv, kv, vv, decay, beta, zero, dv, sc, o, u);
       default: break;
     }
   }
@@ -148,6 +168,7 @@ __attribute__((noinline)) void gdn_token(float* state, const float* qv, const fl
       }
     }
     const float u = beta * (vv[r] - dot_k);
+    if (cap != nullptr) cap->delta[r] = u;
     float dot_q = 0.f;
     if (zero) {
 #pragma omp simd reduction(+ : dot_q)
@@ -266,6 +287,139 @@ void gated_delta_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tens
     const int64_t bb = item / call.hv, h = item % call.hv;
     for (int64_t t = cu[bb]; t < cu[bb + 1]; ++t)
       call.token(t, bb, h, call.fresh[bb] && t == cu[bb]);
+  });
+}
+
+// The capsule of a verify step, indexed by state slot: decay [S, C, Hv], key [S, C, Hk, Dk],
+// delta [S, C, Hv, Dv], float32, contiguous (C: the capsule's token capacity).
+struct Capsule {
+  float *decay, *key, *delta;
+  int64_t cap;
+
+  Capsule(const char* op, const at::Tensor& decay_, const at::Tensor& key_,
+          const at::Tensor& delta_, int64_t slots, int64_t hv, int64_t hk, int64_t dk,
+          int64_t dv) {
+    check_tensor(op, "decay", decay_, 3, at::kFloat);
+    cap = decay_.size(1);
+    const std::array<std::pair<const char*, std::vector<int64_t>>, 3> want{
+        {{"decay", {slots, cap, hv}}, {"key", {slots, cap, hk, dk}},
+         {"delta", {slots, cap, hv, dv}}}};
+    const std::array<const at::Tensor*, 3> got{&decay_, &key_, &delta_};
+    for (size_t i = 0; i < 3; ++i) {
+      check_tensor(op, want[i].first, *got[i], static_cast<int64_t>(want[i].second.size()),
+                   at::kFloat);
+      PH_CHECK(got[i]->sizes() == at::IntArrayRef(want[i].second), op, want[i].first,
+               "must be [slots, capacity, ...] = ", at::IntArrayRef(want[i].second),
+               " (got shape ", shape_of(*got[i]), ")");
+    }
+    decay = decay_.data_ptr<float>(), key = key_.data_ptr<float>();
+    delta = delta_.data_ptr<float>();
+  }
+};
+
+// gated_delta_capture -- the tokens of verify sequences (rows cu[b] .. cu[b+1]-1, at most the
+// capsule's capacity each) from their pool rows, which are read and never written: each
+// (sequence, value head) runs its tokens through gdn_token on a thread-local copy of its row
+// and captures token j's decay and delta (and, once per key head, its key row) into capsule
+// slot j of row slots[b]. out is what the in-place kernels compute for those tokens, bit for bit.
+void gated_delta_capture(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_log,
+                         const at::Tensor& dt_bias, at::Tensor pool, const at::Tensor& slots,
+                         const at::Tensor& fresh, const at::Tensor& cu_seqlens, at::Tensor out,
+                         double scale, at::Tensor decay, at::Tensor key, at::Tensor delta) {
+  constexpr const char* op = "gated_delta_capture";
+  PH_CHECK(cu_seqlens.dim() == 1 && cu_seqlens.size(0) >= 1, op, "cu_seqlens",
+           "must be [B+1] (got shape ", shape_of(cu_seqlens), ")");
+  const int64_t batch = cu_seqlens.size(0) - 1;
+  const GdnCall call(op, batch, q, k, v, a, b, a_log, dt_bias, pool, slots, fresh, out, scale);
+  const int32_t* cu = check_cu_seqlens(op, cu_seqlens, batch, q.size(0));
+  const Capsule capsule(op, decay, key, delta, pool.size(0), call.hv, call.hk, call.dk, call.dv);
+  for (int64_t bb = 0; bb < batch; ++bb)
+    PH_CHECK(cu[bb + 1] - cu[bb] <= capsule.cap, op, "cu_seqlens", "sequence ", bb, " has ",
+             cu[bb + 1] - cu[bb], " tokens, more than the capsule's capacity ", capsule.cap);
+  const int64_t w = call.token_work(), row = call.dv * call.dk;
+  parallel_items(batch * call.hv, 1, q.size(0) * call.hv * w, [&](int64_t item) {
+    const int64_t bb = item / call.hv, h = item % call.hv, slot = call.slots[bb];
+    thread_local std::vector<float> state;
+    state.resize(row);
+    const float* src = call.pool + (slot * call.hv + h) * row;
+    std::copy(src, src + row, state.data());
+    for (int64_t t = cu[bb]; t < cu[bb + 1]; ++t) {
+      const int64_t j = slot * capsule.cap + t - cu[bb];
+      const int64_t kh = h / call.ratio;
+      const TokenCapture tc{capsule.decay + j * call.hv + h,
+                            capsule.delta + (j * call.hv + h) * call.dv};
+      gdn_token(state.data(), call.q + (t * call.hk + kh) * call.dk,
+                call.k + (t * call.hk + kh) * call.dk, call.v + (t * call.hv + h) * call.dv,
+                call.a[t * call.hv + h], call.b[t * call.hv + h], call.a_log[h], call.dt_bias[h],
+                call.fresh[bb] && t == cu[bb], call.dv, call.dk, call.scale,
+                call.out + (t * call.hv + h) * call.dv, &tc);
+      if (h % call.ratio == 0) {
+        const float* kr = call.k + (t * call.hk + kh) * call.dk;
+        std::copy(kr, kr + call.dk, capsule.key + (j * call.hk + kh) * call.dk);
+      }
+    }
+  });
+}
+
+// gated_delta_replay -- the commit of a verify step: pool row slots[b] advanced in place by its
+// capsule's tokens begin[b] .. end[b]-1, each S = S exp(g) + delta k^T rounded as gdn_token
+// rounds its update (the decayed row, then one fused multiply-add per element), so the row is
+// bit for bit what running those tokens in place would have left.
+void gated_delta_replay(at::Tensor pool, const at::Tensor& slots, const at::Tensor& decay,
+                        const at::Tensor& key, const at::Tensor& delta, const at::Tensor& begin,
+                        const at::Tensor& end) {
+  constexpr const char* op = "gated_delta_replay";
+  check_tensor(op, "pool", pool, 4, at::kFloat);
+  const int64_t hv = pool.size(1), dv = pool.size(2), dk = pool.size(3);
+  check_tensor(op, "key", key, 4, at::kFloat);
+  const int64_t hk = key.size(2);
+  PH_CHECK(hk >= 1 && hv % hk == 0, op, "key", "head ratio: the value heads (", hv,
+           ") must be a multiple of the key heads (got shape ", shape_of(key), ")");
+  const Capsule capsule(op, decay, key, delta, pool.size(0), hv, hk, dk, dv);
+  PH_CHECK(slots.dim() == 1, op, "slots", "must be [B] (got shape ", shape_of(slots), ")");
+  const int64_t batch = slots.size(0);
+  check_slots(op, slots, batch, pool.size(0));
+  const std::array<std::pair<const char*, const at::Tensor*>, 2> ends{
+      {{"begin", &begin}, {"end", &end}}};
+  for (const auto& [name, x] : ends) {
+    check_tensor(op, name, *x, 1, at::kInt);
+    check_size(op, name, *x, 0, batch, "the sequences of slots");
+  }
+  const int32_t *b0 = begin.data_ptr<int32_t>(), *b1 = end.data_ptr<int32_t>();
+  for (int64_t bb = 0; bb < batch; ++bb)
+    PH_CHECK(0 <= b0[bb] && b0[bb] <= b1[bb] && b1[bb] <= capsule.cap, op, "begin/end",
+             "sequence ", bb, ": need 0 <= begin <= end <= capacity ", capsule.cap, " (got ",
+             b0[bb], ", ", b1[bb], ")");
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  float* pp = pool.data_ptr<float>();
+  const int64_t ratio = hv / hk;
+  parallel_items(batch * hv, 1, batch * hv * dv * dk * capsule.cap, [&](int64_t item) {
+    const int64_t bb = item / hv, h = item % hv;
+    float* s = pp + (sl[bb] * hv + h) * dv * dk;
+    for (int64_t t = b0[bb]; t < b1[bb]; ++t) {
+      const int64_t j = sl[bb] * capsule.cap + t;
+      const float d = capsule.decay[j * hv + h];
+      const float* kv = capsule.key + (j * hk + h / ratio) * dk;
+      const float* u = capsule.delta + (j * hv + h) * dv;
+      if (dk % kLanes == 0) {
+        const VF dd = bcast(d);
+        for (int64_t r = 0; r < dv; ++r) {
+          const VF ur = bcast(u[r]);
+          float* sr = s + r * dk;
+          for (int64_t e = 0; e < dk; e += kLanes)
+            store(sr + e, fma(ur, load(kv + e), mul(load(sr + e), dd)));
+        }
+      } else {
+        for (int64_t r = 0; r < dv; ++r) {
+          float* sr = s + r * dk;
+#pragma omp simd
+          for (int64_t e = 0; e < dk; ++e) sr[e] *= d;
+#pragma omp simd
+          for (int64_t e = 0; e < dk; ++e) sr[e] += u[r] * kv[e];
+        }
+      }
+    }
   });
 }
 
@@ -401,23 +555,44 @@ void check_row_view(const char* op, const char* arg, const at::Tensor& t, int64_
            "rows must be contiguous (stride(1) == 1, stride(0) >= ", cols, ")");
 }
 
-// The Gated DeltaNet mixer of one decode token per sequence, in one call: the conv (+ SiLU) on
-// the q|k|v projection, the L2 norms of q and k, the recurrent step, the rounding of its output
-// to the model dtype and the gated RMS norm with z -- each by the very function the separate ops
-// run (conv_token, rows.h's norm_row, gdn_token), so every bit equals running causal_conv_decode,
-// l2_normalize (x2), gated_delta_decode and gated_rms_norm in turn.
+// The tokens of a mixer call: one row per sequence (decode: cu == nullptr), or rows cu[b] ..
+// cu[b+1]-1 of sequence b, where verify[b] marks a speculative verify chunk: its conv and
+// recurrent rows are read into thread-local copies and never written, and each token's conv
+// input row (capsule_conv [S, C, channels], the model dtype) and compact state update (caps)
+// are captured into capsule slot j of row slots[b].
+template <typename T>
+struct MixerChunks {
+  const int32_t* cu = nullptr;
+  const bool* verify = nullptr;
+  T* capsule_conv = nullptr;
+  const Capsule* caps = nullptr;
+  int64_t batch = 0;
+
+  int64_t first(int64_t bb) const { return cu != nullptr ? cu[bb] : bb; }
+  int64_t last(int64_t bb) const { return cu != nullptr ? cu[bb + 1] : bb + 1; }
+  bool verifying(int64_t bb) const { return verify != nullptr && verify[bb]; }
+};
+
+// The Gated DeltaNet mixer of a decode step (or a step of decodes and verify chunks), in one
+// call: the conv (+ SiLU) on the q|k|v projection, the L2 norms of q and k, the recurrent step,
+// the rounding of its output to the model dtype and the gated RMS norm with z -- each by the
+// very function the separate ops run (conv_token, rows.h's norm_row, gdn_token), so every bit
+// equals running causal_conv_decode / causal_conv_varlen, l2_normalize (x2),
+// gated_delta_decode / gated_delta_capture and gated_rms_norm in turn.
 template <typename T>
 void gdn_mixer_impl(const at::Tensor& qkv, const at::Tensor& z, const at::Tensor& a,
                     const at::Tensor& b, const at::Tensor& conv_weight, at::Tensor& conv_pool,
                     const at::Tensor& a_log, const at::Tensor& dt_bias, at::Tensor& pool,
                     const int64_t* slots, const bool* fresh, const at::Tensor& norm_weight,
-                    at::Tensor& out, int64_t hk, double scale, double l2_eps, double norm_eps) {
-  const int64_t batch = qkv.size(0), ch = qkv.size(1), kk = conv_weight.size(1), st = kk - 1;
+                    at::Tensor& out, int64_t hk, double scale, double l2_eps, double norm_eps,
+                    const MixerChunks<T>& chunks) {
+  const int64_t rows = qkv.size(0), ch = qkv.size(1), kk = conv_weight.size(1), st = kk - 1;
+  const int64_t batch = chunks.batch;
   const int64_t hv = pool.size(1), dv = pool.size(2), dk = pool.size(3), ratio = hv / hk;
-  const int64_t qk = 2 * hk;  // normalised q and k rows per sequence
-  at::Tensor mixed = at::empty({batch, ch}, qkv.options());
-  at::Tensor qkn = at::empty({batch, qk, dk}, qkv.options().dtype(at::kFloat));
-  at::Tensor vf = at::empty({batch, hv, dv}, qkv.options().dtype(at::kFloat));
+  const int64_t qk = 2 * hk;  // normalised q and k rows per token
+  at::Tensor mixed = at::empty({rows, ch}, qkv.options());
+  at::Tensor qkn = at::empty({rows, qk, dk}, qkv.options().dtype(at::kFloat));
+  at::Tensor vf = at::empty({rows, hv, dv}, qkv.options().dtype(at::kFloat));
   const T* xp = qkv.data_ptr<T>();
   const T* wp = conv_weight.data_ptr<T>();
   T* cp = conv_pool.data_ptr<T>();
@@ -426,15 +601,29 @@ void gdn_mixer_impl(const at::Tensor& qkv, const at::Tensor& z, const at::Tensor
   float* vp = vf.data_ptr<float>();
   const int64_t ldx = qkv.stride(0);
   const float l2e = static_cast<float>(l2_eps);
-  parallel_items(batch, std::max<int64_t>(1, kInlineWork / (ch * kk)), batch * ch * kk,
-                 [&](int64_t bb) {
-    T* m = mp + bb * ch;
-    conv_token<T>(cp + slots[bb] * ch * st, xp + bb * ldx, wp, nullptr, fresh[bb], ch, kk, true,
-                  m);
-    for (int64_t i = 0; i < qk; ++i)
-      norm_row<Kind::kL2, T, float, float>(m + i * dk, nullptr, nullptr,
-                                           qp + (bb * qk + i) * dk, dk, l2e, false);
-    for (int64_t j = 0; j < hv * dv; ++j) vp[bb * hv * dv + j] = to_float(m[qk * dk + j]);
+  const int64_t per_seq = std::max<int64_t>(1, rows / std::max<int64_t>(batch, 1));
+  parallel_items(batch, std::max<int64_t>(1, kInlineWork / (per_seq * ch * kk)),
+                 rows * ch * kk, [&](int64_t bb) {
+    T* state = cp + slots[bb] * ch * st;
+    thread_local std::vector<T> copy;
+    const bool verify = chunks.verifying(bb);
+    if (verify) {
+      copy.assign(state, state + ch * st);
+      state = copy.data();
+    }
+    for (int64_t t = chunks.first(bb); t < chunks.last(bb); ++t) {
+      T* m = mp + t * ch;
+      const T* x = xp + t * ldx;
+      conv_token<T>(state, x, wp, nullptr, fresh[bb] && t == chunks.first(bb), ch, kk, true, m);
+      if (verify) {
+        const int64_t j = slots[bb] * chunks.caps->cap + t - chunks.first(bb);
+        std::copy(x, x + ch, chunks.capsule_conv + j * ch);
+      }
+      for (int64_t i = 0; i < qk; ++i)
+        norm_row<Kind::kL2, T, float, float>(m + i * dk, nullptr, nullptr,
+                                             qp + (t * qk + i) * dk, dk, l2e, false);
+      for (int64_t j = 0; j < hv * dv; ++j) vp[t * hv * dv + j] = to_float(m[qk * dk + j]);
+    }
   });
   const T* zp = z.data_ptr<T>();
   const T* ap = a.data_ptr<T>();
@@ -447,59 +636,83 @@ void gdn_mixer_impl(const at::Tensor& qkv, const at::Tensor& z, const at::Tensor
   const float sc = static_cast<float>(scale), ne = static_cast<float>(norm_eps);
   const bool fp32_weight = norm_weight.scalar_type() == at::kFloat;
   const int64_t w = 4 * dv * dk;
-  parallel_items(batch * hv, std::max<int64_t>(1, kInlineWork / w), batch * hv * w,
+  parallel_items(batch * hv, std::max<int64_t>(1, kInlineWork / (per_seq * w)), rows * hv * w,
                  [&](int64_t item) {
     const int64_t bb = item / hv, h = item % hv;
-    thread_local std::vector<float> o;
+    thread_local std::vector<float> o, copy;
     thread_local std::vector<T> ot;
     o.resize(dv);
     ot.resize(dv);
-    const float* q = qp + (bb * qk + h / ratio) * dk;
-    gdn_token(pp + (slots[bb] * hv + h) * dv * dk, q, q + hk * dk, vp + (bb * hv + h) * dv,
-              to_float(ap[bb * lda + h]), to_float(bp[bb * ldb + h]), alp[h], dtp[h], fresh[bb],
-              dv, dk, sc, o.data());
-    for (int64_t r = 0; r < dv; ++r) ot[r] = from_float<T>(o[r]);
-    const T* gate = zp + bb * ldz + h * dv;
-    T* orow = op + bb * hv * dv + h * dv;
-    if (fp32_weight) {
-      norm_row<Kind::kGated, T, float, T>(ot.data(), gate, norm_weight.data_ptr<float>(), orow,
-                                          dv, ne, false);
-    } else {
-      norm_row<Kind::kGated, T, c10::BFloat16, T>(
-          ot.data(), gate, norm_weight.data_ptr<c10::BFloat16>(), orow, dv, ne, false);
+    float* state = pp + (slots[bb] * hv + h) * dv * dk;
+    const bool verify = chunks.verifying(bb);
+    if (verify) {
+      copy.assign(state, state + dv * dk);
+      state = copy.data();
+    }
+    for (int64_t t = chunks.first(bb); t < chunks.last(bb); ++t) {
+      const float* q = qp + (t * qk + h / ratio) * dk;
+      TokenCapture tc{nullptr, nullptr};
+      if (verify) {
+        const Capsule& c = *chunks.caps;
+        const int64_t j = slots[bb] * c.cap + t - chunks.first(bb);
+        tc = TokenCapture{c.decay + j * hv + h, c.delta + (j * hv + h) * dv};
+        if (h % ratio == 0) std::copy(q + hk * dk, q + hk * dk + dk, c.key + (j * hk + h / ratio) * dk);
+      }
+      gdn_token(state, q, q + hk * dk, vp + (t * hv + h) * dv, to_float(ap[t * lda + h]),
+                to_float(bp[t * ldb + h]), alp[h], dtp[h], fresh[bb] && t == chunks.first(bb),
+                dv, dk, sc, o.data(), verify ? &tc : nullptr);
+      for (int64_t r = 0; r < dv; ++r) ot[r] = from_float<T>(o[r]);
+      const T* gate = zp + t * ldz + h * dv;
+      T* orow = op + t * hv * dv + h * dv;
+      if (fp32_weight) {
+        norm_row<Kind::kGated, T, float, T>(ot.data(), gate, norm_weight.data_ptr<float>(), orow,
+                                            dv, ne, false);
+      } else {
+        norm_row<Kind::kGated, T, c10::BFloat16, T>(
+            ot.data(), gate, norm_weight.data_ptr<c10::BFloat16>(), orow, dv, ne, false);
+      }
     }
   });
 }
 
 }  // namespace
 
-// qkv [B, 2 Hk Dk + Hv Dv], z [B, Hv Dv], a, b [B, Hv] (row views, model dtype: float32 or
+// qkv [N, 2 Hk Dk + Hv Dv], z [N, Hv Dv], a, b [N, Hv] (row views, model dtype: float32 or
 // bfloat16); conv_weight [C, K], conv_pool [S, C, K-1] (model dtype); a_log, dt_bias float32 [Hv];
 // pool float32 [S, Hv, Dv, Dk]; slots int64 [B] distinct in [0, S); fresh bool [B]; norm_weight
-// [Dv] (float32 or bfloat16); out [B, Hv Dv] (model dtype, contiguous).
+// [Dv] (float32 or bfloat16); out [N, Hv Dv] (model dtype, contiguous). Without cu_seqlens each
+// of the N = B rows is one sequence's token; with it (int32 [B+1]) sequence b has rows
+// cu[b] .. cu[b+1]-1, and verify (bool [B]) marks verify chunks, captured into capsule_conv
+// [S, C, channels] (model dtype), decay [S, C, Hv], key [S, C, Hk, Dk], delta [S, C, Hv, Dv].
 void gdn_decode_mixer(const at::Tensor& qkv, const at::Tensor& z, const at::Tensor& a,
                       const at::Tensor& b, const at::Tensor& conv_weight, at::Tensor conv_pool,
                       const at::Tensor& a_log, const at::Tensor& dt_bias, at::Tensor pool,
                       const at::Tensor& slots, const at::Tensor& fresh,
                       const at::Tensor& norm_weight, at::Tensor out, int64_t key_heads,
-                      double scale, double l2_eps, double norm_eps) {
+                      double scale, double l2_eps, double norm_eps,
+                      const c10::optional<at::Tensor>& cu_seqlens,
+                      const c10::optional<at::Tensor>& verify,
+                      const c10::optional<at::Tensor>& capsule_conv,
+                      const c10::optional<at::Tensor>& decay,
+                      const c10::optional<at::Tensor>& key,
+                      const c10::optional<at::Tensor>& delta) {
   constexpr const char* op = "gdn_decode_mixer";
-  PH_CHECK(qkv.defined() && qkv.dim() == 2, op, "qkv", "must be [B, C] (got shape ",
+  PH_CHECK(qkv.defined() && qkv.dim() == 2, op, "qkv", "must be [N, C] (got shape ",
            qkv.defined() ? shape_of(qkv) : std::string("none"), ")");
   const auto dt = qkv.scalar_type();
   PH_CHECK(dt == at::kFloat || dt == at::kBFloat16, op, "qkv",
            "dtype must be float32 or bfloat16 (got ", dt, ")");
-  const int64_t batch = qkv.size(0), ch = qkv.size(1);
-  check_row_view(op, "qkv", qkv, batch, ch, dt);
+  const int64_t rows = qkv.size(0), ch = qkv.size(1);
+  check_row_view(op, "qkv", qkv, rows, ch, dt);
   check_tensor(op, "pool", pool, 4, at::kFloat);
   const int64_t hv = pool.size(1), dv = pool.size(2), dk = pool.size(3);
   PH_CHECK(key_heads >= 1 && hv % key_heads == 0, op, "key_heads", "head ratio: the value heads (",
            hv, ") must be a multiple of the key heads (got ", key_heads, ")");
   PH_CHECK(ch == 2 * key_heads * dk + hv * dv, op, "qkv", "size(1) must equal 2 key_heads Dk + ",
            "Hv Dv = ", 2 * key_heads * dk + hv * dv, " (got shape ", shape_of(qkv), ")");
-  check_row_view(op, "z", z, batch, hv * dv, dt);
-  check_row_view(op, "a", a, batch, hv, dt);
-  check_row_view(op, "b", b, batch, hv, dt);
+  check_row_view(op, "z", z, rows, hv * dv, dt);
+  check_row_view(op, "a", a, rows, hv, dt);
+  check_row_view(op, "b", b, rows, hv, dt);
   check_tensor(op, "conv_weight", conv_weight, 2, dt);
   check_size(op, "conv_weight", conv_weight, 0, ch, "the channels of qkv");
   PH_CHECK(conv_weight.size(1) >= 1, op, "conv_weight", "the kernel width K must be >= 1 (got ",
@@ -517,19 +730,54 @@ void gdn_decode_mixer(const at::Tensor& qkv, const at::Tensor& z, const at::Tens
   }
   check_norm_weight(op, "norm_weight", norm_weight, dv, "the value head size of pool");
   check_tensor(op, "out", out, 2, dt);
-  check_size(op, "out", out, 0, batch, "the sequences of qkv");
+  check_size(op, "out", out, 0, rows, "the token rows of qkv");
   check_size(op, "out", out, 1, hv * dv, "Hv Dv");
+  int64_t batch = rows;
+  const int32_t* cu = nullptr;
+  if (cu_seqlens.has_value()) {
+    PH_CHECK(cu_seqlens->dim() == 1 && cu_seqlens->size(0) >= 1, op, "cu_seqlens",
+             "must be [B+1] (got shape ", shape_of(*cu_seqlens), ")");
+    batch = cu_seqlens->size(0) - 1;
+    cu = check_cu_seqlens(op, *cu_seqlens, batch, rows);
+  }
   check_slots(op, slots, batch, pool.size(0));
   check_tensor(op, "fresh", fresh, 1, at::kBool);
   check_size(op, "fresh", fresh, 0, batch, "the number of sequences");
   const int64_t* sl = slots.data_ptr<int64_t>();
   const bool* fr = fresh.data_ptr<bool>();
+  std::optional<Capsule> caps;
+  const bool* ver = nullptr;
+  if (verify.has_value()) {
+    PH_CHECK(cu != nullptr, op, "verify", "needs cu_seqlens");
+    check_tensor(op, "verify", *verify, 1, at::kBool);
+    check_size(op, "verify", *verify, 0, batch, "the number of sequences");
+    PH_CHECK(capsule_conv.has_value() && decay.has_value() && key.has_value() &&
+                 delta.has_value(), op, "capsule", "verify chunks need capsule_conv, decay, key "
+             "and delta");
+    caps.emplace(op, *decay, *key, *delta, pool.size(0), hv, key_heads, dk, dv);
+    check_tensor(op, "capsule_conv", *capsule_conv, 3, dt);
+    PH_CHECK(capsule_conv->size(0) == pool.size(0) && capsule_conv->size(1) == caps->cap &&
+                 capsule_conv->size(2) == ch, op, "capsule_conv", "must be [slots, capacity, C] = [",
+             pool.size(0), ", ", caps->cap, ", ", ch, "] (got shape ", shape_of(*capsule_conv),
+             ")");
+    ver = verify->data_ptr<bool>();
+    for (int64_t bb = 0; bb < batch; ++bb)
+      PH_CHECK(!ver[bb] || cu[bb + 1] - cu[bb] <= caps->cap, op, "cu_seqlens", "verify chunk ",
+               bb, " has ", cu[bb + 1] - cu[bb], " tokens, more than the capsule's capacity ",
+               caps->cap);
+  }
   if (dt == at::kFloat) {
+    MixerChunks<float> chunks{cu, ver, ver ? capsule_conv->data_ptr<float>() : nullptr,
+                              caps ? &*caps : nullptr, batch};
     gdn_mixer_impl<float>(qkv, z, a, b, conv_weight, conv_pool, a_log, dt_bias, pool, sl, fr,
-                          norm_weight, out, key_heads, scale, l2_eps, norm_eps);
+                          norm_weight, out, key_heads, scale, l2_eps, norm_eps, chunks);
   } else {
+    MixerChunks<c10::BFloat16> chunks{
+        cu, ver, ver ? capsule_conv->data_ptr<c10::BFloat16>() : nullptr,
+        caps ? &*caps : nullptr, batch};
     gdn_mixer_impl<c10::BFloat16>(qkv, z, a, b, conv_weight, conv_pool, a_log, dt_bias, pool, sl,
-                                  fr, norm_weight, out, key_heads, scale, l2_eps, norm_eps);
+                                  fr, norm_weight, out, key_heads, scale, l2_eps, norm_eps,
+                                  chunks);
   }
 }
 }  // namespace pagedhybrid
@@ -539,7 +787,9 @@ TORCH_LIBRARY_FRAGMENT(PH_NS, m) {
       "gdn_decode_mixer(Tensor qkv, Tensor z, Tensor a, Tensor b, Tensor conv_weight, "
       "Tensor(a!) conv_pool, Tensor a_log, Tensor dt_bias, Tensor(b!) pool, Tensor slots, "
       "Tensor fresh, Tensor norm_weight, Tensor(c!) out, int key_heads, float scale, "
-      "float l2_eps, float norm_eps) -> ()");
+      "float l2_eps, float norm_eps, Tensor? cu_seqlens=None, Tensor? verify=None, "
+      "Tensor(d!)? capsule_conv=None, Tensor(e!)? decay=None, Tensor(f!)? key=None, "
+      "Tensor(g!)? delta=None) -> ()");
   m.def(
       "gated_delta_decode(Tensor q, Tensor k, Tensor v, Tensor a, Tensor b, Tensor a_log, "
       "Tensor dt_bias, Tensor(a!) pool, Tensor slots, Tensor fresh, Tensor(b!) out, "
@@ -552,6 +802,13 @@ TORCH_LIBRARY_FRAGMENT(PH_NS, m) {
       "Tensor dt_bias, Tensor(a!) pool, Tensor slots, Tensor fresh, Tensor cu_seqlens, "
       "Tensor(b!) out, float scale) -> ()");
   m.def(
+      "gated_delta_capture(Tensor q, Tensor k, Tensor v, Tensor a, Tensor b, Tensor a_log, "
+      "Tensor dt_bias, Tensor pool, Tensor slots, Tensor fresh, Tensor cu_seqlens, "
+      "Tensor(a!) out, float scale, Tensor(b!) decay, Tensor(c!) key, Tensor(d!) delta) -> ()");
+  m.def(
+      "gated_delta_replay(Tensor(a!) pool, Tensor slots, Tensor decay, Tensor key, "
+      "Tensor delta, Tensor begin, Tensor end) -> ()");
+  m.def(
       "causal_conv_varlen(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) pool, Tensor slots, "
       "Tensor fresh, Tensor cu_seqlens, Tensor(b!) out, bool silu) -> ()");
 }
@@ -562,4 +819,6 @@ TORCH_LIBRARY_IMPL(PH_NS, CPU, m) {
   m.impl("causal_conv_decode", &pagedhybrid::causal_conv_decode);
   m.impl("gated_delta_varlen", &pagedhybrid::gated_delta_varlen);
   m.impl("causal_conv_varlen", &pagedhybrid::causal_conv_varlen);
+  m.impl("gated_delta_capture", &pagedhybrid::gated_delta_capture);
+  m.impl("gated_delta_replay", &pagedhybrid::gated_delta_replay);
 }

@@ -1,0 +1,249 @@
+"""Speculative decoding: the configuration, the n-gram drafter and the verification sampler.
+
+``SpeculativeConfig`` follows vLLM's ``speculative_config``: ``method`` (``ngram``; ``mtp``
+is refused until the MTP drafter exists), ``num_speculative_tokens`` k (1..7: a verify chunk is
+the last sampled token and k drafts, at most ONNX Runtime's state-update capacity of 8),
+``prompt_lookup_min`` / ``prompt_lookup_max`` (n-gram window) and ``disable_by_batch_size``
+(no drafts while more requests than that are decoding: a compute-bound batch gains nothing
+from verifying extra tokens).
+
+One step with speculation (engine -> scheduler -> runner -> scheduler):
+
+1. after each step the drafter proposes up to k tokens for every decoding request it may draft
+   for (``Drafter.propose`` sets ``Request.draft_ids``): ``NgramDrafter`` finds the longest
+   suffix of the request's tokens (``prompt_lookup_max`` down to ``prompt_lookup_min``) that
+   occurred before and proposes what followed its latest earlier occurrence;
+2. the scheduler gives such a request a verify chunk ``[last token, d1 .. dk]`` (drafts cut to
+   the token budget, the pages, ``max_model_len`` and ``max_tokens``) in the same packed step as
+   every other request's prefill chunk or decode;
+3. the runner computes logits for all of the chunk's rows; the linear layers capture their
+   compact state updates instead of committing (``kernels/capsule.py``); ``verify`` picks the
+   tokens: greedy rows accept drafts while they equal the argmax and then add the argmax (so
+   the output is exactly greedy decoding's); random rows accept draft ``d`` at row ``i`` with
+   probability ``p_i(d)`` (the draft is a point mass) and, at the first rejection, sample from
+   ``p_i`` with ``d`` removed (the residual distribution), else a bonus token from the last
+   row -- rejection sampling, so every token has exactly the target distribution ``p`` (the
+   request's processed, filtered distribution). Each random verify draws its uniforms and one
+   exponential race from the request's own generator, so seeded runs repeat;
+4. the scheduler appends the tokens, and the runner commits the accepted ones' states
+   (``PagedHybridCache.commit_verified``; prefix-cache checkpoints inside them are saved
+   there). Attention needs no rollback: a rejected token's K/V rows lie past the sequence's
+   length and are overwritten.
+
+Requests with penalties, bad words or ``min_tokens`` still to reach are not drafted for (their
+processed logits depend on the tokens before each row); they decode as usual in the same steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, Protocol
+
+import torch
+
+from pagedhybrid.engine.request import Request
+from pagedhybrid.engine.sampling import (
+    SampledToken,
+    filtered_probs,
+    logprob_dicts,
+    process_logits,
+)
+from pagedhybrid.errors import ContractViolation, UnsupportedConfiguration
+from pagedhybrid.kernels.native.sampling import greedy_rows
+
+MAX_SPECULATIVE_TOKENS = 7  # + the last sampled token = ONNX Runtime's capacity limit of 8
+METHODS = ("ngram", "mtp")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's ``speculative_config`` (see the module docstring)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    disable_by_batch_size: int | None = 8
+
+    def __post_init__(self) -> None:
+        def bad(name: str, rule: str) -> ContractViolation:
+            return ContractViolation("speculative_config", name, rule, getattr(self, name))
+
+        def is_int(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if self.method not in METHODS:
+            raise bad("method", f"must be one of {list(METHODS)}")
+        if self.method == "mtp":
+            raise UnsupportedConfiguration(
+                "speculative_config.method='mtp': the MTP drafter is not built yet in this "
+                "version; use method='ngram'")
+        k = self.num_speculative_tokens
+        if not is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise bad("num_speculative_tokens", f"must be an int in [1, {MAX_SPECULATIVE_TOKENS}]"
+                      " (the verify chunk of k + 1 tokens fits a state-update capacity of 8)")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if not is_int(lo) or lo < 1:
+            raise bad("prompt_lookup_min", "must be an int >= 1")
+        if not is_int(hi) or hi < lo:
+            raise bad("prompt_lookup_max", f"must be an int >= prompt_lookup_min ({lo})")
+        d = self.disable_by_batch_size
+        if d is not None and (not is_int(d) or d < 1):
+            raise bad("disable_by_batch_size", "must be None or an int >= 1")
+
+    @classmethod
+    def of(cls, value: SpeculativeConfig | Mapping[str, Any] | None
+           ) -> SpeculativeConfig | None:
+        """``value`` as a config: a mapping's unknown keys are refused by name."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, Mapping):
+            raise ContractViolation("EngineConfig", "speculative_config",
+                                    "must be a mapping (vLLM's speculative_config) or None",
+                                    type(value).__name__)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ContractViolation("speculative_config", unknown[0],
+                                    f"is not a known key (known: {sorted(known)})", value)
+        return cls(**value)
+
+    @property
+    def capacity(self) -> int:
+        """Tokens per verify chunk: the last sampled token and the drafts."""
+        return self.num_speculative_tokens + 1
+
+
+def draftable(req: Request) -> bool:
+    """Whether a request's rows may be verified together (module docstring)."""
+    p = req.params
+    return not (p.penalized or req.bad_word_ids or req.num_output_tokens < p.min_tokens
+                or (p.prompt_logprobs is not None and not req.prompt_logprobs_done))
+
+
+class Drafter(Protocol):
+    """Proposes draft tokens: sets ``req.draft_ids`` (at most ``k``) of decoding requests."""
+
+    def propose(self, requests: Sequence[Request], k: int) -> None: ...
+
+
+class NgramIndex:
+    """Per n in ``[lo, hi]``: each n-gram of a token list -> where its latest occurrence ends,
+    kept up to date as the list grows (the grams ending at the last token are not indexed, so
+    a hit is always an earlier occurrence)."""
+
+    def __init__(self, lo: int, hi: int) -> None:
+        self.lo, self.hi = lo, hi
+        self.ends: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(lo, hi + 1)}
+        self.done = 0  # grams ending before position ``done`` are indexed
+
+    def lookup(self, tokens: Sequence[int], k: int) -> tuple[int, ...]:
+        end = len(tokens)
+        for e in range(self.done, end - 1):  # index the grams ending at e (exclusive e + 1)
+            for n, table in self.ends.items():
+                if e + 1 >= n:
+                    table[tuple(tokens[e + 1 - n:e + 1])] = e + 1
+        self.done = max(self.done, end - 1)
+        for n in range(min(self.hi, end), self.lo - 1, -1):
+            at = self.ends[n].get(tuple(tokens[end - n:]))
+            if at is not None:  # what followed it; past the end, the same period again
+                draft = list(tokens[at:at + k])
+                while len(draft) < k:
+                    draft.append(draft[len(draft) - (end - at)])
+                return tuple(draft)
+        return ()
+
+
+class NgramDrafter:
+    """Prompt lookup (vLLM's ``ngram`` method): no weights, drafts from the request's own
+    tokens."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self._index: dict[int, tuple[Request, NgramIndex]] = {}  # id(request) -> its index
+
+    def propose(self, requests: Sequence[Request], k: int) -> None:
+        c = self.config
+        for req in requests:
+            entry = self._index.get(id(req))
+            if entry is None or entry[0] is not req:
+                entry = self._index[id(req)] = (req, NgramIndex(c.prompt_lookup_min,
+                                                                c.prompt_lookup_max))
+            req.draft_ids = entry[1].lookup(req.token_ids, k)
+        for key in [key for key, (r, _) in self._index.items() if r.finished]:
+            del self._index[key]
+
+
+def verify(logits: torch.Tensor, reqs: Sequence[Request], drafts: Sequence[Sequence[int]],
+           first_rows: Sequence[int], noise: torch.Tensor
+           ) -> list[list[SampledToken] | str]:
+    """The tokens each verify request keeps (module docstring, step 3): request ``r``'s chunk
+    has ``len(drafts[r]) + 1`` logits rows from ``first_rows[r]``. A request whose rows are not
+    all finite, or whose verification raises, gets the reason instead of tokens."""
+    raw = logits.float()
+    idx = [first + i for first, d in zip(first_rows, drafts, strict=True)
+           for i in range(len(d) + 1)]
+    rows = raw[idx] if idx != list(range(raw.shape[0])) else raw  # [R, V]
+    params = [r.params for r, d in zip(reqs, drafts, strict=True) for _ in range(len(d) + 1)]
+    finite = greedy_rows(rows)  # [R]: -1 for a row with a non-finite logit
+    proc = process_logits(rows, params)  # logit_bias (the only row-independent processor)
+    targets = proc.argmax(dim=-1)
+    rnd = [i for i, p in enumerate(params) if not p.greedy]
+    probs = None
+    if rnd:
+        sel = [params[i] for i in rnd]
+        probs = filtered_probs(
+            proc[rnd], torch.tensor([p.temperature for p in sel], dtype=torch.float32),
+            torch.tensor([p.top_k for p in sel], dtype=torch.int64),
+            torch.tensor([p.top_p for p in sel], dtype=torch.float32),
+            torch.tensor([p.min_p for p in sel], dtype=torch.float32), inplace=True)
+    where = {row: j for j, row in enumerate(rnd)}  # row -> its row in probs
+    ok, best = finite.tolist(), targets.tolist()
+    out: list[list[SampledToken] | str] = []
+    row = 0
+    for req, d in zip(reqs, drafts, strict=True):
+        n = len(d) + 1
+        mine = range(row, row + n)
+        row += n
+        if any(ok[i] < 0 for i in mine):
+            out.append("non-finite logits")
+            continue
+        try:
+            picks = (_greedy(d, best[mine.start:mine.stop]) if req.params.greedy else
+                     _rejection(d, probs, [where[i] for i in mine], req.generator, noise))
+            k = req.params.logprobs
+            lps = (logprob_dicts(rows[mine.start:mine.start + len(picks)], picks, k)
+                   if k is not None else [None] * len(picks))
+            out.append([SampledToken(t, lp) for t, lp in zip(picks, lps, strict=True)])
+        except Exception as exc:  # this request fails alone
+            out.append(f"verification failed: {type(exc).__name__}: {exc}")
+    return out
+
+
+def _greedy(drafts: Sequence[int], best: Sequence[int]) -> list[int]:
+    a = 0
+    while a < len(drafts) and drafts[a] == best[a]:
+        a += 1
+    return [*drafts[:a], best[a]]
+
+
+def _rejection(drafts: Sequence[int], probs: torch.Tensor | None, rows: Sequence[int],
+               gen: torch.Generator, noise: torch.Tensor) -> list[int]:
+    assert probs is not None
+    k = len(drafts)
+    if k:
+        p_draft = probs[list(rows[:k]), list(drafts)].tolist()
+        u = torch.rand(k, generator=gen, dtype=torch.float64).tolist()
+    a = 0
+    while a < k and u[a] < p_draft[a]:
+        a += 1
+    dist = probs[rows[a]]
+    if a < k:  # the residual max(0, p - q) of a point-mass draft: p without the draft token
+        dist = dist.clone()
+        dist[drafts[a]] = 0.0
+    vocab = dist.shape[0]
+    if noise.numel() < vocab:
+        noise.resize_(vocab)
+    race = noise[:vocab].exponential_(generator=gen)
+    return [*drafts[:a], int(dist.div(race).argmax())]
