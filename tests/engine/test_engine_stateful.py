@@ -60,14 +60,18 @@ class EngineMachine(RuleBasedStateMachine):
                 slots=st.sampled_from([1, 2, 3, 3]), seqs=st.sampled_from([1, 2, 3, 4, 4]),
                 budget=st.integers(4, 64),
                 first=st.lists(st.tuples(st.integers(2, len(PROMPT_LENGTHS) - 1),
-                                         st.integers(1, MAX_OUT)), min_size=2, max_size=4),
-                k=st.integers(1, 7), wrong=st.sampled_from([0.0, 0.0, 0.3, 0.8]))
+                                         st.integers(1, MAX_OUT)), min_size=2, max_size=4))
     def setup(self, bs: int, pages: int, slots: int, seqs: int, budget: int,
-              first: list[tuple[int, int]], k: int, wrong: float) -> None:
+              first: list[tuple[int, int]]) -> None:
+        # speculation (SpeculativeMachine): k drafts, each wrong with probability `wrong`, from
+        # the draws above and the example's number (no draws of their own: the plain
+        # machine's examples stay as they are)
+        n = type(self).totals["examples"]
+        k, wrong = 1 + budget % 7, (0.0, 0.3, 0.8)[n % 3]
         # from pools too small for the longest prompt (refused at add_request, or stopped at
         # max_model_len) to a few pages more than the longest request needs alone
         need = -(-(max(PROMPT_LENGTHS) + MAX_OUT) // bs)
-        spec = {"num_speculative_tokens": k} if self.speculative else None
+        spec = {"num_speculative_tokens": k, "adaptive": False} if self.speculative else None
         self.engine = self.make_engine(block_size=bs, num_blocks=max(1, need - 2 + pages),
                                        num_state_slots=slots, max_num_seqs=seqs,
                                        max_num_batched_tokens=budget, cache_fill=None,

@@ -24,7 +24,7 @@ import torch
 from engine_helpers import prompt_of
 
 from pagedhybrid.engine import Engine, Request, RequestOutput, SamplingParams
-from pagedhybrid.engine.speculative import NgramIndex, SpeculativeConfig
+from pagedhybrid.engine.speculative import DraftBudget, NgramIndex, SpeculativeConfig
 from pagedhybrid.errors import ContractViolation, UnsupportedConfiguration
 from pagedhybrid.models.qwen35 import Qwen35ForCausalLM
 
@@ -89,7 +89,8 @@ def test_greedy_output_is_unchanged(make_engine: Callable[..., Engine], wrong: i
     work = [(p, GREEDY) for p in PROMPTS]
     plain = make_engine(**kw)
     base = run(plain, work)
-    spec = make_engine(speculative_config={"num_speculative_tokens": 5}, **kw)
+    spec = make_engine(speculative_config={"num_speculative_tokens": 5, "adaptive": False},
+                       **kw)
     spec.drafter = Oracle({k: v.token_ids for k, v in base.items()}, wrong)
     got = run(spec, work)
     for k, want in base.items():
@@ -110,7 +111,8 @@ def test_stop_conditions_inside_accepted_drafts(make_engine: Callable[..., Engin
                           stop_token_ids=(base[6],))
     short = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     for params, want in ((stop, base[:base.index(base[6]) + 1]), (short, base[:5])):
-        engine = make_engine(num_blocks=64, speculative_config={"num_speculative_tokens": 7})
+        engine = make_engine(num_blocks=64, speculative_config={"num_speculative_tokens": 7,
+                                                                "adaptive": False})
         engine.drafter = Oracle({"r0": base})
         out = run(engine, [(PROMPTS[1], params)])["r0"]
         assert list(out.token_ids) == list(want)
@@ -133,7 +135,8 @@ def test_verify_commits_write_checkpoints_and_never_cache_rejected_tokens(
     turn2 = a + list(ref_a) + prompt_of(23, 5)
     ref_2 = run(plain, [(turn2, params)], ["a2"])["a2"]
 
-    spec = make_engine(speculative_config={"num_speculative_tokens": 6}, **kw)
+    spec = make_engine(speculative_config={"num_speculative_tokens": 6, "adaptive": False},
+                       **kw)
     spec.drafter = Oracle({"a": ref_a, "b": ref_b, "a2": ref_2.token_ids, "a3": ref_a}, 3)
     assert run(spec, [(a, params)], ["a"])["a"].token_ids == ref_a
     assert spec.stats.spec.accepted_tokens > 0 and \
@@ -158,7 +161,8 @@ def test_quantized_pages(make_engine: Callable[..., Engine], tmp_path: Path,
     kw = dict(num_blocks=64, kv_cache_dtype="int8", kv_scales=str(path), batch_invariant=True)
     work = [(p, GREEDY) for p in PROMPTS[:3]]
     base = run(make_engine(**kw), work)
-    spec = make_engine(speculative_config={"num_speculative_tokens": 4}, **kw)
+    spec = make_engine(speculative_config={"num_speculative_tokens": 4, "adaptive": False},
+                       **kw)
     spec.drafter = Oracle({k: v.token_ids for k, v in base.items()}, 3)
     got = run(spec, work)
     assert all(lps(got[k]) == lps(base[k]) and got[k].token_ids == base[k].token_ids
@@ -192,7 +196,7 @@ def test_rejection_sampling_keeps_the_target_distribution(
         engine = make_engine(num_blocks=n // 2 + 64, max_num_seqs=n, num_state_slots=n,
                              max_num_batched_tokens=8 * n, enable_prefix_caching=False,
                              speculative_config={"num_speculative_tokens": 2,
-                                                 "disable_by_batch_size": None})
+                                                 "adaptive": False})
         engine.drafter = Fixed([likely, likely])
         outs = run(engine, [(prompt, p) for p in params])
         return [outs[f"r{i}"].token_ids for i in range(n)], engine
@@ -238,7 +242,8 @@ def test_ngram_drafts_leave_the_tokens_unchanged(make_engine: Callable[..., Engi
     base = make_engine(num_blocks=64)
     want = run(base, [(motif * 4, params)])["r0"].token_ids
     spec = make_engine(num_blocks=64, speculative_config={
-        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1})
+        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+        "adaptive": False})
     assert run(spec, [(motif * 4, params)])["r0"].token_ids == want
     assert spec.stats.spec.drafts > 0
 
@@ -250,7 +255,8 @@ def test_speculation_turns_off_for_large_batches_and_ineligible_requests(
     engine.drafter = Fixed([1, 2, 3])
     run(engine, [(p, SamplingParams(temperature=0.0, max_tokens=4)) for p in PROMPTS])
     assert engine.stats.spec.drafts == 0  # 4 running > 2
-    engine = make_engine(num_blocks=64, speculative_config={"num_speculative_tokens": 3})
+    engine = make_engine(num_blocks=64, speculative_config={"num_speculative_tokens": 3,
+                                                            "adaptive": False})
     engine.drafter = Fixed([1, 2, 3])
     run(engine, [(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=4,
                                              repetition_penalty=1.2))])
@@ -286,8 +292,40 @@ def test_torch_bundle_verifies_too(make_engine: Callable[..., Engine]) -> None:
     work = [(p, GREEDY) for p in PROMPTS[:2]]
     base = run(make_engine(num_blocks=64, backend="torch"), work)
     spec = make_engine(num_blocks=64, backend="torch",
-                       speculative_config={"num_speculative_tokens": 3})
+                       speculative_config={"num_speculative_tokens": 3, "adaptive": False})
     spec.drafter = Oracle({k: v.token_ids for k, v in base.items()}, 4)
     got = run(spec, work)
     assert all(got[k].token_ids == base[k].token_ids for k in base)
     assert spec.stats.spec.accepted_tokens > 0
+
+
+def _budget(a: float, b: float) -> DraftBudget:
+    budget = DraftBudget()
+    for rows in (1, 4, 9, 16, 2, 30, 5, 12):
+        budget.observe(rows, a + b * rows)
+    return budget
+
+
+def test_the_draft_budget_keeps_drafts_that_pay_for_their_rows(
+        make_engine: Callable[..., Engine]) -> None:
+    """The step-time model (a + b rows, fitted) and each request's acceptance decide: a
+    weights-bound step (a >> b rows) keeps a good guesser's drafts, a compute-bound one (a
+    large batch, a ~ 0) keeps none, and a request whose guesses keep failing loses its drafts
+    first; without a fit every draft is kept. In the engine the budget trims what the drafter
+    proposed."""
+    good, bad = (Request(x, (1,), SamplingParams(), 0, torch.Generator()) for x in "gb")
+    good.spec_accepted, bad.spec_rejections = 30, 30  # p ~ 0.97 and ~ 0.03
+    assert _budget(10e-3, 0.5e-3).fit() == pytest.approx((10e-3, 0.5e-3))
+    for budget, batch, want in ((_budget(10e-3, 0.5e-3), 1, (4, 0)),  # weights-bound, batch 1
+                                (_budget(0.1e-3, 2e-3), 16, (0, 0)),  # compute-bound, batch 16
+                                (DraftBudget(), 16, (4, 4))):  # no fit yet: explore
+        for r in (good, bad):
+            r.draft_ids = (1, 2, 3, 4)
+        budget.trim([good, bad], batch)
+        assert (len(good.draft_ids), len(bad.draft_ids)) == want, (batch, want)
+    engine = make_engine(num_blocks=64, speculative_config={"num_speculative_tokens": 3})
+    engine.drafter = Fixed([1, 2, 3])
+    engine.draft_budget = _budget(0.1e-3, 2e-3)  # as if every row cost 2 ms: never worth it
+    engine.draft_budget.observe = lambda rows, seconds: None  # (keep the synthetic fit)
+    run(engine, [(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=6))])
+    assert engine.stats.spec.drafts == 0

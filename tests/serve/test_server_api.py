@@ -233,7 +233,8 @@ def test_speculative_server_answers_as_without_and_counts_drafts(tmp_path, llm: 
     greedy answers -- plain and streamed, through the openai client -- as ``LLM.generate``
     gives them without speculation, and /metrics counts the drafts vLLM's way. A bad config
     stops the server at start, naming the key."""
-    spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}'
+    spec = ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, '
+            '"adaptive": false}')
     s = start_server(tmp_path, "--max-num-seqs", "4", "--speculative-config", spec)
     try:
         tok = llm.engine.tokenizer

@@ -13,7 +13,8 @@ One ``step()`` is schedule -> run -> update:
    accepted states committed through ``ModelRunner.commit``); each reported request's text
    grows through its ``IncrementalDetokenizer``.
 4. With speculative decoding (``EngineConfig.speculative_config``), the drafter proposes the
-   next step's drafts for the decoding requests (``speculative.py``) -- none while more than
+   next step's drafts for the decoding requests and ``DraftBudget`` keeps those that pay for
+   their rows by the engine's own step times (``speculative.py``) -- none while more than
    ``disable_by_batch_size`` requests are running.
 
 ``step`` returns one ``RequestOutput`` per request that got a token or finished (aborts are
@@ -41,7 +42,7 @@ from pagedhybrid.engine.request import InvalidRequest, Request, RequestOutput, R
 from pagedhybrid.engine.runner import ModelRunner, StepResult
 from pagedhybrid.engine.sampling import SamplingParams, bad_words_token_ids
 from pagedhybrid.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from pagedhybrid.engine.speculative import Drafter, NgramDrafter, draftable
+from pagedhybrid.engine.speculative import DraftBudget, Drafter, NgramDrafter, draftable
 from pagedhybrid.engine.states import CheckpointPool, StatePool
 from pagedhybrid.engine.stats import EngineStats
 from pagedhybrid.errors import ContractViolation
@@ -72,6 +73,7 @@ class Engine:
         self._make_pools()
         spec = self.config.speculative
         self.drafter: Drafter | None = None if spec is None else NgramDrafter(spec)
+        self.draft_budget = DraftBudget()
         self._generator = torch.Generator().manual_seed(self.config.seed)
         self._arrivals = 0
         self._pending: list[RequestOutput] = []
@@ -262,6 +264,8 @@ class Engine:
                 todo.append(req)
         if todo:
             self.drafter.propose(todo, spec.num_speculative_tokens)
+            if spec.adaptive:
+                self.draft_budget.trim([r for r in todo if r.draft_ids], len(running))
 
     def _account(self, sched: SchedulerOutput, result: StepResult, t0: float, t_sched: float,
                  t1: float) -> None:
@@ -277,6 +281,7 @@ class Engine:
         st.update_s += t2 - t1
         st.step_log.append((len(sched.sequences), sched.num_batched_tokens,
                             t_sched + result.prepare_s, t2 - t0))
+        self.draft_budget.observe(sched.num_batched_tokens, t2 - t0)
 
     def _fail_step(self, sched: SchedulerOutput | None, exc: Exception) -> list[RequestOutput]:
         """A step raised: fail its requests (all running ones when scheduling itself raised),

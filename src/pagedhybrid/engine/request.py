@@ -70,6 +70,8 @@ class Request:
     bad_word_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token sequences
     detokenizer: IncrementalDetokenizer | None = None  # the output's text, grown per step
     draft_ids: tuple[int, ...] = ()  # speculative drafts for the next step (the drafter's)
+    spec_accepted: int = 0  # draft tokens accepted so far
+    spec_rejections: int = 0  # verify steps that ended at a rejected draft
 
     def __post_init__(self) -> None:
         if not self.token_ids:

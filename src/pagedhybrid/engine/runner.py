@@ -330,6 +330,8 @@ class ModelRunner:
                                    [c.checkpoints for c in commits])
         for c in commits:
             self.stats.spec.record(c.proposed, c.accepted)
+            c.request.spec_accepted += c.accepted
+            c.request.spec_rejections += c.accepted < c.proposed
 
     def _sample(self, rows: torch.Tensor, reqs: list[Request]
                 ) -> tuple[dict[str, list[SampledToken]], list[tuple[Request, str]]]:

@@ -4,8 +4,19 @@
 is refused until the MTP drafter exists), ``num_speculative_tokens`` k (1..7: a verify chunk is
 the last sampled token and k drafts, at most ONNX Runtime's state-update capacity of 8),
 ``prompt_lookup_min`` / ``prompt_lookup_max`` (n-gram window) and ``disable_by_batch_size``
-(no drafts while more requests than that are decoding: a compute-bound batch gains nothing
-from verifying extra tokens).
+(no drafts while more requests than that are running; default None, as vLLM's).
+
+Speculation turns itself down where it does not pay (``DraftBudget``): the engine models a
+step's time as ``a + b * rows`` (least squares over its last ``WINDOW`` steps) and each
+request's ``j``-th draft as accepted with probability ``p^j`` (``p``: the request's accepted
+drafts over accepted plus rejections so far, one of each as prior). A draft row is kept only
+while its expected tokens exceed what the step as planned so far yields per row-time,
+``g > b * N / T`` (``N`` expected tokens, ``T = a + b * rows``): on a weights-bound step
+(``a`` >> ``b * rows``, a small batch) cheap rows are kept; on a compute-bound one (a large
+batch: ``T`` ~ ``b * rows``, the bar ~ 1 token per row) no draft clears it, and neither do the
+drafts of a request whose guesses keep failing. Without a fit (fewer than 8 steps, or no spread
+in their rows) every draft is kept, which gives the fit its spread. ``adaptive: false`` (our key)
+verifies every draft.
 
 One step with speculation (engine -> scheduler -> runner -> scheduler):
 
@@ -36,6 +47,7 @@ processed logits depend on the tokens before each row); they decode as usual in 
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Protocol
@@ -64,7 +76,8 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 3
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
-    disable_by_batch_size: int | None = 8
+    disable_by_batch_size: int | None = None
+    adaptive: bool = True  # DraftBudget on (ours, not vLLM's: off = every draft verified)
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str) -> ContractViolation:
@@ -91,6 +104,8 @@ class SpeculativeConfig:
         d = self.disable_by_batch_size
         if d is not None and (not is_int(d) or d < 1):
             raise bad("disable_by_batch_size", "must be None or an int >= 1")
+        if not isinstance(self.adaptive, bool):
+            raise bad("adaptive", "must be a bool")
 
     @classmethod
     def of(cls, value: SpeculativeConfig | Mapping[str, Any] | None
@@ -113,6 +128,58 @@ class SpeculativeConfig:
     def capacity(self) -> int:
         """Tokens per verify chunk: the last sampled token and the drafts."""
         return self.num_speculative_tokens + 1
+
+
+class DraftBudget:
+    """Which drafts pay for their rows (module docstring)."""
+
+    WINDOW = 64  # steps the cost model is fitted on
+    MIN_STEPS = 8
+
+    def __init__(self) -> None:
+        self.steps: deque[tuple[int, float]] = deque(maxlen=self.WINDOW)
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """A step of ``rows`` token rows took ``seconds``."""
+        self.steps.append((rows, seconds))
+
+    def fit(self) -> tuple[float, float] | None:
+        """``(a, b)`` of ``seconds ~ a + b * rows`` by least squares; None without data."""
+        if len(self.steps) < self.MIN_STEPS:
+            return None
+        n = len(self.steps)
+        mx = sum(r for r, _ in self.steps) / n
+        my = sum(t for _, t in self.steps) / n
+        var = sum((r - mx) ** 2 for r, _ in self.steps)
+        if var < 1e-9:
+            return None
+        b = max(0.0, sum((r - mx) * (t - my) for r, t in self.steps) / var)
+        return max(my - b * mx, 0.0), b
+
+    @staticmethod
+    def acceptance(req: Request) -> float:
+        """The request's draft acceptance probability so far (prior: one of each)."""
+        return (req.spec_accepted + 1) / (req.spec_accepted + req.spec_rejections + 2)
+
+    def trim(self, requests: Sequence[Request], rows: int) -> None:
+        """Cut each request's ``draft_ids`` to the drafts that pay on a step of ``rows`` other
+        rows."""
+        fit = self.fit()
+        if fit is None or not requests:
+            return
+        a, b = fit
+        n, t = float(rows), a + b * rows
+        p = {id(r): self.acceptance(r) for r in requests}
+        keep = dict.fromkeys(p, 0)
+        for j in range(max(len(r.draft_ids) for r in requests)):
+            for r in sorted(requests, key=lambda r: -p[id(r)]):
+                if keep[id(r)] == j and j < len(r.draft_ids):
+                    gain = p[id(r)] ** (j + 1)
+                    if gain * t > b * n:
+                        keep[id(r)] += 1
+                        n, t = n + gain, t + b
+        for r in requests:
+            r.draft_ids = r.draft_ids[:keep[id(r)]]
 
 
 def draftable(req: Request) -> bool:
