@@ -15,9 +15,9 @@ For each model, workload, batch size (1 / 4 / 16 copies of the request, differen
 temperature (0 and 0.7, seeded) and side (speculation off / on, in alternation, ``--repeats``
 times): decode tok/s (tokens after each request's first, over the time from the last first
 token to the end), the median inter-token latency per request, and for the "on" side the
-acceptance rate per draft position. At batch 16 the engine's default turns drafting off
-(``disable_by_batch_size`` 8: a compute-bound batch gains nothing from extra verified rows);
-``--force-16`` also measures it forced on. Reports the capsule memory per state slot against
+acceptance rate per draft position. The engine's default keeps only the drafts its step-time
+model says pay for their rows (``DraftBudget``); ``--force-16`` also measures batch 16 with every
+draft verified (``adaptive: false``). Reports the capsule memory per state slot against
 per-token copies of the recurrent state. Medians of the repeats; writes JSON.
 
     python benchmarks/speculative.py [--models builtin small] [--out FILE]
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.force_16:
             sides["on_forced"] = load_engine(
                 folder, dtype=dtype, max_num_seqs=16, num_blocks=512,
-                speculative_config={**spec, "disable_by_batch_size": None})
+                speculative_config={**spec, "adaptive": False})
         cfg = sides["off"].model.config
         memory[name] = {"capsule_bytes_per_slot": capsule_bytes(cfg, args.k + 1,
                                                                  sides["off"].model.dtype),
