@@ -323,6 +323,12 @@ def test_the_draft_budget_keeps_drafts_that_pay_for_their_rows(
             r.draft_ids = (1, 2, 3, 4)
         budget.trim([good, bad], batch)
         assert (len(good.draft_ids), len(bad.draft_ids)) == want, (batch, want)
+    steady = _budget(0.1e-3, 2e-3)
+    steady.observe(40, 1.0)  # one slow first call does not tilt the fit
+    assert steady.fit() == pytest.approx((0.1e-3, 2e-3))
+    for _ in range(DraftBudget.WINDOW):  # a window without spread: explore again
+        steady.observe(16, 0.1e-3 + 2e-3 * 16)
+    assert steady.fit() is None
     engine = make_engine(num_blocks=64, speculative_config={"num_speculative_tokens": 3})
     engine.drafter = Fixed([1, 2, 3])
     engine.draft_budget = _budget(0.1e-3, 2e-3)  # as if every row cost 2 ms: never worth it

@@ -281,7 +281,8 @@ class Engine:
         st.update_s += t2 - t1
         st.step_log.append((len(sched.sequences), sched.num_batched_tokens,
                             t_sched + result.prepare_s, t2 - t0))
-        self.draft_budget.observe(sched.num_batched_tokens, t2 - t0)
+        if all(s.num_new_tokens == 1 or s.drafts for s in sched.sequences):
+            self.draft_budget.observe(sched.num_batched_tokens, t2 - t0)  # decodes and verifies
 
     def _fail_step(self, sched: SchedulerOutput | None, exc: Exception) -> list[RequestOutput]:
         """A step raised: fail its requests (all running ones when scheduling itself raised),

@@ -7,16 +7,18 @@ the last sampled token and k drafts, at most ONNX Runtime's state-update capacit
 (no drafts while more requests than that are running; default None, as vLLM's).
 
 Speculation turns itself down where it does not pay (``DraftBudget``): the engine models a
-step's time as ``a + b * rows`` (least squares over its last ``WINDOW`` steps) and each
+step's time as ``a + b * rows`` (a robust fit over its last ``WINDOW`` steps of decodes and
+verify chunks only: a prefill chunk's rows run another path at another cost) and each
 request's ``j``-th draft as accepted with probability ``p^j`` (``p``: the request's accepted
 drafts over accepted plus rejections so far, one of each as prior). A draft row is kept only
 while its expected tokens exceed what the step as planned so far yields per row-time,
 ``g > b * N / T`` (``N`` expected tokens, ``T = a + b * rows``): on a weights-bound step
 (``a`` >> ``b * rows``, a small batch) cheap rows are kept; on a compute-bound one (a large
 batch: ``T`` ~ ``b * rows``, the bar ~ 1 token per row) no draft clears it, and neither do the
-drafts of a request whose guesses keep failing. Without a fit (fewer than 8 steps, or no spread
-in their rows) every draft is kept, which gives the fit its spread. ``adaptive: false`` (our key)
-verifies every draft.
+drafts of a request whose guesses keep failing. While the window holds fewer than
+``MIN_SPREAD`` steps off its most common row count every draft is kept (exploration: a few
+steps in each window), which gives the fit its spread. ``adaptive: false`` (our key) verifies
+every draft.
 
 One step with speculation (engine -> scheduler -> runner -> scheduler):
 
@@ -47,6 +49,7 @@ processed logits depend on the tokens before each row); they decode as usual in 
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -134,7 +137,7 @@ class DraftBudget:
     """Which drafts pay for their rows (module docstring)."""
 
     WINDOW = 64  # steps the cost model is fitted on
-    MIN_STEPS = 8
+    MIN_SPREAD = 4  # steps off the most common row count needed for a fit
 
     def __init__(self) -> None:
         self.steps: deque[tuple[int, float]] = deque(maxlen=self.WINDOW)
@@ -144,17 +147,21 @@ class DraftBudget:
         self.steps.append((rows, seconds))
 
     def fit(self) -> tuple[float, float] | None:
-        """``(a, b)`` of ``seconds ~ a + b * rows`` by least squares; None without data."""
-        if len(self.steps) < self.MIN_STEPS:
+        """``(a, b)`` of ``seconds ~ a + b * rows``, robustly: the median time of the most
+        common row count ``r0`` and the median slope of the other steps from it (one slow first
+        call cannot tilt it); None with fewer than ``MIN_SPREAD`` steps off ``r0``."""
+        if not self.steps:
             return None
-        n = len(self.steps)
-        mx = sum(r for r, _ in self.steps) / n
-        my = sum(t for _, t in self.steps) / n
-        var = sum((r - mx) ** 2 for r, _ in self.steps)
-        if var < 1e-9:
+        counts: dict[int, int] = {}
+        for r, _ in self.steps:
+            counts[r] = counts.get(r, 0) + 1
+        r0 = max(counts, key=lambda r: counts[r])
+        base = statistics.median(t for r, t in self.steps if r == r0)
+        slopes = [(t - base) / (r - r0) for r, t in self.steps if r != r0]
+        if len(slopes) < self.MIN_SPREAD:
             return None
-        b = max(0.0, sum((r - mx) * (t - my) for r, t in self.steps) / var)
-        return max(my - b * mx, 0.0), b
+        b = max(0.0, statistics.median(slopes))
+        return max(base - b * r0, 0.0), b
 
     @staticmethod
     def acceptance(req: Request) -> float:
