@@ -217,12 +217,32 @@ def _bf16_gemm_timing(form: str) -> float:
     return statistics.median(times["torch"][1:]) / statistics.median(times["widened"][1:])
 
 
+_AGREED: dict[tuple[str, str], tuple[float, ...]] = {}
+
+
+def _agreed(name: str, measure: Callable[[str], tuple[float, ...]]) -> tuple[float, ...]:
+    """``measure(form)`` once per process and form -- rank 0's figures on every rank of an
+    initialised torch.distributed group (ranks measure apart and could choose differently,
+    and tensor-parallel ranks must multiply alike)."""
+    key = (name, status().isa)
+    if key not in _AGREED:
+        values = measure(key[1])
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            t = torch.tensor(values, dtype=torch.float64, device="cpu")
+            dist.broadcast(t, src=0)
+            values = tuple(t.tolist())
+        _AGREED[key] = values
+    return _AGREED[key]
+
+
 def bf16_gemm_timing() -> float:
     """Time of torch's bf16 GEMM (oneDNN's on the packed weight where weights are packed) over
     the widened fp32 GEMM's (from the plain weight read back) at 256 rows on this machine
-    (> 1: torch's is slower), measured once per form: the figure the start-up line reports is
-    the one the projections were chosen by."""
-    return _bf16_gemm_timing(status().isa)
+    (> 1: torch's is slower), measured once per form (rank 0's under torch.distributed): the
+    figure the start-up line reports is the one the projections were chosen by."""
+    return _agreed("bf16", lambda form: (_bf16_gemm_timing(form),))[0]
 
 
 @functools.cache
@@ -245,8 +265,9 @@ def _fp32_gemm_timing(form: str) -> tuple[float, float]:
 
 def fp32_gemm_timing() -> tuple[float, float]:
     """Time of torch's fp32 GEMM over the native kernel's at 4 and at 256 rows on this machine
-    (> 1: torch's is slower), measured once per form."""
-    return _fp32_gemm_timing(status().isa)
+    (> 1: torch's is slower), measured once per form (rank 0's under torch.distributed)."""
+    small, large = _agreed("fp32", _fp32_gemm_timing)
+    return small, large
 
 
 def preferred_linear(dtype: torch.dtype) -> Callable[[torch.Tensor, torch.Tensor],
