@@ -14,6 +14,9 @@
   the engine's threads again when they leave room (the runner ticks it before each step).
 * ``ModelRunner`` (``runner.py``) -- owns the model, its kernel bundle and the cache; runs one
   scheduled step (prepare -> model -> sampler) and ``score`` (the training-side recompute).
+* ``SpeculativeConfig`` / ``NgramDrafter`` / ``DraftBudget`` / ``verify`` (``speculative.py``) --
+  speculative decoding: vLLM's config, n-gram drafts, the budget that keeps drafts only where
+  they pay, verification by rejection sampling (the states rolled back by ``kernels/capsule.py``).
 * ``IncrementalDetokenizer`` (``detokenizer.py``) -- each request's text, O(new tokens) a step;
   the server reads it.
 * ``Engine`` (``engine.py``) -- ``add_request`` / ``abort_request`` / ``step`` (schedule ->
