@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from pagedhybrid.engine.sampling import GREEDY, SamplingParams, filtered_probs, sample
+from pagedhybrid.engine.sampling import GREEDY, SamplingParams, _filtered_probs, sample
 from pagedhybrid.errors import ContractViolation
 
 
@@ -33,7 +33,7 @@ def reference_probs(logits: list[float], t: float, k: int, p: float) -> list[flo
 def test_filtered_probs_match_direct_formulation(t: float, k: int, p: float) -> None:
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(4, 12, generator=g, dtype=torch.float64).float()
-    got = filtered_probs(logits, torch.full((4,), t), torch.full((4,), k, dtype=torch.int64),
+    got = _filtered_probs(logits, torch.full((4,), t), torch.full((4,), k, dtype=torch.int64),
                           torch.full((4,), p))
     for row in range(4):
         want = reference_probs(logits[row].double().tolist(), t, k, p)
@@ -45,7 +45,7 @@ def test_top_p_over_a_flat_wide_row_widens_its_search() -> None:
     so the search widens; the result is the sort-based formulation's."""
     logits = torch.randn(2, 5000, generator=torch.Generator().manual_seed(4)).mul_(0.05)
     logits[1, :10] += 10.0  # the second row peaked: its prefix fits the first width
-    got = filtered_probs(logits, torch.ones(2), torch.zeros(2, dtype=torch.int64),
+    got = _filtered_probs(logits, torch.ones(2), torch.zeros(2, dtype=torch.int64),
                           torch.tensor([0.9, 0.9]))
     for row in range(2):
         want = reference_probs(logits[row].double().tolist(), 1.0, 0, 0.9)

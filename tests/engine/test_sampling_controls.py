@@ -13,9 +13,9 @@ from pagedhybrid.engine.request import InvalidRequest
 from pagedhybrid.engine.sampling import (
     GREEDY,
     SamplingParams,
+    _filtered_probs,
     bad_word_bans,
     bad_words_token_ids,
-    filtered_probs,
     process_logits,
     sample,
     wrap_seed,
@@ -89,7 +89,7 @@ def test_processed_logits_match_vllm_definitions(p: SamplingParams) -> None:
 @pytest.mark.parametrize(("t", "min_p"), [(1.0, 0.1), (0.7, 0.5), (1.5, 0.05), (1.0, 1.0)])
 def test_min_p_matches_its_definition(t: float, min_p: float) -> None:
     logits = torch.randn(4, 20, generator=torch.Generator().manual_seed(2))
-    got = filtered_probs(logits, torch.full((4,), t), torch.zeros(4, dtype=torch.int64),
+    got = _filtered_probs(logits, torch.full((4,), t), torch.zeros(4, dtype=torch.int64),
                           torch.ones(4), torch.full((4,), min_p))
     for r in range(4):
         assert got[r].tolist() == pytest.approx(reference_min_p(logits[r].tolist(), t, min_p),

@@ -299,7 +299,7 @@ def _top_p_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         width = min(4 * width, vocab)
 
 
-def filtered_probs(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor,
+def _filtered_probs(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor,
                     top_p: torch.Tensor, min_p: torch.Tensor | None = None, *,
                     inplace: bool = False) -> torch.Tensor:
     """Temperature, min-p, top-k and top-p applied row-wise; probabilities in vocab order.
@@ -321,6 +321,17 @@ def filtered_probs(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tenso
         probs.div_(probs.sum(dim=1, keepdim=True))
         probs.masked_fill_(probs < _top_p_floor(probs, top_p), 0.0)
     return probs.div_(probs.sum(dim=1, keepdim=True))
+
+
+def params_probs(logits: torch.Tensor, params: Sequence[SamplingParams], *,
+                 inplace: bool = False) -> torch.Tensor:
+    """``_filtered_probs`` of ``logits [R, V]`` with each row's own ``params`` (temperature,
+    top-k, top-p, min-p)."""
+    return _filtered_probs(
+        logits, torch.tensor([p.temperature for p in params], dtype=torch.float32),
+        torch.tensor([p.top_k for p in params], dtype=torch.int64),
+        torch.tensor([p.top_p for p in params], dtype=torch.float32),
+        torch.tensor([p.min_p for p in params], dtype=torch.float32), inplace=inplace)
 
 
 def logprob_dicts(logits: torch.Tensor, tokens: Sequence[int], k: int
@@ -369,14 +380,8 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     if random_rows:
         every = len(random_rows) == rows
         idx = torch.tensor(random_rows)
-        sel = [params[i] for i in random_rows]
-        probs = filtered_probs(
-            proc if every else proc[idx],
-            torch.tensor([p.temperature for p in sel], dtype=torch.float32),
-            torch.tensor([p.top_k for p in sel], dtype=torch.int64),
-            torch.tensor([p.top_p for p in sel], dtype=torch.float32),
-            torch.tensor([p.min_p for p in sel], dtype=torch.float32),
-            inplace=not every or proc is not raw)  # [R, V]: never the caller's logits
+        probs = params_probs(proc if every else proc[idx], [params[i] for i in random_rows],
+                             inplace=not every or proc is not raw)  # [R, V]: never the caller's
         vocab = raw.shape[1]
         buf = torch.empty(0) if noise is None else noise
         if buf.numel() < len(random_rows) * vocab:

@@ -60,8 +60,8 @@ import torch
 from pagedhybrid.engine.request import Request
 from pagedhybrid.engine.sampling import (
     SampledToken,
-    filtered_probs,
     logprob_dicts,
+    params_probs,
     process_logits,
 )
 from pagedhybrid.errors import ContractViolation, UnsupportedConfiguration
@@ -266,12 +266,7 @@ def verify(logits: torch.Tensor, reqs: Sequence[Request], drafts: Sequence[Seque
     rnd = [i for i, p in enumerate(params) if not p.greedy]
     probs = None
     if rnd:
-        sel = [params[i] for i in rnd]
-        probs = filtered_probs(
-            proc[rnd], torch.tensor([p.temperature for p in sel], dtype=torch.float32),
-            torch.tensor([p.top_k for p in sel], dtype=torch.int64),
-            torch.tensor([p.top_p for p in sel], dtype=torch.float32),
-            torch.tensor([p.min_p for p in sel], dtype=torch.float32), inplace=True)
+        probs = params_probs(proc[rnd], [params[i] for i in rnd], inplace=True)
     where = {row: j for j, row in enumerate(rnd)}  # row -> its row in probs
     ok, best = finite.tolist(), targets.tolist()
     out: list[list[SampledToken] | str] = []

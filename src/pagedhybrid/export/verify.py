@@ -351,11 +351,10 @@ def _verify_state_updates(graph: ir.Graph, dec: dict[str, Any], cap: int, linear
     chk(dec.get("state_update_capacity", 0) == (cap if on else 0), "genai state_update",
         f"decoder.state_update_capacity = {dec.get('state_update_capacity')!r} (graph {cap})")
     for i in linear:
-        for op, state, k_count, out_name in (
-                (c.VARLEN_CONV, c.PAST_CONV % i, 5, c.STATE_UPDATE_CONV % i),
-                (c.GATED_DELTA_NET, c.PAST_RECURRENT % i, 9, c.STATE_UPDATE_RECURRENT % i)):
-            idx = 4 if op == c.VARLEN_CONV else 6
-            nodes = [n for n in _by_op(graph, op) if _name(_inp(n, idx)) == state]
+        for op, state, k_state, k_count, out_name in (
+                (c.VARLEN_CONV, c.PAST_CONV % i, 4, 5, c.STATE_UPDATE_CONV % i),
+                (c.GATED_DELTA_NET, c.PAST_RECURRENT % i, 6, 9, c.STATE_UPDATE_RECURRENT % i)):
+            nodes = [n for n in _by_op(graph, op) if _name(_inp(n, k_state)) == state]
             if len(nodes) != 1:
                 continue  # (counted by _verify_linear)
             n = nodes[0]

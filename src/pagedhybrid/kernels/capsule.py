@@ -90,17 +90,16 @@ class StateCapture(NamedTuple):
     replay: Callable[..., None]
 
 
-def _verify_rows(meta: StepMetadata, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The verify sequences' token rows ``[n]`` and their flat capsule rows (``slot * C + j``)."""
+def _verify_rows(meta: StepMetadata, capacity: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                            torch.Tensor]:
+    """The verify sequences' token rows ``[n]``, their flat capsule rows (``slot * C + j``) and
+    their state slots."""
 
-    def make() -> tuple[torch.Tensor, torch.Tensor]:
-        slots = meta.state_slots.tolist()
-        rows, flat = [], []
-        for b in meta.verify:
-            lo, hi = meta.cu_seqlens[b], meta.cu_seqlens[b + 1]
-            rows.extend(range(lo, hi))
-            flat.extend(slots[b] * capacity + j for j in range(hi - lo))
-        return int_tensor(rows, torch.int64), int_tensor(flat, torch.int64)
+    def make() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        rows, sub = meta.subset(meta.verify)
+        slots = sub.state_slots.tolist()
+        flat = [slots[b] * capacity + j for b in range(sub.batch) for j in range(sub.q_lens[b])]
+        return rows, int_tensor(flat, torch.int64), sub.state_slots
 
     return meta.memo(f"verify_rows{capacity}", make)
 
@@ -113,11 +112,10 @@ def causal_conv(conv: Callable[..., torch.Tensor], x: torch.Tensor, weight: torc
     if not meta.verify:
         return conv(x, weight, pool, meta, activation, checkpoints)
     assert capsule is not None, "a verify step needs the layer's capsule"
-    slots = meta.verify_slots
+    rows, flat, slots = _verify_rows(meta, capsule.capacity)
     before = pool.index_select(0, slots)  # [n, C, K-1]
     y = conv(x, weight, pool, meta, activation, checkpoints)
     pool.index_copy_(0, slots, before)
-    rows, flat = _verify_rows(meta, capsule.capacity)
     capsule.conv.view(-1, capsule.conv.shape[-1]).index_copy_(0, flat, x.index_select(0, rows))
     return y
 

@@ -110,11 +110,6 @@ class StepMetadata:
         return self.memo("verify_mask", lambda: int_tensor(
             (b in set(self.verify) for b in range(self.batch)), torch.bool))
 
-    @property
-    def verify_slots(self) -> torch.Tensor:
-        """int64 ``[n]``: the verify sequences' state slots."""
-        return self.memo("verify_slots", lambda: self.state_slots[list(self.verify)])
-
     def memo(self, key: str, fn: Callable[[], Any]) -> Any:
         """``fn()`` computed once per step (per ``key``)."""
         if key not in self._memo:

@@ -90,6 +90,13 @@ inline void check_slots(const char* op, const at::Tensor& slots, int64_t batch,
 }
 
 // cu_seqlens int32 [B+1]: cu[0] == 0, non-decreasing, cu[B] == rows.
+// The sequence count B of a packed call's cu_seqlens [B+1] (its rank and length checked).
+inline int64_t varlen_batch(const char* op, const at::Tensor& cu_t) {
+  PH_CHECK(cu_t.dim() == 1 && cu_t.size(0) >= 1, op, "cu_seqlens", "must be [B+1] (got shape ",
+           shape_of(cu_t), ")");
+  return cu_t.size(0) - 1;
+}
+
 inline const int32_t* check_cu_seqlens(const char* op, const at::Tensor& cu_t, int64_t batch,
                                        int64_t rows) {
   check_tensor(op, "cu_seqlens", cu_t, 1, at::kInt);

@@ -277,9 +277,7 @@ void gated_delta_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tens
                         const at::Tensor& fresh, const at::Tensor& cu_seqlens, at::Tensor out,
                         double scale) {
   constexpr const char* op = "gated_delta_varlen";
-  PH_CHECK(cu_seqlens.dim() == 1 && cu_seqlens.size(0) >= 1, op, "cu_seqlens",
-           "must be [B+1] (got shape ", shape_of(cu_seqlens), ")");
-  const int64_t batch = cu_seqlens.size(0) - 1;
+  const int64_t batch = varlen_batch(op, cu_seqlens);
   const GdnCall call(op, batch, q, k, v, a, b, a_log, dt_bias, pool, slots, fresh, out, scale);
   const int32_t* cu = check_cu_seqlens(op, cu_seqlens, batch, q.size(0));
   const int64_t w = call.token_work();
@@ -294,11 +292,12 @@ void gated_delta_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tens
 // delta [S, C, Hv, Dv], float32, contiguous (C: the capsule's token capacity).
 struct Capsule {
   float *decay, *key, *delta;
-  int64_t cap;
+  int64_t cap, hv, hk, dk, dv;
 
   Capsule(const char* op, const at::Tensor& decay_, const at::Tensor& key_,
-          const at::Tensor& delta_, int64_t slots, int64_t hv, int64_t hk, int64_t dk,
-          int64_t dv) {
+          const at::Tensor& delta_, int64_t slots, int64_t hv_, int64_t hk_, int64_t dk_,
+          int64_t dv_)
+      : hv(hv_), hk(hk_), dk(dk_), dv(dv_) {
     check_tensor(op, "decay", decay_, 3, at::kFloat);
     cap = decay_.size(1);
     const std::array<std::pair<const char*, std::vector<int64_t>>, 3> want{
@@ -315,6 +314,26 @@ struct Capsule {
     decay = decay_.data_ptr<float>(), key = key_.data_ptr<float>();
     delta = delta_.data_ptr<float>();
   }
+
+  // Every captured sequence (verify[b], all when null) fits: at most `cap` tokens.
+  void check_fits(const char* op, const char* what, const int32_t* cu, int64_t batch,
+                  const bool* verify) const {
+    for (int64_t bb = 0; bb < batch; ++bb)
+      PH_CHECK((verify != nullptr && !verify[bb]) || cu[bb + 1] - cu[bb] <= cap, op,
+               "cu_seqlens", what, " ", bb, " has ", cu[bb + 1] - cu[bb],
+               " tokens, more than the capsule's capacity ", cap);
+  }
+
+  // Token j of state slot `slot`, value head h: where its decay and delta go.
+  TokenCapture at(int64_t slot, int64_t j, int64_t h) const {
+    const int64_t i = slot * cap + j;
+    return TokenCapture{decay + i * hv + h, delta + (i * hv + h) * dv};
+  }
+
+  // Token j of state slot `slot`: its key row of key head kh.
+  float* key_row(int64_t slot, int64_t j, int64_t kh) const {
+    return key + ((slot * cap + j) * hk + kh) * dk;
+  }
 };
 
 // gated_delta_capture -- the tokens of verify sequences (rows cu[b] .. cu[b+1]-1, at most the
@@ -328,15 +347,11 @@ void gated_delta_capture(const at::Tensor& q, const at::Tensor& k, const at::Ten
                          const at::Tensor& fresh, const at::Tensor& cu_seqlens, at::Tensor out,
                          double scale, at::Tensor decay, at::Tensor key, at::Tensor delta) {
   constexpr const char* op = "gated_delta_capture";
-  PH_CHECK(cu_seqlens.dim() == 1 && cu_seqlens.size(0) >= 1, op, "cu_seqlens",
-           "must be [B+1] (got shape ", shape_of(cu_seqlens), ")");
-  const int64_t batch = cu_seqlens.size(0) - 1;
+  const int64_t batch = varlen_batch(op, cu_seqlens);
   const GdnCall call(op, batch, q, k, v, a, b, a_log, dt_bias, pool, slots, fresh, out, scale);
   const int32_t* cu = check_cu_seqlens(op, cu_seqlens, batch, q.size(0));
   const Capsule capsule(op, decay, key, delta, pool.size(0), call.hv, call.hk, call.dk, call.dv);
-  for (int64_t bb = 0; bb < batch; ++bb)
-    PH_CHECK(cu[bb + 1] - cu[bb] <= capsule.cap, op, "cu_seqlens", "sequence ", bb, " has ",
-             cu[bb + 1] - cu[bb], " tokens, more than the capsule's capacity ", capsule.cap);
+  capsule.check_fits(op, "sequence", cu, batch, nullptr);
   const int64_t w = call.token_work(), row = call.dv * call.dk;
   parallel_items(batch * call.hv, 1, q.size(0) * call.hv * w, [&](int64_t item) {
     const int64_t bb = item / call.hv, h = item % call.hv, slot = call.slots[bb];
@@ -345,10 +360,8 @@ void gated_delta_capture(const at::Tensor& q, const at::Tensor& k, const at::Ten
     const float* src = call.pool + (slot * call.hv + h) * row;
     std::copy(src, src + row, state.data());
     for (int64_t t = cu[bb]; t < cu[bb + 1]; ++t) {
-      const int64_t j = slot * capsule.cap + t - cu[bb];
-      const int64_t kh = h / call.ratio;
-      const TokenCapture tc{capsule.decay + j * call.hv + h,
-                            capsule.delta + (j * call.hv + h) * call.dv};
+      const int64_t j = t - cu[bb], kh = h / call.ratio;
+      const TokenCapture tc = capsule.at(slot, j, h);
       gdn_token(state.data(), call.q + (t * call.hk + kh) * call.dk,
                 call.k + (t * call.hk + kh) * call.dk, call.v + (t * call.hv + h) * call.dv,
                 call.a[t * call.hv + h], call.b[t * call.hv + h], call.a_log[h], call.dt_bias[h],
@@ -356,7 +369,7 @@ void gated_delta_capture(const at::Tensor& q, const at::Tensor& k, const at::Ten
                 call.out + (t * call.hv + h) * call.dv, &tc);
       if (h % call.ratio == 0) {
         const float* kr = call.k + (t * call.hk + kh) * call.dk;
-        std::copy(kr, kr + call.dk, capsule.key + (j * call.hk + kh) * call.dk);
+        std::copy(kr, kr + call.dk, capsule.key_row(slot, j, kh));
       }
     }
   });
@@ -398,10 +411,10 @@ void gated_delta_replay(at::Tensor pool, const at::Tensor& slots, const at::Tens
     const int64_t bb = item / hv, h = item % hv;
     float* s = pp + (sl[bb] * hv + h) * dv * dk;
     for (int64_t t = b0[bb]; t < b1[bb]; ++t) {
-      const int64_t j = sl[bb] * capsule.cap + t;
-      const float d = capsule.decay[j * hv + h];
-      const float* kv = capsule.key + (j * hk + h / ratio) * dk;
-      const float* u = capsule.delta + (j * hv + h) * dv;
+      const TokenCapture tc = capsule.at(sl[bb], t, h);
+      const float d = *tc.decay;
+      const float* kv = capsule.key_row(sl[bb], t, h / ratio);
+      const float* u = tc.delta;
       if (dk % kLanes == 0) {
         const VF dd = bcast(d);
         for (int64_t r = 0; r < dv; ++r) {
@@ -534,9 +547,7 @@ void causal_conv_varlen(const at::Tensor& x, const at::Tensor& weight,
                         const at::Tensor& slots, const at::Tensor& fresh,
                         const at::Tensor& cu_seqlens, at::Tensor out, bool silu) {
   constexpr const char* op = "causal_conv_varlen";
-  PH_CHECK(cu_seqlens.dim() == 1 && cu_seqlens.size(0) >= 1, op, "cu_seqlens",
-           "must be [B+1] (got shape ", shape_of(cu_seqlens), ")");
-  const int64_t batch = cu_seqlens.size(0) - 1;
+  const int64_t batch = varlen_batch(op, cu_seqlens);
   check_conv(op, batch, x, weight, bias, pool, slots, fresh, out);
   const int32_t* cu = check_cu_seqlens(op, cu_seqlens, batch, x.size(0));
   run_conv(x, weight, bias, pool, slots, fresh, cu, batch, out, silu);
@@ -653,10 +664,10 @@ void gdn_mixer_impl(const at::Tensor& qkv, const at::Tensor& z, const at::Tensor
       const float* q = qp + (t * qk + h / ratio) * dk;
       TokenCapture tc{nullptr, nullptr};
       if (verify) {
-        const Capsule& c = *chunks.caps;
-        const int64_t j = slots[bb] * c.cap + t - chunks.first(bb);
-        tc = TokenCapture{c.decay + j * hv + h, c.delta + (j * hv + h) * dv};
-        if (h % ratio == 0) std::copy(q + hk * dk, q + hk * dk + dk, c.key + (j * hk + h / ratio) * dk);
+        const int64_t j = t - chunks.first(bb);
+        tc = chunks.caps->at(slots[bb], j, h);
+        if (h % ratio == 0)
+          std::copy(q + hk * dk, q + hk * dk + dk, chunks.caps->key_row(slots[bb], j, h / ratio));
       }
       gdn_token(state, q, q + hk * dk, vp + (t * hv + h) * dv, to_float(ap[t * lda + h]),
                 to_float(bp[t * ldb + h]), alp[h], dtp[h], fresh[bb] && t == chunks.first(bb),
@@ -735,9 +746,7 @@ void gdn_decode_mixer(const at::Tensor& qkv, const at::Tensor& z, const at::Tens
   int64_t batch = rows;
   const int32_t* cu = nullptr;
   if (cu_seqlens.has_value()) {
-    PH_CHECK(cu_seqlens->dim() == 1 && cu_seqlens->size(0) >= 1, op, "cu_seqlens",
-             "must be [B+1] (got shape ", shape_of(*cu_seqlens), ")");
-    batch = cu_seqlens->size(0) - 1;
+    batch = varlen_batch(op, *cu_seqlens);
     cu = check_cu_seqlens(op, *cu_seqlens, batch, rows);
   }
   check_slots(op, slots, batch, pool.size(0));
@@ -761,10 +770,7 @@ void gdn_decode_mixer(const at::Tensor& qkv, const at::Tensor& z, const at::Tens
              pool.size(0), ", ", caps->cap, ", ", ch, "] (got shape ", shape_of(*capsule_conv),
              ")");
     ver = verify->data_ptr<bool>();
-    for (int64_t bb = 0; bb < batch; ++bb)
-      PH_CHECK(!ver[bb] || cu[bb + 1] - cu[bb] <= caps->cap, op, "cu_seqlens", "verify chunk ",
-               bb, " has ", cu[bb + 1] - cu[bb], " tokens, more than the capsule's capacity ",
-               caps->cap);
+    caps->check_fits(op, "verify chunk", cu, batch, ver);
   }
   if (dt == at::kFloat) {
     MixerChunks<float> chunks{cu, ver, ver ? capsule_conv->data_ptr<float>() : nullptr,
