@@ -1,9 +1,10 @@
 """Speculative decoding: decode speed, inter-token latency and acceptance, with and without.
 
-Models: the built-in model (``builtin``: 8 layers, hidden 256, bf16 as shipped) and the 141M
-random hybrid of ``benchmarks/engine.py`` (``small``, fp32). Drafter: n-gram prompt lookup
-(``{"method": "ngram", "num_speculative_tokens": K}``; random weights give no useful MTP
-acceptance, and the MTP drafter is not built yet). Workloads:
+Models: the built-in model (``builtin``: 8 layers, hidden 256, bf16 as shipped, with its trained
+MTP head) and the 141M random hybrid of ``benchmarks/engine.py`` (``small``, fp32). Drafters
+(``--methods``): n-gram prompt lookup (``{"method": "ngram", "num_speculative_tokens": K}``) and
+the checkpoint's MTP head (``"mtp"``; only where the checkpoint has one: random weights give no
+useful MTP acceptance). Workloads:
 
 * ``repetitive`` -- an edit-style request: a passage of held-out text, then the instruction to
   write it out again and its first line (the built-in model's tokenizer; the small model reads
@@ -12,12 +13,13 @@ acceptance, and the MTP drafter is not built yet). Workloads:
 * ``natural`` -- a plain held-out passage to continue, 128 tokens: drafts rarely match.
 
 For each model, workload, batch size (1 / 4 / 16 copies of the request, different passages),
-temperature (0 and 0.7, seeded) and side (speculation off / on, in alternation, ``--repeats``
-times): decode tok/s (tokens after each request's first, over the time from the last first
-token to the end), the median inter-token latency per request, and for the "on" side the
-acceptance rate per draft position. The engine's default keeps only the drafts its step-time
-model says pay for their rows (``DraftBudget``); ``--force-16`` also measures batch 16 with every
-draft verified (``adaptive: false``). Reports the capsule memory per state slot against
+temperature (0 and 0.7, seeded) and side (speculation off / each method, in alternation,
+``--repeats`` times): decode tok/s (tokens after each request's first, over the time from the
+last first token to the end), the median inter-token latency per request, and for the method
+sides the acceptance rate per draft position (accepted drafts at position ``j`` over verify
+chunks). The engine's default keeps only the drafts its step-time model says pay for their rows
+(``DraftBudget``); ``--force-16`` also measures batch 16 with every draft verified (``adaptive:
+false``). Reports the capsule memory per state slot against
 per-token copies of the recurrent state. Medians of the repeats; writes JSON.
 
     python benchmarks/speculative.py [--models builtin small] [--out FILE]
@@ -41,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pagedhybrid.engine import Engine, SamplingParams, load_engine
 from pagedhybrid.kernels.capsule import capsule_bytes, full_state_bytes
 from pagedhybrid.kernels.native import cpu_form
-from pagedhybrid.models.qwen35 import default_model_dir
+from pagedhybrid.models.qwen35 import Qwen35Config, default_model_dir
 from pagedhybrid.models.qwen35.default_model import heldout_text_path
 
 MAX_TOKENS = 128
@@ -109,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16])
     ap.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 0.7])
     ap.add_argument("--workloads", nargs="+", default=["repetitive", "natural"])
+    ap.add_argument("--methods", nargs="+", default=["ngram", "mtp"])
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--force-16", action="store_true")
@@ -121,14 +124,17 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.models:
         folder = default_model_dir() if name == "builtin" else small_model(tmp / name)
         dtype = "auto" if name == "builtin" else "float32"
-        spec = {"method": "ngram", "num_speculative_tokens": args.k}
-        sides = {"off": load_engine(folder, dtype=dtype, max_num_seqs=16, num_blocks=512),
-                 "on": load_engine(folder, dtype=dtype, max_num_seqs=16, num_blocks=512,
-                                   speculative_config=spec)}
-        if args.force_16:
-            sides["on_forced"] = load_engine(
-                folder, dtype=dtype, max_num_seqs=16, num_blocks=512,
-                speculative_config={**spec, "adaptive": False})
+        has_head = Qwen35Config.from_model_dir(folder).mtp_num_hidden_layers == 1
+        methods = [m for m in args.methods if m != "mtp" or has_head]
+        sides = {"off": load_engine(folder, dtype=dtype, max_num_seqs=16, num_blocks=512)}
+        for m in methods:
+            spec = {"method": m, "num_speculative_tokens": args.k}
+            sides[m] = load_engine(folder, dtype=dtype, max_num_seqs=16, num_blocks=512,
+                                   speculative_config=spec)
+            if args.force_16:
+                sides[f"{m}_forced"] = load_engine(
+                    folder, dtype=dtype, max_num_seqs=16, num_blocks=512,
+                    speculative_config={**spec, "adaptive": False})
         cfg = sides["off"].model.config
         memory[name] = {"capsule_bytes_per_slot": capsule_bytes(cfg, args.k + 1,
                                                                  sides["off"].model.dtype),
@@ -143,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                     runs: dict[str, list[dict[str, float]]] = {s: [] for s in sides}
                     for _ in range(args.repeats):
                         for side, engine in sides.items():
-                            if side == "on_forced" and batch < 16:
+                            if side.endswith("_forced") and batch < 16:
                                 continue
                             runs[side].append(measure(engine, texts, params))
                     for side, rs in runs.items():
@@ -171,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
            "max_tokens": MAX_TOKENS, "memory": memory, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
-    print("\nmodel     workload    batch temp  off tok/s  on tok/s  speedup  accept/pos")
+    print("\nmodel     workload    batch temp  off tok/s  on tok/s  speedup  accept/pos side")
     for r in rows:
         if r["side"] == "off":
             continue

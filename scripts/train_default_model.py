@@ -36,6 +36,7 @@ perplexities measured by ``benchmarks/perplexity.py``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import random
@@ -51,7 +52,7 @@ import torch.nn.functional as F
 
 from pagedhybrid.models.qwen35 import Qwen35Config, Qwen35ForCausalLM, build
 from pagedhybrid.models.qwen35.default_model import DEFAULT_MODEL_DIR
-from pagedhybrid.models.qwen35.linear_attention import l2_normalize
+from pagedhybrid.models.qwen35.linear_attention import QK_L2_NORM_EPS
 from pagedhybrid.models.qwen35.rope import mrope_cos_sin
 
 SEED = 1611
@@ -188,6 +189,10 @@ def chunk_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     return torch.stack(outs, dim=2).reshape(b, h, n * c, dv)[:, :, :t]
 
 
+def l2_normalize(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + QK_L2_NORM_EPS)
+
+
 def gdn_layer(attn, x: torch.Tensor) -> torch.Tensor:  # attn: models.qwen35 GatedDeltaNet
     bsz, t, _ = x.shape
     qkv = attn.in_proj_qkv(x).transpose(1, 2)  # [B, C, T]
@@ -214,11 +219,14 @@ def attention_layer(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
     return attn.output(o.transpose(1, 2).reshape(bsz * t, -1), gate).view(bsz, t, -1)
 
 
-def train_forward(model: Qwen35ForCausalLM, ids: torch.Tensor) -> torch.Tensor:
-    """``ids [B, T]`` -> fp32 logits ``[B, T, V]`` (positions from 0)."""
-    bsz, t = ids.shape
-    pos = torch.arange(t).repeat(bsz).view(1, -1).expand(3, -1)
-    cos, sin = mrope_cos_sin(model.config, pos)
+def rope(model: Qwen35ForCausalLM, bsz: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of positions ``0 .. t-1`` in each of ``bsz`` rows."""
+    return mrope_cos_sin(model.config, torch.arange(t).repeat(bsz).view(1, -1).expand(3, -1))
+
+
+def train_hidden(model: Qwen35ForCausalLM, ids: torch.Tensor) -> torch.Tensor:
+    """``ids [B, T]`` -> the final-norm hidden ``[B, T, hidden]`` (positions from 0)."""
+    cos, sin = rope(model, *ids.shape)
     h = model.model.embed_tokens(ids)
     for layer in model.model.layers:
         x = layer.input_layernorm(h)
@@ -227,7 +235,30 @@ def train_forward(model: Qwen35ForCausalLM, ids: torch.Tensor) -> torch.Tensor:
         else:
             h = h + gdn_layer(layer.linear_attn, x)
         h = layer.feed_forward(h)
-    return model.lm_head(model.model.norm(h)).float()
+    return model.model.norm(h)
+
+
+def train_forward(model: Qwen35ForCausalLM, ids: torch.Tensor) -> torch.Tensor:
+    """``ids [B, T]`` -> fp32 logits ``[B, T, V]`` (positions from 0)."""
+    return model.lm_head(train_hidden(model, ids)).float()
+
+
+def mtp_forward(model: Qwen35ForCausalLM, hidden: torch.Tensor, next_ids: torch.Tensor
+                ) -> torch.Tensor:
+    """The MTP head (``MtpHead``) over whole rows: ``hidden [B, T, H]`` (final-norm hidden at
+    positions ``0 .. T-1``), ``next_ids [B, T]`` (the token after each) -> the head's hidden
+    ``[B, T, H]``, whose LM-head logits predict the token after ``next_ids``."""
+    head = model.mtp
+    assert head is not None
+    bsz, t, _ = hidden.shape
+    cos, sin = rope(model, bsz, t)
+    x = torch.cat([head.pre_fc_norm_embedding(model.model.embed_tokens(next_ids)),
+                   head.pre_fc_norm_hidden(hidden)], dim=-1)
+    h = head.fc(x)
+    layer = head.layer
+    h = layer.feed_forward(h + attention_layer(layer.self_attn, layer.input_layernorm(h), cos,
+                                               sin))
+    return head.norm(h)
 
 
 def init_weights(model: Qwen35ForCausalLM, gen: torch.Generator) -> None:
@@ -262,6 +293,13 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--probe", type=int, default=0, help="time this many steps and exit")
+    ap.add_argument("--mtp", action="store_true",
+                    help="train only the MTP head, on the model in --out (frozen), and add it "
+                    "to that checkpoint (defaults: --steps 400 --lr 2e-3, then --kd-steps)")
+    ap.add_argument("--kd-steps", type=int, default=MTP_KD_STEPS,
+                    help="MTP: steps of self-distillation from the base after --steps")
+    ap.add_argument("--resume", action="store_true",
+                    help="MTP: start from the head in --out and run the distillation only")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(SEED)
@@ -274,7 +312,12 @@ def main() -> int:
     train = [ch for i, ch in enumerate(chapters) if i % HELDOUT_EVERY != HELDOUT_EVERY - 1]
     docs = [chapter_text(ch) for ch in train]
     chats = [chat_text(rng.choice(train), rng) for _ in range(int(CHAT_FRACTION * len(train) * 8))]
-    tok = train_tokenizer(docs + chats)
+    if args.mtp:  # the base's own tokenizer and the same token stream (same seed)
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(Path(args.out) / "tokenizer.json"))
+    else:
+        tok = train_tokenizer(docs + chats)
     stream: list[int] = []
     pieces = [(d, True) for d in docs] + [(c, False) for c in chats]
     rng.shuffle(pieces)
@@ -284,6 +327,8 @@ def main() -> int:
     data = torch.tensor(stream, dtype=torch.int64)
     print(f"{len(train)} training chapters, {len(chats)} chat exchanges, {len(heldout)} held "
           f"out; {len(data)} training tokens", flush=True)
+    if args.mtp:
+        return train_mtp(args, data, Path(args.out))
 
     config = model_config()
     model = build(config, torch.float32, "cpu")
@@ -335,6 +380,128 @@ def main() -> int:
         "total_minutes": (time.perf_counter() - t_start) / 60, "final_loss": sum(log[-100:]) /
         len(log[-100:]), "chapters": (len(train), len(heldout)), "chats": len(chats)})
     return 0
+
+
+MTP_STEPS, MTP_LR = 400, 2e-3  # phase 1: the data's own tokens
+MTP_KD_STEPS, MTP_KD_LR = 200, 1e-3  # phase 2: the base's distributions (self-distillation)
+
+
+def train_mtp(args: argparse.Namespace, data: torch.Tensor, out: Path) -> int:
+    """The MTP head of the model in ``out``, trained with the base frozen. Row ``p`` reads the
+    base's final-norm hidden ``h_p`` and token ``t_{p+1}`` and predicts ``t_{p+2}`` (loss 1);
+    the head's own hidden then stands in for ``h`` one token further on, predicting ``t_{p+3}``
+    (loss 2, weight 1/2: what the second step of a draft chain sees). Phase 1 (``--steps``,
+    default 400) learns the data's tokens; phase 2 (``--kd-steps``, default 200) learns the
+    frozen base's own distributions at those positions (cross-entropy against its softmax):
+    drafts are judged by the base's choices, not the text's. The head's layer starts as a copy
+    of the base's last full-attention layer, ``fc`` at N(0, 0.02), its norms at zero (unit
+    scale); ``--resume`` starts from the head already in ``out`` and runs phase 2 only. Writes
+    ``mtp.*`` (bf16) into ``model.safetensors``, ``mtp_num_hidden_layers: 1`` into
+    ``config.json`` and the run's figures into ``training.json`` (``mtp``)."""
+    from safetensors.torch import load_file, save_file
+
+    from pagedhybrid.models.qwen35 import load
+
+    steps = args.steps if args.steps != 2400 else MTP_STEPS
+    lr0 = args.lr if args.lr != 3e-3 else MTP_LR
+    if args.resume:
+        model = load(out, torch.float32, mtp=True)
+    else:
+        base = load(out, torch.float32)
+        config = dataclasses.replace(base.config, mtp_num_hidden_layers=1)
+        model = build(config, torch.float32, "cpu", mtp=True)
+        state = {k: v.float() for k, v in base.state_dict().items()}
+        last_full = config.full_attention_layers[-1]
+        assert model.mtp is not None
+        for name, t in model.mtp.state_dict().items():
+            if name.startswith("layers.0."):
+                src = name.replace("layers.0.", f"model.layers.{last_full}.", 1)
+                state["mtp." + name] = state[src].clone()
+            elif name.startswith("fc."):
+                state["mtp." + name] = torch.randn(
+                    t.shape, generator=torch.Generator().manual_seed(SEED)) * 0.02
+            else:
+                state["mtp." + name] = torch.zeros(t.shape)
+        model.load_weights(state)
+    head = model.mtp
+    assert head is not None
+    for p in model.parameters():
+        p.requires_grad_(False)
+    params = list(head.parameters())
+    for p in params:
+        p.requires_grad_(True)
+    t0 = time.perf_counter()
+    figures: dict[str, object] = {"params": sum(p.numel() for p in params), "batch": args.batch,
+                                  "seq_len": SEQ_LEN}
+    phases = [("kd", args.kd_steps, MTP_KD_LR)]
+    if not args.resume:
+        phases.insert(0, ("tokens", steps, lr0))
+    for name, n, lr in phases:
+        loss = _mtp_phase(model, data, n, lr, args.batch, kd=name == "kd")
+        figures[name] = {"steps": n, "lr": lr, "final_loss_next2": loss[0],
+                         "final_loss_next3": loss[1]}
+    weights = load_file(str(out / "model.safetensors"))
+    weights = {k: v for k, v in weights.items() if not k.startswith("mtp.")}
+    weights.update({"mtp." + k: v.detach().to(torch.bfloat16).contiguous()
+                    for k, v in head.state_dict().items()})
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["mtp_num_hidden_layers"] = 1
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    stats = json.loads((out / "training.json").read_text())
+    prev = stats.get("mtp", {}) if args.resume else {}
+    figures["train_minutes"] = prev.get("train_minutes", 0.0) + (time.perf_counter() - t0) / 60
+    stats["mtp"] = {**prev, **figures}
+    (out / "training.json").write_text(json.dumps(stats, indent=2) + "\n")
+    print(f"wrote the MTP head into {out}: {json.dumps(stats['mtp'])}")
+    return 0
+
+
+def _mtp_phase(model: Qwen35ForCausalLM, data: torch.Tensor, steps: int, lr0: float,
+               batch: int, kd: bool) -> tuple[float, float]:
+    """One training phase of the head (``train_mtp``); the last 50 steps' mean losses."""
+    head = model.mtp
+    assert head is not None
+    params = list(head.parameters())
+    opt = torch.optim.AdamW(params, lr=lr0, betas=(0.9, 0.95), weight_decay=0.0)
+    gen = torch.Generator().manual_seed(SEED + (2 if kd else 1))
+    log: list[tuple[float, float]] = []
+    t0, t = time.perf_counter(), SEQ_LEN
+    for step in range(steps):
+        lr = lr0 * min(1.0, (step + 1) / 50) * (0.1 + 0.9 * 0.5 * (
+            1 + math.cos(math.pi * step / steps)))
+        for group in opt.param_groups:
+            group["lr"] = lr
+        starts = torch.randint(0, len(data) - t - 3, (batch,), generator=gen)
+        w = torch.stack([data[s:s + t + 3] for s in starts.tolist()])
+        with torch.no_grad():
+            hid = train_hidden(model, w[:, :t])  # h_0 .. h_{T-1}
+            soft = model.lm_head(hid).float().softmax(-1) if kd else None  # row p: t_{p+1}
+        one = mtp_forward(model, hid, w[:, 1:t + 1])  # row p predicts t_{p+2}
+        two = mtp_forward(model, one[:, :-1], w[:, 2:t + 1])  # row p predicts t_{p+3}
+        if soft is None:
+            loss1 = F.cross_entropy(model.lm_head(one).float().reshape(-1, VOCAB),
+                                    w[:, 2:t + 2].reshape(-1))
+            loss2 = F.cross_entropy(model.lm_head(two).float().reshape(-1, VOCAB),
+                                    w[:, 3:t + 2].reshape(-1))
+        else:  # the base's own distribution of the same token, one / two rows on
+            loss1 = -(soft[:, 1:] * model.lm_head(one[:, :-1]).float().log_softmax(-1)).sum(
+                -1).mean()
+            loss2 = -(soft[:, 2:] * model.lm_head(two[:, :-1]).float().log_softmax(-1)).sum(
+                -1).mean()
+        opt.zero_grad(set_to_none=True)
+        (loss1 + 0.5 * loss2).backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        log.append((loss1.item(), loss2.item()))
+        if step % 25 == 0 or step == steps - 1:
+            last = log[-25:]
+            print(f"mtp {'kd' if kd else 'tokens'} step {step:4d} loss1 "
+                  f"{sum(a for a, _ in last) / len(last):.3f} loss2 "
+                  f"{sum(b for _, b in last) / len(last):.3f} lr {lr:.2e} "
+                  f"{(time.perf_counter() - t0) / 60:.1f} min", flush=True)
+    tail = log[-50:]
+    return sum(a for a, _ in tail) / len(tail), sum(b for _, b in tail) / len(tail)
 
 
 def save(out: Path, model: Qwen35ForCausalLM, tok, heldout: list[Chapter],

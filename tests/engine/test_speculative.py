@@ -24,7 +24,7 @@ import torch
 from engine_helpers import prompt_of
 
 from pagedhybrid.engine import Engine, Request, RequestOutput, SamplingParams
-from pagedhybrid.engine.speculative import DraftBudget, NgramIndex, SpeculativeConfig
+from pagedhybrid.engine.speculative import DraftBudget, NgramIndex
 from pagedhybrid.errors import ContractViolation, UnsupportedConfiguration
 from pagedhybrid.models.qwen35 import Qwen35ForCausalLM
 
@@ -275,11 +275,6 @@ def test_bad_speculative_config_is_refused_by_field(make_engine: Callable[..., E
                                                     config: dict, field: str) -> None:
     with pytest.raises(ContractViolation, match=field):
         make_engine(num_blocks=16, speculative_config=config)
-
-
-def test_mtp_and_the_reference_bundle_are_refused() -> None:
-    with pytest.raises(UnsupportedConfiguration, match="mtp"):
-        SpeculativeConfig(method="mtp")
 
 
 def test_the_reference_bundle_cannot_verify(make_engine: Callable[..., Engine]) -> None:

@@ -228,13 +228,15 @@ def test_backpressure_refuses_with_503_and_drops_nothing_accepted(tmp_path) -> N
         assert s.stop() == 0
 
 
-def test_speculative_server_answers_as_without_and_counts_drafts(tmp_path, llm: LLM) -> None:
-    """``--speculative-config`` (vLLM's JSON): n-gram drafts on a repetitive prompt leave the
-    greedy answers -- plain and streamed, through the openai client -- as ``LLM.generate``
-    gives them without speculation, and /metrics counts the drafts vLLM's way. A bad config
-    stops the server at start, naming the key."""
-    spec = ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, '
-            '"adaptive": false}')
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_speculative_server_answers_as_without_and_counts_drafts(tmp_path, llm: LLM,
+                                                                 method: str) -> None:
+    """``--speculative-config`` (vLLM's JSON): n-gram drafts, or the built-in model's MTP head,
+    on a repetitive prompt leave the greedy answers -- plain and streamed, through the openai
+    client -- as ``LLM.generate`` gives them without speculation, and /metrics counts the
+    drafts vLLM's way. A bad config stops the server at start, naming the key."""
+    extra = ', "prompt_lookup_min": 1' if method == "ngram" else ""
+    spec = f'{{"method": "{method}", "num_speculative_tokens": 4{extra}, "adaptive": false}}'
     s = start_server(tmp_path, "--max-num-seqs", "4", "--speculative-config", spec)
     try:
         tok = llm.engine.tokenizer

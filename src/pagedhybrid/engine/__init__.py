@@ -16,7 +16,8 @@
   scheduled step (prepare -> model -> sampler) and ``score`` (the training-side recompute).
 * ``SpeculativeConfig`` / ``NgramDrafter`` / ``DraftBudget`` / ``verify`` (``speculative.py``) --
   speculative decoding: vLLM's config, n-gram drafts, the budget that keeps drafts only where
-  they pay, verification by rejection sampling (the states rolled back by ``kernels/capsule.py``).
+  they pay, verification by rejection sampling (the states rolled back by ``kernels/capsule.py``);
+  ``MtpDrafter`` (``mtp.py``) -- drafts from the checkpoint's MTP head.
 * ``IncrementalDetokenizer`` (``detokenizer.py``) -- each request's text, O(new tokens) a step;
   the server reads it.
 * ``Engine`` (``engine.py``) -- ``add_request`` / ``abort_request`` / ``step`` (schedule ->

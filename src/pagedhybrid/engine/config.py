@@ -58,7 +58,8 @@ class EngineConfig:
     "ngram", "num_speculative_tokens": 3}``; None = off): drafts verified in the same packed
     steps, the linear layers' states rolled back by replaying the accepted tokens' compact
     state updates (``engine/speculative.py``); each state slot gets capsules of ``k + 1``
-    tokens (``kernels.capsule.capsule_bytes``).
+    tokens (``kernels.capsule.capsule_bytes``); with ``"method": "mtp"`` each KV page also
+    holds the MTP head's layer (model dtype) and the model is loaded with its ``mtp.*`` head.
     """
 
     block_size: int = 16
@@ -127,10 +128,13 @@ class EngineConfig:
         return model_dtype if self.kv_cache_dtype == "auto" else kv_dtype(self.kv_cache_dtype)
 
 
-def page_bytes(config: Qwen35Config, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one KV page across all full-attention layers (K and V)."""
-    per_layer = block_size * config.num_key_value_heads * config.head_dim * dtype.itemsize
-    return 2 * per_layer * len(config.full_attention_layers)
+def page_bytes(config: Qwen35Config, block_size: int, dtype: torch.dtype,
+               mtp_dtype: torch.dtype | None = None) -> int:
+    """Bytes of one KV page across all full-attention layers (K and V), and the MTP head's
+    layer in ``mtp_dtype`` when given."""
+    per_token = block_size * config.num_key_value_heads * config.head_dim
+    head = 0 if mtp_dtype is None else 2 * per_token * mtp_dtype.itemsize
+    return 2 * per_token * dtype.itemsize * len(config.full_attention_layers) + head
 
 
 def slot_bytes(config: Qwen35Config, dtype: torch.dtype) -> int:

@@ -12,10 +12,12 @@ One ``step()`` is schedule -> run -> update:
    EOS / max_tokens / max_model_len, returning their pages and slots at once (verify chunks'
    accepted states committed through ``ModelRunner.commit``); each reported request's text
    grows through its ``IncrementalDetokenizer``.
-4. With speculative decoding (``EngineConfig.speculative_config``), the drafter proposes the
-   next step's drafts for the decoding requests and ``DraftBudget`` keeps those that pay for
-   their rows by the engine's own step times (``speculative.py``) -- none while more than
-   ``disable_by_batch_size`` requests are running.
+4. With speculative decoding (``EngineConfig.speculative_config``), the drafter (n-gram,
+   ``speculative.py``, or the checkpoint's MTP head over the step's hidden states, ``mtp.py``)
+   proposes the next step's drafts for the decoding requests and ``DraftBudget`` keeps those
+   that pay for their rows by the engine's own step times -- none while more than
+   ``disable_by_batch_size`` requests are running. A drafter that raises costs that step its
+   drafts only.
 
 ``step`` returns one ``RequestOutput`` per request that got a token or finished (aborts are
 reported by the next ``step``). A step that raises (a bug, never a request's input) does not
@@ -37,6 +39,7 @@ import torch
 from pagedhybrid.engine.config import EngineConfig, slot_bytes
 from pagedhybrid.engine.detokenizer import IncrementalDetokenizer
 from pagedhybrid.engine.memory import MemoryPlan, plan_memory, weight_bytes
+from pagedhybrid.engine.mtp import MtpDrafter
 from pagedhybrid.engine.pages import BlockPool
 from pagedhybrid.engine.request import InvalidRequest, Request, RequestOutput, RequestStatus
 from pagedhybrid.engine.runner import ModelRunner, StepResult
@@ -60,6 +63,12 @@ class Engine:
         self.stats = EngineStats()
         self.eos_token_ids = tuple(model.config.eos_token_id) or tuple(
             getattr(tokenizer, "eos_token_ids", ()) or ())
+        spec = self.config.speculative
+        if spec is not None and spec.method == "mtp" and model.mtp is None:
+            raise ContractViolation(
+                "speculative_config", "method", "'mtp' needs the checkpoint's MTP head: a "
+                "checkpoint with mtp_num_hidden_layers=1 and mtp.* tensors, loaded with "
+                "load(..., mtp=True) (load_engine does)", spec.method)
         # the kernels first: the weights are held as they multiply (packed or plain) before the
         # memory is measured and planned
         self.runner = ModelRunner(model, self.config, self.stats, self.eos_token_ids)
@@ -71,8 +80,11 @@ class Engine:
         self.sizes = self.memory.sizes
         self.runner.allocate(self.sizes)
         self._make_pools()
-        spec = self.config.speculative
-        self.drafter: Drafter | None = None if spec is None else NgramDrafter(spec)
+        self.drafter: Drafter | None = None
+        if spec is not None and spec.method == "mtp":
+            self.drafter = MtpDrafter(self.runner, lambda r: self.blocks.table(r.request_id))
+        elif spec is not None:
+            self.drafter = NgramDrafter(spec)
         self.draft_budget = DraftBudget()
         self._generator = torch.Generator().manual_seed(self.config.seed)
         self._arrivals = 0
@@ -98,9 +110,15 @@ class Engine:
         self.checkpoints = CheckpointPool(sizes.num_checkpoints) if caching else None
         self.scheduler = Scheduler(
             SchedulerConfig(self.config.max_num_seqs, self.config.max_num_batched_tokens,
-                            sizes.max_model_len),
+                            sizes.max_model_len, self._lookahead()),
             self.blocks, self.states, self.eos_token_ids, self.checkpoints,
             self.config.checkpoint_interval, self.config.prefix_cache_key)
+
+    def _lookahead(self) -> int:
+        """Page positions reserved past a sampling chunk: the MTP chain's (``engine/mtp.py``)."""
+        spec = self.config.speculative
+        return spec.num_speculative_tokens - 1 if spec is not None and spec.method == "mtp" \
+            else 0
 
     def score(self, prompts: Sequence[str | Sequence[int]],
               completions: Sequence[str | Sequence[int]]) -> list[list[float]]:
@@ -262,10 +280,16 @@ class Engine:
             req.draft_ids = ()
             if on and req.num_tokens - req.num_computed_tokens == 1 and draftable(req):
                 todo.append(req)
-        if todo:
-            self.drafter.propose(todo, spec.num_speculative_tokens)
-            if spec.adaptive:
-                self.draft_budget.trim([r for r in todo if r.draft_ids], len(running))
+        try:
+            self.drafter.propose(todo, spec.num_speculative_tokens)  # (MTP: catch-up always)
+        except Exception as exc:  # drafts are optional: the requests decode without them
+            print(f"pagedhybrid: drafter failed, no drafts this step: {type(exc).__name__}: "
+                  f"{exc}", file=sys.stderr)
+            self.stats.spec.drafter_failures += 1
+            for req in todo:
+                req.draft_ids = ()
+        if todo and spec.adaptive:
+            self.draft_budget.trim([r for r in todo if r.draft_ids], len(running))
 
     def _account(self, sched: SchedulerOutput, result: StepResult, t0: float, t_sched: float,
                  t1: float) -> None:

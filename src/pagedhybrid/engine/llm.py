@@ -71,13 +71,21 @@ def load_engine(model: str | Path | None = None, *, dtype: str | torch.dtype = "
     from pagedhybrid.models.qwen35 import Qwen35Config, default_model_dir, load, load_tokenizer
 
     model_dir = default_model_dir() if model is None else Path(model)
-    checkpoint_dtype = Qwen35Config.from_model_dir(model_dir).checkpoint_dtype
-    net = load(model_dir, dtype=resolve_dtype(dtype, checkpoint_dtype))
+    cfg = EngineConfig(**config)  # type: ignore[arg-type]
+    checkpoint = Qwen35Config.from_model_dir(model_dir)
+    mtp = cfg.speculative is not None and cfg.speculative.method == "mtp"
+    if mtp and checkpoint.mtp_num_hidden_layers != 1:
+        raise ContractViolation("speculative_config", "method",
+                                f"'mtp' needs a checkpoint with an MTP head "
+                                f"(mtp_num_hidden_layers=1 and mtp.* tensors); {model_dir} has "
+                                f"mtp_num_hidden_layers={checkpoint.mtp_num_hidden_layers}",
+                                "mtp")
+    net = load(model_dir, dtype=resolve_dtype(dtype, checkpoint.checkpoint_dtype), mtp=mtp)
     try:
         tokenizer = load_tokenizer(model_dir, net.config.vocab_size)
     except UnsupportedConfiguration:
         tokenizer = None  # token-id prompts still work
-    return Engine(net, EngineConfig(**config), tokenizer)  # type: ignore[arg-type]
+    return Engine(net, cfg, tokenizer)
 
 
 class LLM:

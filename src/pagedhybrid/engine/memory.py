@@ -145,7 +145,9 @@ def plan_memory(config: Qwen35Config, cfg: EngineConfig, dtype: torch.dtype,
     ``weights`` that is not already in private memory, so not yet out of ``available``
     (default: all of it; packed weights are already there)."""
     bs = cfg.block_size
-    per_page = max(page_bytes(config, bs, cfg.page_dtype(dtype)), 1)
+    spec = cfg.speculative
+    per_page = max(page_bytes(config, bs, cfg.page_dtype(dtype),
+                              dtype if spec is not None and spec.method == "mtp" else None), 1)
     per_slot = slot_bytes(config, dtype)
     limit = min(cfg.max_model_len or config.max_position_embeddings,
                 config.max_position_embeddings)

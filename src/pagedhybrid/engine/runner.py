@@ -195,6 +195,10 @@ class ModelRunner:
         self.eos_token_ids = tuple(eos_token_ids)
         self._noise = torch.empty(0)  # the random rows' exponential draws, reused every step
         self._last: StepBatch | None = None  # the last step (its successor reuses its tensors)
+        spec = config.speculative
+        self._mtp = spec is not None and spec.method == "mtp"
+        # the last step's metadata, final-norm hidden [N, hidden] and requests (MTP drafts)
+        self._hidden: tuple[StepMetadata, torch.Tensor, tuple[Request, ...]] | None = None
         self._inputs = (DecodeInputs(config.max_num_seqs)
                         if torch.device(config.device).type == "cpu" else None)
         mc = model.config
@@ -224,7 +228,8 @@ class ModelRunner:
             fill=config.cache_fill, generator=torch.Generator().manual_seed(config.seed),
             num_checkpoints=sizes.num_checkpoints, kv_dtype=kvd,
             kv_scales=self._kv_scales(kvd) if is_quantized(kvd) else None,
-            capsule_capacity=config.speculative.capacity if config.speculative else 0)
+            capsule_capacity=config.speculative.capacity if config.speculative else 0,
+            mtp=self._mtp)
         model.check_cache(self.cache)  # once: steps pass their validated metadata
 
     @property
@@ -289,8 +294,12 @@ class ModelRunner:
             if s.restore is not None:
                 self.cache.restore_checkpoint(s.restore, s.slot)
         t1 = time.perf_counter()
+        hidden: list[torch.Tensor] | None = [] if self._mtp else None
+        self._hidden = None
         logits = self.model.forward_packed(step.batch, self.cache, step.rows,
-                                           step.meta)  # [R, V]
+                                           step.meta, hidden)  # [R, V]
+        if hidden:
+            self._hidden = (step.meta, hidden[0], step.requests)
         t2 = time.perf_counter()
         for span in step.prompt_spans:
             req = scheduled.sequences[span.seq].request
@@ -320,6 +329,12 @@ class ModelRunner:
         st.forward_s += t2 - t1
         st.sample_s += t3 - t2
         return StepResult(sampled, failed, t1 - t0)
+
+    def take_hidden(self) -> tuple[StepMetadata, torch.Tensor, tuple[Request, ...]] | None:
+        """The last step's metadata, final-norm hidden of every row and requests, once (the
+        MTP drafter's input; None when there is no new step or the drafter is not MTP)."""
+        out, self._hidden = self._hidden, None
+        return out
 
     def commit(self, commits: Sequence[Commit]) -> None:
         """Verify chunks' accepted tokens into their state slots (``Scheduler.update``'s

@@ -199,12 +199,16 @@ class SchedulerConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     max_model_len: int = 4096
+    lookahead: int = 0  # page positions reserved past a sampling chunk when free (MTP chains)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ContractViolation("SchedulerConfig", name, "must be an int >= 1", v)
+        if not isinstance(self.lookahead, int) or self.lookahead < 0:
+            raise ContractViolation("SchedulerConfig", "lookahead", "must be an int >= 0",
+                                    self.lookahead)
 
 
 class ScheduledSequence(NamedTuple):
@@ -315,6 +319,9 @@ class Scheduler:
     def _entry(self, req: Request, n: int, slot: int, restore: int | None = None,
                drafts: tuple[int, ...] = ()) -> ScheduledSequence:
         start = req.num_computed_tokens
+        ahead = self.config.lookahead
+        if ahead and start + n - len(drafts) == req.num_tokens:  # it samples: room for a chain
+            self.alloc.grow(req.request_id, min(start + n + ahead, self.config.max_model_len))
         table = tuple(self.alloc.blocks.table(req.request_id))
         if drafts:  # checkpoints inside a verify chunk are planned at its commit
             return ScheduledSequence(req, start, n, slot, table, True, None, (), drafts)

@@ -1,8 +1,9 @@
 """Speculative decoding: the configuration, the n-gram drafter and the verification sampler.
 
-``SpeculativeConfig`` follows vLLM's ``speculative_config``: ``method`` (``ngram``; ``mtp``
-is refused until the MTP drafter exists), ``num_speculative_tokens`` k (1..7: a verify chunk is
-the last sampled token and k drafts, at most ONNX Runtime's state-update capacity of 8),
+``SpeculativeConfig`` follows vLLM's ``speculative_config``: ``method`` (``ngram``: prompt
+lookup, below; ``mtp``: the checkpoint's MTP head, ``engine/mtp.py``), ``num_speculative_tokens``
+k (1..7: a verify chunk is the last sampled token and k drafts, at most ONNX Runtime's
+state-update capacity of 8),
 ``prompt_lookup_min`` / ``prompt_lookup_max`` (n-gram window) and ``disable_by_batch_size``
 (no drafts while more requests than that are running; default None, as vLLM's).
 
@@ -25,7 +26,8 @@ One step with speculation (engine -> scheduler -> runner -> scheduler):
 1. after each step the drafter proposes up to k tokens for every decoding request it may draft
    for (``Drafter.propose`` sets ``Request.draft_ids``): ``NgramDrafter`` finds the longest
    suffix of the request's tokens (``prompt_lookup_max`` down to ``prompt_lookup_min``) that
-   occurred before and proposes what followed its latest earlier occurrence;
+   occurred before and proposes what followed its latest earlier occurrence; ``MtpDrafter``
+   chains the MTP head k times from the step's hidden states;
 2. the scheduler gives such a request a verify chunk ``[last token, d1 .. dk]`` (drafts cut to
    the token budget, the pages, ``max_model_len`` and ``max_tokens``) in the same packed step as
    every other request's prefill chunk or decode;
@@ -64,7 +66,7 @@ from pagedhybrid.engine.sampling import (
     params_probs,
     process_logits,
 )
-from pagedhybrid.errors import ContractViolation, UnsupportedConfiguration
+from pagedhybrid.errors import ContractViolation
 from pagedhybrid.kernels.native.sampling import greedy_rows
 
 MAX_SPECULATIVE_TOKENS = 7  # + the last sampled token = ONNX Runtime's capacity limit of 8
@@ -91,10 +93,6 @@ class SpeculativeConfig:
 
         if self.method not in METHODS:
             raise bad("method", f"must be one of {list(METHODS)}")
-        if self.method == "mtp":
-            raise UnsupportedConfiguration(
-                "speculative_config.method='mtp': the MTP drafter is not built yet in this "
-                "version; use method='ngram'")
         k = self.num_speculative_tokens
         if not is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise bad("num_speculative_tokens", f"must be an int in [1, {MAX_SPECULATIVE_TOKENS}]"

@@ -14,6 +14,7 @@ class SpecStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    drafter_failures: int = 0  # steps whose drafter raised (they ran without drafts)
 
     def record(self, proposed: int, accepted: int) -> None:
         self.drafts += 1

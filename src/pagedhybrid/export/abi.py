@@ -18,7 +18,13 @@ past_key_values.{i}.conv_state         T          [B, conv_dim, K-1]        (lin
 past_key_values.{i}.recurrent_state    float      [B, Hv, Dv, Dk]           (linear, V-major)
 logits (output)                        float      [N, vocab] or [B, vocab] when pruned
 present.{i}.* (outputs)                as past    same shapes; aliased in place by the runtime
+hidden_states (output, --mtp)          T          [N, hidden]  (final-norm hidden, every row)
 =====================================  =========  ==========================================
+
+With ``--mtp`` the MTP head is its own graph (``mtp_inputs`` / ``mtp_outputs``): the shared
+packed inputs, ``hidden_states [N, hidden]`` (the main graph's, row for row) and its one layer's
+pages ``past_key_values.0.key / .value`` (``T``, never quantized); outputs ``logits [N, vocab]``,
+``hidden_states_out [N, hidden]`` and ``present.0.*``.
 
 ``T`` is float16 or bfloat16; ``T_CACHE`` is ``T`` or, with quantized pages, int8 /
 float8e4m3fn (scales are initializers of the PagedAttention nodes). Every name follows
@@ -163,7 +169,28 @@ class PackedAbi:
     def outputs(self) -> list[TensorSpec]:
         logits = TensorSpec(c.LOGITS, "float", self.logits_shape())
         return ([logits] + [self.cache_spec(p.kind, p.present) for p in self.cache_pairs()]
-                + self.state_update_outputs())
+                + self.state_update_outputs() + self.hidden_outputs())
+
+    def hidden_spec(self, name: str) -> TensorSpec:
+        return TensorSpec(name, self.io_dtype, (c.DIM_TOKENS, self.config.hidden_size))
+
+    def hidden_outputs(self) -> list[TensorSpec]:
+        return [self.hidden_spec(c.HIDDEN_STATES)] if self.options.mtp else []
+
+    def mtp_page_spec(self, name: str) -> TensorSpec:
+        return TensorSpec(name, self.io_dtype, self.kv_shape())
+
+    def mtp_inputs(self) -> list[TensorSpec]:
+        """The MTP head graph's inputs (module docstring)."""
+        return [*self.inputs()[:len(c.SHARED_INPUTS)], self.hidden_spec(c.HIDDEN_STATES),
+                self.mtp_page_spec(c.PAST_KEY % c.MTP_LAYER),
+                self.mtp_page_spec(c.PAST_VALUE % c.MTP_LAYER)]
+
+    def mtp_outputs(self) -> list[TensorSpec]:
+        return [TensorSpec(c.LOGITS, "float", (c.DIM_TOKENS, self.config.vocab_size)),
+                self.hidden_spec(c.HIDDEN_STATES_OUT),
+                self.mtp_page_spec(c.PRESENT_KEY % c.MTP_LAYER),
+                self.mtp_page_spec(c.PRESENT_VALUE % c.MTP_LAYER)]
 
     def state_groups(self) -> list[dict[str, object]]:
         """onnxruntime-genai 0.18.0 ``model.decoder.state_groups`` (typed kinds)."""
@@ -195,6 +222,7 @@ class PackedAbi:
             c.META_KV_QUANT: o.quant_type,
             c.META_PRUNE_LOGITS: "1" if o.prune_logits else "0",
             c.META_STATE_UPDATE: str(self.capacity),
+            c.META_MTP: "1" if o.mtp else "0",
             c.META_WEIGHTS: "included" if o.weights else "absent",
             c.META_ORT: c.ONNXRUNTIME_PIN,
             c.META_ORT_GPU: c.ONNXRUNTIME_GPU_PIN,

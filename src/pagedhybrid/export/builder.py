@@ -112,11 +112,12 @@ class GraphBuilder:
         return self.op("Split", [y, self.const_i64(list(widths))], f"{name}/Split",
                        {"axis": -1}, outputs=len(widths))
 
-    def offset_rms_norm(self, x: ir.Value, weight_name: str, eps: float, name: str) -> ir.Value:
+    def offset_rms_norm(self, x: ir.Value, weight_name: str, eps: float, name: str,
+                        output: str | None = None) -> ir.Value:
         """``x * rsqrt(mean(x^2) + eps) * (1 + w)`` over the last axis, stats in float32."""
         gain = self.weight(weight_name, "offset")
         return self.op1("SimplifiedLayerNormalization", [x, gain], name,
-                        {"axis": -1, "epsilon": float(eps), "stash_type": 1})
+                        {"axis": -1, "epsilon": float(eps), "stash_type": 1}, output=output)
 
     def skip_rms_norm(self, x: ir.Value, delta: ir.Value, weight_name: str, eps: float,
                       name: str) -> tuple[ir.Value, ir.Value]:

@@ -39,6 +39,10 @@ def register_subcommands(subparsers: Any) -> None:
                    help="GatedDeltaNet / conv nodes return their compact state updates for up to "
                    "K tokens per sequence (speculative verification in onnxruntime-genai; "
                    "1-8, default 0 = off)")
+    e.add_argument("--mtp", action="store_true",
+                   help="also export the checkpoint's MTP head (mtp.*) as its own graph mtp.onnx "
+                   "and the main graph's hidden_states output, with genai_config's model.mtp "
+                   "(onnxruntime-genai 0.18.0's MTP drafter)")
     e.add_argument("--prune-logits", action="store_true",
                    help="emit logits only for each sequence's last token [B, vocab]")
     e.add_argument("--kv-cache-dtype", choices=["int8", "fp8"], default=None,
@@ -64,7 +68,7 @@ def options_from_args(args: argparse.Namespace) -> ExportOptions:
         prefill_chunk_size=args.prefill_chunk_size, prune_logits=args.prune_logits,
         weights=not args.no_weights, kv_cache_dtype=args.kv_cache_dtype,
         kv_quant=args.kv_quant, kv_scales=args.kv_scales,
-        state_update_capacity=args.state_update_capacity)
+        state_update_capacity=args.state_update_capacity, mtp=args.mtp)
 
 
 def run_export(args: argparse.Namespace) -> int:

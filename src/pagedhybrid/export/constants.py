@@ -42,6 +42,12 @@ STATE_UPDATE_ACTIVE = "state_update_active"  # int32 [1]
 STATE_UPDATE_CONV = "state_update.%d.conv_value"  # [B, C, conv_dim] (activation type)
 STATE_UPDATE_RECURRENT = "state_update.%d.recurrent_capsule"  # float [B, C (Hv + Hk Dk + Hv Dv)]
 
+# -- the MTP head graph (--mtp; onnxruntime-genai 0.18.0's Qwen3.5 builder's names) -------------
+HIDDEN_STATES = "hidden_states"  # main graph output / MTP graph input: final-norm hidden [N, H]
+HIDDEN_STATES_OUT = "hidden_states_out"  # MTP graph output: the head's hidden [N, H]
+MTP_LAYER = 0  # the head's layer index inside mtp.onnx (its cache names)
+MTP_PREFIX = "mtp."  # checkpoint names of the head's weights
+
 # -- symbolic dimensions --------------------------------------------------------------------------
 DIM_TOKENS = "num_tokens"
 DIM_BATCH = "batch_size"
@@ -72,6 +78,8 @@ V_SCALE = "model.layers.%d.self_attn.v_scale"
 # -- package files --------------------------------------------------------------------------------
 MODEL_FILE = "model.onnx"
 WEIGHTS_FILE = "model.onnx.data"
+MTP_FILE = "mtp.onnx"
+MTP_WEIGHTS_FILE = "mtp.onnx.data"
 GENAI_CONFIG_FILE = "genai_config.json"
 WORKFLOW_FILE = "pagedhybrid_workflow.json"
 TOKENIZER_FILES = (
@@ -101,6 +109,7 @@ META_KV_DTYPE = META_PREFIX + "kv_cache_dtype"  # the page buffers' ONNX element
 META_KV_QUANT = META_PREFIX + "kv_quant_type"  # NONE | PER_TENSOR | PER_CHANNEL
 META_PRUNE_LOGITS = META_PREFIX + "prune_logits"
 META_STATE_UPDATE = META_PREFIX + "state_update_capacity"
+META_MTP = META_PREFIX + "mtp"  # "1": the package has the MTP head graph
 META_WEIGHTS = META_PREFIX + "weights"
 META_ORT = META_PREFIX + "onnxruntime_version"
 META_ORT_GPU = META_PREFIX + "onnxruntime_gpu_version"

@@ -89,10 +89,15 @@ def apply_rope(b: GraphBuilder, x: ir.Value, rope: RopeTables, name: str) -> ir.
 
 def emit_full_attention(b: GraphBuilder, config: Qwen35Config, i: int, x: ir.Value,
                         rope: RopeTables, paged: PagedInputs, past_key: ir.Value,
-                        past_value: ir.Value, scales: KVScales | None = None) -> ir.Value:
-    """``x[N, hidden]`` (normalised) -> ``[N, hidden]``; emits ``present.i.key/.value``."""
+                        past_value: ir.Value, scales: KVScales | None = None,
+                        layer: str | None = None) -> ir.Value:
+    """``x[N, hidden]`` (normalised) -> ``[N, hidden]``; emits ``present.i.key/.value``. The
+    weights are those of checkpoint layer ``layer`` (default ``model.layers.{i}``; the MTP
+    head's ``mtp.layers.0``)."""
     h, hkv, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    p, w = f"/model/layers.{i}/attn", f"model.layers.{i}.self_attn"
+    layer = layer or f"model.layers.{i}"
+    p = f"/model/layers.{i}/attn" if layer == f"model.layers.{i}" else f"/{layer}/attn"
+    w = f"{layer}.self_attn"
     qg, k, v = b.fused_matmul(
         x, f"{w}.qkv_proj.weight", [f"{w}.{n}_proj.weight" for n in "qkv"],
         [2 * h * hd, hkv * hd, hkv * hd], f"{p}/qkv_proj")  # [N, 2*H*hd], [N, Hkv*hd] x2

@@ -14,6 +14,9 @@ Layout (format A of ``reference/qwen35-model.md`` §6, the one 0.18.0's own buil
   ``state_update_recurrent_capsule_names = state_update.%d.recurrent_capsule``, and each fixed
   state group's ``state_update`` (``capacity``; ``key_head_count`` for the recurrent group) --
   the bindings 0.18.0 reads to verify drafts and replay the accepted updates;
+* with ``--mtp``: ``model.decoder.outputs.hidden_states``, the ``model.mtp`` section of the
+  head graph (``export/mtp.py``) and ``speculative.max_draft_tokens = C - 1`` (a verify step is
+  the last token and the drafts, within the capture capacity ``C``);
 * ``model.decoder.session_options.provider_options``: ``cuda`` (``enable_cuda_graph=0``) or
   ``webgpu`` (graph capture off, basic validation);
 * ``engine.dynamic_batching``: ``block_size``, ``max_batch_size``, ``num_blocks`` or
@@ -29,6 +32,7 @@ from typing import Any
 
 from pagedhybrid.export import constants as c
 from pagedhybrid.export.abi import PackedAbi
+from pagedhybrid.export.mtp import genai_mtp_section
 
 PROVIDER_OPTIONS: dict[str, dict[str, str]] = {
     "cuda": {"enable_cuda_graph": "0"},
@@ -45,6 +49,8 @@ def decoder_io(abi: PackedAbi) -> tuple[dict[str, str], dict[str, str]]:
         inputs |= {"past_conv_names": c.PAST_CONV, "past_recurrent_names": c.PAST_RECURRENT}
         outputs |= {"present_conv_names": c.PRESENT_CONV,
                     "present_recurrent_names": c.PRESENT_RECURRENT}
+    if abi.hidden_outputs():
+        outputs["hidden_states"] = c.HIDDEN_STATES
     if abi.state_update_outputs():
         inputs |= {"state_update_capture_count": c.STATE_UPDATE_CAPTURE_COUNT,
                    "state_update_active": c.STATE_UPDATE_ACTIVE}
@@ -92,6 +98,10 @@ def make_genai_config(abi: PackedAbi) -> dict[str, Any]:
         "type": "qwen3_5_text",
         "vocab_size": cfg.vocab_size,
     }
+    extra: dict[str, Any] = {}
+    if o.mtp:
+        model["mtp"] = genai_mtp_section(cfg.num_key_value_heads, cfg.head_dim)
+        extra["speculative"] = {"max_draft_tokens": max(abi.capacity - 1, 1)}
     search: dict[str, Any] = {
         "diversity_penalty": 0.0, "do_sample": False, "early_stopping": True,
         "length_penalty": 1.0, "max_length": cfg.max_position_embeddings, "min_length": 0,
@@ -101,4 +111,4 @@ def make_genai_config(abi: PackedAbi) -> dict[str, Any]:
     }
     if o.prefill_chunk_size is not None:
         search["chunk_size"] = o.prefill_chunk_size
-    return {"model": model, "search": search, "engine": {"dynamic_batching": dynamic}}
+    return {"model": model, "search": search, "engine": {"dynamic_batching": dynamic}, **extra}

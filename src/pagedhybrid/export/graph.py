@@ -27,7 +27,7 @@ import onnx_ir as ir
 
 from pagedhybrid.errors import UnsupportedConfiguration
 from pagedhybrid.export import constants as c
-from pagedhybrid.export.abi import PackedAbi
+from pagedhybrid.export.abi import PackedAbi, TensorSpec
 from pagedhybrid.export.builder import GraphBuilder
 from pagedhybrid.export.full import PagedInputs, emit_full_attention, rope_tables
 from pagedhybrid.export.linear import emit_gated_delta_net
@@ -39,8 +39,11 @@ from pagedhybrid.models.qwen35.config import Qwen35Config
 LayerCallback = Callable[[int, int], None]  # (layers done, layers total)
 
 
-def _mlp(b: GraphBuilder, i: int, x: ir.Value) -> ir.Value:
-    p, w = f"/model/layers.{i}/mlp", f"model.layers.{i}.mlp"
+def emit_mlp(b: GraphBuilder, i: int, x: ir.Value, layer: str | None = None) -> ir.Value:
+    """Layer ``i``'s MLP (checkpoint layer ``layer``, default ``model.layers.{i}``)."""
+    layer = layer or f"model.layers.{i}"
+    p = f"/model/layers.{i}/mlp" if layer == f"model.layers.{i}" else f"/{layer}/mlp"
+    w = f"{layer}.mlp"
     inter = b.weights.shapes[f"{w}.up_proj.weight"][0]
     gate, up = b.fused_matmul(x, f"{w}.gate_up_proj.weight",
                               [f"{w}.gate_proj.weight", f"{w}.up_proj.weight"], [inter, inter],
@@ -92,13 +95,16 @@ def build_packed_model(config: Qwen35Config, options: ExportOptions, weights: We
                 if abi.capacity else None)
         x, h = b.skip_rms_norm(h, out, f"{w}.post_attention_layernorm.weight", eps,
                                f"{p}/post_attention_layernorm")  # h += attention output
-        delta = _mlp(b, i, x)  # [N, hidden]
+        delta = emit_mlp(b, i, x)  # [N, hidden]
         if on_layer is not None:
             on_layer(i + 1, n_layers)
     assert delta is not None
     # The last residual add stays a plain Add so that pruning can gather rows before the norm
     # and the pruned rows equal the unpruned ones.
     h = b.op1("Add", [h, delta], f"/model/layers.{n_layers - 1}/residual_mlp/Add")  # [N, hidden]
+    if options.mtp:  # every row's final-norm hidden, for the MTP head (before any pruning)
+        b.offset_rms_norm(h, "model.norm.weight", eps, "/model/norm_hidden",
+                          output=c.HIDDEN_STATES)
     if options.prune_logits:
         ends = b.op1("Slice", [inp[c.CU_SEQLENS], b.const_i64([1]), b.const_i64([2**62]),
                                b.const_i64([0])], "/model/prune/Slice")  # [B] int32
@@ -106,18 +112,28 @@ def build_packed_model(config: Qwen35Config, options: ExportOptions, weights: We
         rows = b.op1("Sub", [ends, one], "/model/prune/Sub")  # [B]: cu[1:] - 1
         h = b.op1("Gather", [h, rows], "/model/prune/Gather", {"axis": 0})  # [B, hidden]
     h = b.offset_rms_norm(h, "model.norm.weight", eps, "/model/norm")  # [rows, hidden]
+    emit_lm_head(b, config, embed, h)
+    return b.model(named_outputs(b, abi.outputs()), abi.metadata_props())
+
+
+def emit_lm_head(b: GraphBuilder, config: Qwen35Config, embed: ir.Value, h: ir.Value
+                 ) -> ir.Value:
+    """``logits`` (float ``[rows, V]``) of the normalised ``h``: the transposed embedding when
+    tied, ``lm_head.weight`` otherwise."""
     if config.tie_word_embeddings:
         head = b.op1("Transpose", [embed], "/lm_head/TransposeEmbedding", {"perm": [1, 0]})
         logits = b.op1("MatMul", [h, head], "/lm_head/MatMul")  # [rows, V]
     else:
         logits = b.matmul(h, "lm_head.weight", "/lm_head/MatMul")  # [rows, V]
-    logits = b.op1("Cast", [logits], "/lm_head/Cast", {"to": ir.DataType.FLOAT},
-                   output=c.LOGITS)
-    outputs = [logits]
+    return b.op1("Cast", [logits], "/lm_head/Cast", {"to": ir.DataType.FLOAT},
+                 output=c.LOGITS)
+
+
+def named_outputs(b: GraphBuilder, specs: list[TensorSpec]) -> list[ir.Value]:
+    """The graph's values of ``specs`` (by name), typed and shaped as the ABI says."""
     by_name = {v.name: v for node in b.tape.nodes for v in node.outputs}
-    for spec in abi.outputs()[1:]:
-        outputs.append(by_name[spec.name])
-    for spec, value in zip(abi.outputs(), outputs, strict=True):
+    outputs = [by_name[spec.name] for spec in specs]
+    for spec, value in zip(specs, outputs, strict=True):
         value.type = ir.TensorType(b.value(spec).dtype)
         value.shape = ir.Shape(list(spec.shape))
-    return b.model(outputs, abi.metadata_props())
+    return outputs

@@ -58,6 +58,7 @@ class ExportOptions:
     kv_quant: str = "per-channel"  # per-channel | per-tensor
     kv_scales: str | None = None  # scale file; default: kv_scales/ in the checkpoint
     state_update_capacity: int = 0  # compact state updates per linear layer (speculation)
+    mtp: bool = False  # also export the checkpoint's MTP head as its own graph (mtp.onnx)
 
     @property
     def onnx_dtype(self) -> str:
@@ -170,3 +171,14 @@ def check_model(config: Qwen35Config) -> None:
 def check_export(config: Qwen35Config, options: ExportOptions) -> None:
     check_options(options)
     check_model(config)
+    if options.mtp and config.mtp_num_hidden_layers != 1:
+        raise UnsupportedConfiguration(
+            f"--mtp: the checkpoint has mtp_num_hidden_layers={config.mtp_num_hidden_layers}; "
+            "the MTP head graph needs a checkpoint with one MTP layer and its mtp.* tensors "
+            "(onnxruntime-genai 0.18.0 requires model.mtp.num_hidden_layers = 1)")
+    if options.mtp and config.linear_attention_layers and options.state_update_capacity < 2:
+        raise UnsupportedConfiguration(
+            f"--mtp with --state-update-capacity {options.state_update_capacity}: a hybrid "
+            "model's drafts are verified by capturing the linear layers' compact state updates "
+            "(onnxruntime-genai 0.18.0 turns speculation off without them); pass "
+            "--state-update-capacity K >= 2 (the last token and K - 1 drafts)")

@@ -7,8 +7,10 @@ the workflow metadata and the checkpoint's tokenizer files.
    (``check_export``) before touching weights;
 2. build the graph layer by layer from the checkpoint (lazy, memory-mapped) or, with
    ``weights=False``, with weights declared but absent;
-3. save it with ``onnx_ir`` (weights as external data, written tensor by tensor), then the
-   genai config, the workflow metadata and any tokenizer files present in ``model_dir``.
+3. save it with ``onnx_ir`` (weights as external data, written tensor by tensor) -- with
+   ``--mtp`` also the MTP head graph ``mtp.onnx`` + ``mtp.onnx.data`` (``export/mtp.py``) --
+   then the genai config, the workflow metadata and any tokenizer files present in
+   ``model_dir``.
 
 ``progress(stage, done, total)`` is called per layer (``"graph"``) and per saved tensor
 (``"weights"``).
@@ -30,6 +32,7 @@ from pagedhybrid.export import constants as c
 from pagedhybrid.export.abi import PackedAbi
 from pagedhybrid.export.genai_config import make_genai_config
 from pagedhybrid.export.graph import build_packed_model
+from pagedhybrid.export.mtp import build_mtp_model
 from pagedhybrid.export.options import ExportOptions, check_export
 from pagedhybrid.export.weights import AbsentWeights, CheckpointWeights, WeightSource
 from pagedhybrid.export.workflow import make_workflow
@@ -53,8 +56,9 @@ def export_package(model_dir: str | Path, out_dir: str | Path, options: ExportOp
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     config = Qwen35Config.from_model_dir(model_dir)
     check_export(config, options)
-    weights: WeightSource = (CheckpointWeights(model_dir, config, options.onnx_dtype)
-                             if options.weights else AbsentWeights(config, options.onnx_dtype))
+    weights: WeightSource = (
+        CheckpointWeights(model_dir, config, options.onnx_dtype, options.mtp) if options.weights
+        else AbsentWeights(config, options.onnx_dtype, mtp=options.mtp))
     layer_cb = (lambda done, total: progress("graph", done, total)) if progress else None
     model = build_packed_model(config, options, weights, on_layer=layer_cb,
                                kv_scales=export_scales(model_dir, config, options))
@@ -62,18 +66,13 @@ def export_package(model_dir: str | Path, out_dir: str | Path, options: ExportOp
     for node in model.graph:
         counts[node.op_type] = counts.get(node.op_type, 0) + 1
     out_dir.mkdir(parents=True, exist_ok=True)
-    for stale in (c.MODEL_FILE, c.WEIGHTS_FILE):
+    for stale in (c.MODEL_FILE, c.WEIGHTS_FILE, c.MTP_FILE, c.MTP_WEIGHTS_FILE):
         (out_dir / stale).unlink(missing_ok=True)
-    model_path = out_dir / c.MODEL_FILE
-    if options.weights:
-        def saved(tensor: ir.TensorProtocol, info: ir.external_data.CallbackInfo) -> None:
-            if progress:
-                progress("weights", info.index + 1, info.total)
-
-        ir.save(model, model_path, external_data=c.WEIGHTS_FILE, callback=saved)
-    else:
-        ir.save(model, model_path)  # external references kept, no data file written
-    files = [c.MODEL_FILE] + ([c.WEIGHTS_FILE] if options.weights else [])
+    files = _save(model, out_dir, c.MODEL_FILE, c.WEIGHTS_FILE, options.weights, progress)
+    if options.mtp:
+        head = build_mtp_model(config, options, weights if options.weights else AbsentWeights(
+            config, options.onnx_dtype, c.MTP_WEIGHTS_FILE, mtp=True))
+        files += _save(head, out_dir, c.MTP_FILE, c.MTP_WEIGHTS_FILE, options.weights, progress)
     abi = PackedAbi(config, options)
     _write_json(out_dir / c.GENAI_CONFIG_FILE, make_genai_config(abi))
     _write_json(out_dir / c.WORKFLOW_FILE, make_workflow(abi))
@@ -83,6 +82,21 @@ def export_package(model_dir: str | Path, out_dir: str | Path, options: ExportOp
             shutil.copyfile(model_dir / name, out_dir / name)
             files.append(name)
     return ExportResult(out_dir, tuple(files), counts, time.perf_counter() - start)
+
+
+def _save(model: ir.Model, out_dir: Path, name: str, data: str, weights: bool,
+          progress: Progress | None) -> list[str]:
+    """Write one graph (weights as external data ``data``); its file names."""
+    if not weights:
+        ir.save(model, out_dir / name)  # external references kept, no data file written
+        return [name]
+
+    def saved(tensor: ir.TensorProtocol, info: ir.external_data.CallbackInfo) -> None:
+        if progress:
+            progress("weights", info.index + 1, info.total)
+
+    ir.save(model, out_dir / name, external_data=data, callback=saved)
+    return [name, data]
 
 
 def export_scales(model_dir: Path, config: Qwen35Config, options: ExportOptions

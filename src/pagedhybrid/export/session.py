@@ -73,32 +73,39 @@ class StepOutput(NamedTuple):
     recurrent: dict[int, np.ndarray]  # layer -> float32 [B, Hv, Dv, Dk]
     # --state-update-capacity packages: output name -> the step's compact state updates
     updates: dict[str, np.ndarray] | None = None
+    # --mtp packages: the main graph's hidden_states / the head's hidden_states_out [N, hidden]
+    hidden: np.ndarray | None = None
 
 
 class PackedGraphSession:
+    """The package's main graph, or with ``graph=mtp.onnx`` its MTP head graph (one
+    full-attention layer, its own pages, the ``hidden_states`` input)."""
+
     def __init__(self, package_dir: str | Path, num_blocks: int,
-                 placement: str = PAGED_ONLY) -> None:
+                 placement: str = PAGED_ONLY, graph: str = c.MODEL_FILE) -> None:
         import onnxruntime as ort
 
         self._ort = ort
         self.dir = Path(package_dir)
+        self.graph = graph
         genai = json.loads((self.dir / c.GENAI_CONFIG_FILE).read_text())
         groups = {g["kind"]: g["layer_ids"] for g in genai["model"]["decoder"]["state_groups"]}
-        self.full_layers: list[int] = groups[c.GROUP_PAGED_KV]
-        self.linear_layers: list[int] = groups.get(c.GROUP_FIXED_CONV, [])
+        head = graph == c.MTP_FILE
+        self.full_layers: list[int] = [c.MTP_LAYER] if head else groups[c.GROUP_PAGED_KV]
+        self.linear_layers: list[int] = [] if head else groups.get(c.GROUP_FIXED_CONV, [])
         self.block_size = int(genai["engine"]["dynamic_batching"]["block_size"])
         self.num_blocks = num_blocks
         self.device = webgpu_ep_device()
         so = ort.SessionOptions()
         so.log_severity_level = 3
-        so.add_provider_for_devices([self.device], ep_options(self.dir / c.MODEL_FILE, placement))
+        so.add_provider_for_devices([self.device], ep_options(self.dir / graph, placement))
         if placement == PAGED_ONLY:
             # A fused Gemm would get a new name and land on WebGPU; a fused SkipSimplified-
             # LayerNormalization keeps the residual sum in float32 only where no node sits between
             # the Add and the norm, so the pruned graph (a Gather there) would round differently.
             so.add_session_config_entry("optimization.disable_specified_optimizers",
                                         "MatMulAddFusion,SkipLayerNormFusion")
-        self.session = ort.InferenceSession(str(self.dir / c.MODEL_FILE), sess_options=so)
+        self.session = ort.InferenceSession(str(self.dir / graph), sess_options=so)
         self._inputs = {i.name: i for i in self.session.get_inputs()}
         self._mem = self.device.memory_info(ort.OrtDeviceMemoryType.DEFAULT)
         key = self._inputs[c.PAST_KEY % self.full_layers[0]]
@@ -135,11 +142,13 @@ class PackedGraphSession:
     def step(self, *, input_ids: np.ndarray, position_ids: np.ndarray, cu_seqlens: np.ndarray,
              past_seqlens: np.ndarray, block_table: np.ndarray,
              attention_metadata: np.ndarray, conv: dict[int, np.ndarray],
-             recurrent: dict[int, np.ndarray], capture_count: np.ndarray | None = None
-             ) -> StepOutput:
+             recurrent: dict[int, np.ndarray], capture_count: np.ndarray | None = None,
+             hidden_states: np.ndarray | None = None) -> StepOutput:
         """One step; in a package exported with ``--state-update-capacity``, ``capture_count``
         (int ``[B]``) asks each sequence's first tokens' compact state updates (None: capture
-        off, ``state_update_active = [0]``), returned in ``StepOutput.updates``."""
+        off, ``state_update_active = [0]``), returned in ``StepOutput.updates``; the MTP graph
+        takes ``hidden_states`` (``[N, hidden]``); a graph's hidden output comes back in
+        ``StepOutput.hidden``."""
         ort = self._ort
         capturing = c.STATE_UPDATE_CAPTURE_COUNT in self._inputs
         io = self.session.io_binding()
@@ -156,6 +165,11 @@ class PackedGraphSession:
         elif capture_count is not None:
             raise ContractViolation(OP, "capture_count", "needs a package exported with "
                                     "--state-update-capacity", capture_count.shape)
+        if c.HIDDEN_STATES in self._inputs:
+            if hidden_states is None:
+                raise ContractViolation(OP, "hidden_states", f"is an input of {self.graph}",
+                                        None)
+            feeds[c.HIDDEN_STATES] = hidden_states.astype(self.io_dtype)
         for name, arr in feeds.items():
             io.bind_cpu_input(name, np.ascontiguousarray(arr))
         for i in self.full_layers:
@@ -173,14 +187,15 @@ class PackedGraphSession:
                 value = ort.OrtValue.ortvalue_from_numpy(arr)  # shares arr's memory
                 io.bind_ortvalue_input(past, value)
                 io.bind_ortvalue_output(present, value)
-        update_names = [o.name for o in self.session.get_outputs()
-                        if o.name.startswith("state_update.")]
-        for name in update_names:
+        names = [o.name for o in self.session.get_outputs()
+                 if o.name.startswith("state_update.")
+                 or o.name in (c.HIDDEN_STATES, c.HIDDEN_STATES_OUT)]
+        for name in [*names, c.LOGITS]:  # get_outputs() is in binding order
             io.bind_output(name, "cpu")
-        io.bind_output(c.LOGITS, "cpu")  # bound last: get_outputs() is in binding order
         self.session.run_with_iobinding(io)
-        values = io.get_outputs()
-        logits = values[-1]
-        updates = {n: np.array(v.numpy()) for n, v in zip(update_names, values[-1 - len(
-            update_names):-1], strict=True)}
-        return StepOutput(np.array(logits.numpy()), conv, recurrent, updates)
+        values = dict(zip([*names, c.LOGITS], io.get_outputs()[-1 - len(names):], strict=True))
+        hidden = next((np.array(values.pop(n).numpy()) for n in (c.HIDDEN_STATES,
+                                                                 c.HIDDEN_STATES_OUT)
+                       if n in values), None)
+        updates = {n: np.array(v.numpy()) for n, v in values.items() if n != c.LOGITS}
+        return StepOutput(np.array(values[c.LOGITS].numpy()), conv, recurrent, updates, hidden)

@@ -43,6 +43,7 @@ import onnx_ir as ir
 
 from pagedhybrid import dtypes
 from pagedhybrid.export import constants as c
+from pagedhybrid.export.mtp import verify_mtp
 from pagedhybrid.models.qwen35.linear_attention import QK_L2_NORM_EPS
 
 SHARED: dict[str, tuple[str, tuple[int | None, ...]]] = {  # name -> dtype, dims (None = dynamic)
@@ -194,6 +195,8 @@ def verify_package(out_dir: str | Path) -> VerifyReport:
     if paths[c.WORKFLOW_FILE].is_file():
         workflow = json.loads(paths[c.WORKFLOW_FILE].read_text(encoding="utf-8"))
     _verify(model, genai, workflow, chk)
+    if dict(model.metadata_props).get(c.META_MTP) == "1" or "mtp" in genai.get("model", {}):
+        verify_mtp(out, model, genai, chk)
     return VerifyReport(out, chk.findings)
 
 
@@ -281,7 +284,9 @@ def _verify(model: ir.Model, genai: dict[str, Any], workflow: dict[str, Any] | N
     present_of |= {c.PAST_VALUE % i: c.PRESENT_VALUE % i for i in full}
     present_of |= {c.PAST_CONV % i: c.PRESENT_CONV % i for i in linear}
     present_of |= {c.PAST_RECURRENT % i: c.PRESENT_RECURRENT % i for i in linear}
-    extra_out = sorted(set(outputs) - {c.LOGITS} - set(present_of.values()) - updates_out)
+    hidden = {c.HIDDEN_STATES} if meta.get(c.META_MTP) == "1" else set()  # (verify_mtp's)
+    extra_out = sorted(set(outputs) - {c.LOGITS} - set(present_of.values()) - updates_out
+                       - hidden)
     chk(not extra_out, "outputs exact",
         f"unexpected outputs {extra_out}" if extra_out else "no extra outputs")
     for past, present in present_of.items():

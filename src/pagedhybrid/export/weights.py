@@ -35,9 +35,10 @@ FLOAT32_PARAMS = (".A_log", ".dt_bias")
 TRANSFORMS = ("cast", "transpose", "offset")
 
 
-def expected_shapes(config: Qwen35Config) -> dict[str, tuple[int, ...]]:
-    """Checkpoint name -> shape, from the torch model itself (built on the meta device)."""
-    return build(config, torch.float32, "meta").expected_shapes()
+def expected_shapes(config: Qwen35Config, mtp: bool = False) -> dict[str, tuple[int, ...]]:
+    """Checkpoint name -> shape, from the torch model itself (built on the meta device; with
+    its MTP head's ``mtp.*`` when ``mtp``)."""
+    return build(config, torch.float32, "meta", mtp=mtp).expected_shapes()
 
 
 def param_dtype(name: str, io_dtype: str) -> str:
@@ -71,14 +72,15 @@ def _apply(ts: list[torch.Tensor], transform: str, dtype: torch.dtype) -> torch.
 class CheckpointWeights:
     """Tensors of an HF checkpoint folder, converted lazily at save time."""
 
-    def __init__(self, model_dir: str | Path, config: Qwen35Config, io_dtype: str) -> None:
+    def __init__(self, model_dir: str | Path, config: Qwen35Config, io_dtype: str,
+                 mtp: bool = False) -> None:
         self.io_dtype = io_dtype
-        self.shapes = expected_shapes(config)
-        stored = {name: file.dtype(key) for key, name, file in iter_checkpoint(model_dir)}
+        self.shapes = expected_shapes(config, mtp)
+        stored = {name: file.dtype(key) for key, name, file in iter_checkpoint(model_dir, mtp)}
         # Ask the loader for each tensor in its stored dtype: zero-copy views, validated.
         self._raw = load_state_dict(
             model_dir, self.shapes, lambda n: stored.get(n, torch.float32),
-            optional=frozenset({"lm_head.weight"}))
+            optional=frozenset({"lm_head.weight"}), mtp=mtp)
 
     def tensor(self, names: Names, transform: str = "cast") -> ir.TensorProtocol:
         """One checkpoint tensor, or several projections transposed and concatenated."""
@@ -95,9 +97,11 @@ class CheckpointWeights:
 class AbsentWeights:
     """Initializers declared as external data that is not written (``--no-weights``)."""
 
-    def __init__(self, config: Qwen35Config, io_dtype: str) -> None:
+    def __init__(self, config: Qwen35Config, io_dtype: str, file: str = c.WEIGHTS_FILE,
+                 mtp: bool = False) -> None:
         self.io_dtype = io_dtype
-        self.shapes = expected_shapes(config)
+        self.shapes = expected_shapes(config, mtp)
+        self.file = file
         self._offset = 0
 
     def tensor(self, names: Names, transform: str = "cast") -> ir.TensorProtocol:
@@ -109,7 +113,7 @@ class AbsentWeights:
         length = numel * dtypes.itemsize(dtype)
         offset = self._offset
         self._offset += (length + 4095) // 4096 * 4096  # onnx_ir's page alignment
-        return ir.ExternalTensor(c.WEIGHTS_FILE, offset, length, dtypes.ir_dtype(dtype),
+        return ir.ExternalTensor(self.file, offset, length, dtypes.ir_dtype(dtype),
                                  shape=ir.Shape(shape), name="|".join(_names(names)))
 
 

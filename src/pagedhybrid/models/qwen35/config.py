@@ -106,6 +106,7 @@ class Qwen35Config:
     hidden_act: str = "silu"
     source_model_type: str = TEXT_MODEL_TYPE
     checkpoint_dtype: str | None = None  # "dtype"/"torch_dtype" recorded in config.json
+    mtp_num_hidden_layers: int = 0  # the checkpoint's multi-token-prediction layers (``mtp.*``)
 
     def __post_init__(self) -> None:
         _check_consistency(self, "<Qwen35Config>")
@@ -230,6 +231,8 @@ class Qwen35Config:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": eos,
             "dtype": self.checkpoint_dtype,
+            **({"mtp_num_hidden_layers": self.mtp_num_hidden_layers}
+               if self.mtp_num_hidden_layers else {}),
         }
 
 
@@ -254,6 +257,14 @@ def _int(d: dict[str, Any], key: str, source: str, default: int | None = None) -
         raise CheckpointError(source, key, "must be an integer", value)
     if value <= 0:
         raise CheckpointError(source, key, "must be positive", value)
+    return value
+
+
+def _count(d: dict[str, Any], key: str, source: str) -> int:
+    """An optional count (0 when absent or null)."""
+    value = d.get(key) or 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise CheckpointError(source, key, "must be an integer >= 0", value)
     return value
 
 
@@ -381,6 +392,7 @@ def _parse_text(d: dict[str, Any], source: str, source_model_type: str) -> Qwen3
         hidden_act="silu",
         source_model_type=source_model_type,
         checkpoint_dtype=dtype if isinstance(dtype, str) else None,
+        mtp_num_hidden_layers=_count(d, "mtp_num_hidden_layers", source),
     )
     _check_consistency(cfg, source)
     return cfg

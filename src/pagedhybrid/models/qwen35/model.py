@@ -106,11 +106,14 @@ nn.modules.module.register_module_parameter_registration_hook(_parameter_registe
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: Qwen35Config, index: int, dtype: torch.dtype,
-                 parallel: ParallelConfig) -> None:
+                 parallel: ParallelConfig, full: bool | None = None) -> None:
+        """Layer ``index`` of the stack (its kind from ``config.layer_types``), or, with
+        ``full``, a layer of that kind whose cache pools are those of ``index`` (the MTP
+        head's full-attention layer, past the stack)."""
         super().__init__()
         self._weights: tuple[int, GdnLayerWeights | AttentionLayerWeights] | None = None
         self.index = index
-        self.is_full = config.layer_types[index] == FULL_ATTENTION
+        self.is_full = config.layer_types[index] == FULL_ATTENTION if full is None else full
         if self.is_full:
             self.self_attn = FullAttention(config, dtype, parallel)
         else:
@@ -178,13 +181,39 @@ class Qwen35TextModel(nn.Module):
         self.norm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
 
+class MtpHead(nn.Module):
+    """The checkpoint's multi-token-prediction head (``mtp.*``; vLLM's ``Qwen3_5MTP``): from the
+    main model's final-norm hidden ``h_p`` at position ``p`` and the token ``t_{p+1}`` after
+    it, ``fc(cat(pre_fc_norm_embedding(embed(t_{p+1})), pre_fc_norm_hidden(h_p)))`` goes
+    through one full-attention decoder layer at position ``p`` (its K/V in its own pool, layer
+    index ``num_hidden_layers``, on the sequence's pages) and ``norm``: a hidden whose LM-head
+    logits predict ``t_{p+2}`` and which takes ``h``'s place in the next step of a chain.
+    Embedding and LM head are the main model's."""
+
+    def __init__(self, config: Qwen35Config, dtype: torch.dtype,
+                 parallel: ParallelConfig) -> None:
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.fc = ReplicatedLinear(2 * h, h, dtype)
+        self.layers = nn.ModuleList([DecoderLayer(config, config.num_hidden_layers, dtype,
+                                                  parallel, full=True)])
+        self.norm = OffsetRMSNorm(h, eps, dtype)
+        self.pre_fc_norm_hidden = OffsetRMSNorm(h, eps, dtype)
+        self.pre_fc_norm_embedding = OffsetRMSNorm(h, eps, dtype)
+
+    @property
+    def layer(self) -> DecoderLayer:
+        return self.layers[0]  # type: ignore[return-value]
+
+
 class Qwen35ForCausalLM(nn.Module):
-    """The Qwen3.5 text decoder (one TP rank of it when ``parallel`` says so). Build on the
-    meta device and ``load_weights``, or use ``load()``."""
+    """The Qwen3.5 text decoder (one TP rank of it when ``parallel`` says so), with its MTP
+    head when ``mtp`` (``self.mtp``; None otherwise). Build on the meta device and
+    ``load_weights``, or use ``load()``."""
 
     def __init__(self, config: Qwen35Config, dtype: torch.dtype = torch.float32,
-                 backend: Backend | None = None, parallel: ParallelConfig | None = None
-                 ) -> None:
+                 backend: Backend | None = None, parallel: ParallelConfig | None = None,
+                 mtp: bool = False) -> None:
         super().__init__()
         if dtype not in SUPPORTED_DTYPES:
             raise UnsupportedConfiguration(
@@ -199,6 +228,14 @@ class Qwen35ForCausalLM(nn.Module):
         self.lm_head = ReplicatedLinear(config.hidden_size, config.vocab_size, dtype)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.mtp: MtpHead | None = None
+        if mtp:
+            if config.mtp_num_hidden_layers != 1:
+                raise UnsupportedConfiguration(
+                    f"an MTP head needs a checkpoint with mtp_num_hidden_layers=1 and its mtp.* "
+                    f"tensors; this one has mtp_num_hidden_layers="
+                    f"{config.mtp_num_hidden_layers}")
+            self.mtp = MtpHead(config, dtype, self.parallel)
         if backend is not None:
             self.backend = backend  # every projection takes the bundle's product
 
@@ -359,8 +396,11 @@ class Qwen35ForCausalLM(nn.Module):
     @torch.no_grad()
     def forward_packed(self, batch: PackedBatch, cache: PagedHybridCache,
                        logits_rows: torch.Tensor | None = None,
-                       meta: StepMetadata | None = None) -> torch.Tensor:
-        """One packed step; returns float32 logits ``[N, V]`` (or ``[len(logits_rows), V]``).
+                       meta: StepMetadata | None = None, hidden: list[torch.Tensor] | None = None
+                       ) -> torch.Tensor:
+        """One packed step; returns float32 logits ``[N, V]`` (or ``[len(logits_rows), V]``);
+        ``hidden``, when given, receives the final-norm hidden of every row ``[N, hidden]``
+        (what the MTP head reads).
 
         KV pages of the full layers and the state slots ``batch.state_slots`` of the linear
         layers are updated in place. ``logits_rows`` (int ``[R]``) selects token rows before the
@@ -402,9 +442,40 @@ class Qwen35ForCausalLM(nn.Module):
                                         backend, cache.checkpoint_pools(i),
                                         cache.capsules.get(i))
             h = layer.feed_forward(h + out)
+        if hidden is not None:
+            hidden.append(self.model.norm(h))
         if logits_rows is not None:
             h = h.index_select(0, logits_rows.long())  # [R, hidden]
         return self.lm_head(self.model.norm(h)).float()  # [N or R, V]
+
+    @torch.no_grad()
+    def forward_mtp(self, token_ids: torch.Tensor, hidden: torch.Tensor, meta: StepMetadata,
+                    cache: PagedHybridCache, logits_rows: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP head over a packed step (``MtpHead``): row ``r`` at position
+        ``meta.positions[r]`` reads ``hidden[r]`` (the final-norm hidden there) and
+        ``token_ids[r]`` (the token after it); its K/V go to the head's pool of ``cache`` on
+        the step's pages. Returns (float32 logits ``[R, V]`` of ``logits_rows`` (None: all),
+        the head's hidden ``[N, hidden]``)."""
+        head = self.mtp
+        if head is None:
+            raise UnsupportedConfiguration("this model was loaded without its MTP head "
+                                           "(load(..., mtp=True))")
+        cos, sin = mrope_cos_sin(self.config, meta.positions.view(1, -1).expand(3, -1))
+        x = torch.cat([head.pre_fc_norm_embedding(self.model.embed_tokens(token_ids)),
+                       head.pre_fc_norm_hidden(hidden)], dim=-1)
+        h = head.fc(x)  # [N, hidden]
+        layer, i = head.layer, head.layer.index
+        out = (layer.fused_decode(h, cos, sin, cache, meta, self.backend)
+               if self.parallel.tp_world_size == 1 else None)
+        if out is None:
+            a = layer.self_attn.forward_packed(layer.input_layernorm(h), cos, sin, meta,
+                                               cache.key_cache[i], cache.value_cache[i],
+                                               self.backend, cache.kv_scales.get(i))
+            out = layer.feed_forward(h + a)
+        out = head.norm(out)
+        rows = out if logits_rows is None else out.index_select(0, logits_rows.long())
+        return self.lm_head(rows).float(), out
 
     # -- checks -----------------------------------------------------------------------------------
     def _check_ids(self, op: str, ids: torch.Tensor) -> None:
@@ -451,22 +522,23 @@ class Qwen35ForCausalLM(nn.Module):
 
 def build(config: Qwen35Config, dtype: torch.dtype = torch.float32,
           device: torch.device | str = "meta", backend: Backend | None = None,
-          parallel: ParallelConfig | None = None) -> Qwen35ForCausalLM:
-    """An unloaded model (of TP rank ``parallel``); on the meta device no memory is
-    allocated."""
+          parallel: ParallelConfig | None = None, mtp: bool = False) -> Qwen35ForCausalLM:
+    """An unloaded model (of TP rank ``parallel``, with its MTP head when ``mtp``); on the meta
+    device no memory is allocated."""
     with torch.device(device):
-        return Qwen35ForCausalLM(config, dtype, backend, parallel)
+        return Qwen35ForCausalLM(config, dtype, backend, parallel, mtp)
 
 
 def load(model_dir: str | Path, dtype: torch.dtype = torch.float32,
-         backend: Backend | None = None, parallel: ParallelConfig | None = None
-         ) -> Qwen35ForCausalLM:
+         backend: Backend | None = None, parallel: ParallelConfig | None = None,
+         mtp: bool = False) -> Qwen35ForCausalLM:
     """Load an HF Qwen3.5 checkpoint folder (config.json + safetensors), memory-mapped; with
     ``parallel`` the TP rank's slices only (each tensor is read, sliced and cast one at a
-    time)."""
+    time); with ``mtp`` the MTP head's ``mtp.*`` tensors too (skipped otherwise, as HF
+    transformers does)."""
     config = Qwen35Config.from_model_dir(model_dir)
-    model = build(config, dtype, "meta", backend, parallel)
+    model = build(config, dtype, "meta", backend, parallel, mtp)
     model.load_weights(read_tensors(model_dir, model.expected_shapes(),
-                                    optional=frozenset({"lm_head.weight"})))
+                                    optional=frozenset({"lm_head.weight"}), mtp=mtp))
     model.source_dir = Path(model_dir)  # where calibrated KV scales are looked for
     return model.eval()

@@ -304,11 +304,13 @@ class PagedHybridCache:
         kv_dtype: torch.dtype | None = None,
         kv_scales: dict[int, KVScales] | None = None,
         capsule_capacity: int = 0,
+        mtp: bool = False,
     ) -> PagedHybridCache:
         """Allocate pools; ``fill=None`` fills them with random garbage (for tests). KV pages
         are ``kv_dtype`` (default ``dtype``); int8 / float8 pages need every full layer's
         ``kv_scales``; ``capsule_capacity`` > 0 adds verify-step capsules of that many tokens
-        per slot (speculative decoding)."""
+        per slot (speculative decoding); ``mtp`` adds the MTP head's K/V pool (layer index
+        ``num_hidden_layers``, ``dtype`` pages: drafts only, never quantized)."""
 
         def pool(shape: tuple[int, ...], dt: torch.dtype) -> torch.Tensor:
             if fill is None:
@@ -321,9 +323,12 @@ class PagedHybridCache:
         full, lin = config.full_attention_layers, config.linear_attention_layers
         kv = cls.page_shape(config, num_pages, block_size)
         kvd = kv_dtype or dtype
+        head = {config.num_hidden_layers: dtype} if mtp else {}
         return cls(
-            key_cache={i: pool(kv, kvd) for i in full},
-            value_cache={i: pool(kv, kvd) for i in full},
+            key_cache={**{i: pool(kv, kvd) for i in full},
+                       **{i: pool(kv, d) for i, d in head.items()}},
+            value_cache={**{i: pool(kv, kvd) for i in full},
+                         **{i: pool(kv, d) for i, d in head.items()}},
             conv_state={i: pool(cls.conv_state_shape(config, num_slots), dtype) for i in lin},
             recurrent_state={
                 i: pool(cls.recurrent_state_shape(config, num_slots), torch.float32) for i in lin

@@ -154,7 +154,8 @@ def _scale_(name: str, noise: torch.Tensor) -> torch.Tensor:
 def _checkpoint_shapes(config: Qwen35Config) -> dict[str, tuple[int, ...]]:
     from pagedhybrid.models.qwen35.model import build
 
-    return build(config, torch.float32, "meta").expected_shapes()
+    return build(config, torch.float32, "meta",
+                 mtp=config.mtp_num_hidden_layers == 1).expected_shapes()
 
 
 def iter_random_weights(config: Qwen35Config, seed: int) -> Iterator[tuple[str, torch.Tensor]]:

@@ -12,8 +12,10 @@ Checkpoints: a single ``model.safetensors``; a sharded checkpoint with ``*.safet
 
 Names are HF state-dict keys (``model.layers.{i}.linear_attn.in_proj_qkv.weight``). The VL
 checkpoints' ``model.language_model.`` prefix is mapped to ``model.``; vision (``model.visual.``,
-``visual.``) and multi-token-prediction (``mtp.``) tensors are skipped. With tied embeddings
-``lm_head.weight`` is not read (the model reuses ``model.embed_tokens.weight``).
+``visual.``) tensors are skipped, and so are the multi-token-prediction head's (``mtp.``,
+``model.mtp.``) unless the reader asks for them (``mtp=True``: canonical names ``mtp.*``,
+HF's). With tied embeddings ``lm_head.weight`` is not read (the model reuses
+``model.embed_tokens.weight``).
 
 ``release_pages(t)`` drops the resident pages of a mapped tensor that was replaced (by a packed
 copy): the mapping is private and never written, so a later read of ``t`` faults them in again
@@ -49,7 +51,8 @@ def safetensors_dtype(name: object) -> torch.dtype:
     return e.torch
 
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
-SKIPPED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
+MTP_PREFIXES = ("mtp.", "model.mtp.")
+SKIPPED_PREFIXES = ("model.visual.", "visual.", *MTP_PREFIXES)
 RENAMED_PREFIXES = (
     ("model.language_model.", "model."),
     ("language_model.model.", "model."),
@@ -78,8 +81,13 @@ def release_pages(t: torch.Tensor) -> None:
             return
 
 
-def canonical_name(name: str) -> str | None:
-    """The Qwen3.5 text-model key of a checkpoint tensor, or None if the tensor is skipped."""
+def canonical_name(name: str, mtp: bool = False) -> str | None:
+    """The Qwen3.5 text-model key of a checkpoint tensor (with ``mtp``, also the MTP head's
+    ``mtp.*``), or None if the tensor is skipped."""
+    if mtp:
+        for old in MTP_PREFIXES:
+            if name.startswith(old):
+                return "mtp." + name[len(old):]
     if name.startswith(SKIPPED_PREFIXES):
         return None
     for old, new in RENAMED_PREFIXES:
@@ -191,11 +199,13 @@ def checkpoint_files(model_dir: str | Path) -> dict[str, Path]:
     return out
 
 
-def iter_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, str, SafetensorsFile]]:
-    """(stored name, canonical name, file) of every tensor that belongs to the text model."""
+def iter_checkpoint(model_dir: str | Path, mtp: bool = False
+                    ) -> Iterator[tuple[str, str, SafetensorsFile]]:
+    """(stored name, canonical name, file) of every tensor that belongs to the text model (and
+    to its MTP head with ``mtp``)."""
     opened: dict[Path, SafetensorsFile] = {}
     for stored, path in checkpoint_files(model_dir).items():
-        name = canonical_name(stored)
+        name = canonical_name(stored, mtp)
         if name is None:
             continue
         if path not in opened:
@@ -210,16 +220,18 @@ def read_tensors(
     model_dir: str | Path,
     expected: Mapping[str, tuple[int, ...]],
     optional: frozenset[str] = frozenset(),
+    mtp: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream (canonical name, stored tensor) for every name of ``expected`` (name -> shape).
 
     Each tensor is a zero-copy view of its memory-mapped file in the stored dtype, checked
     (known name, stored once, shape, floating point) before it is yielded; a name missing at the
     end raises. Names in ``optional`` are ignored when present (e.g. ``lm_head.weight`` of a tied
-    checkpoint) and not required. A consumer that keeps a slice (a TP rank) reads only that.
+    checkpoint) and not required; ``mtp`` reads the MTP head's tensors too. A consumer that
+    keeps a slice (a TP rank) reads only that.
     """
     seen: set[str] = set()
-    for stored, name, file in iter_checkpoint(model_dir):
+    for stored, name, file in iter_checkpoint(model_dir, mtp):
         if name in optional and name not in expected:
             continue
         if name not in expected:
@@ -247,11 +259,12 @@ def load_state_dict(
     expected: Mapping[str, tuple[int, ...]],
     dtype_of: Callable[[str], torch.dtype],
     optional: frozenset[str] = frozenset(),
+    mtp: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Read the tensors of ``expected`` (``read_tensors``) in the dtype ``dtype_of(name)`` each
     is served in; a stored tensor of that dtype is a zero-copy view of the mapped file."""
     state: dict[str, torch.Tensor] = {}
-    for name, tensor in read_tensors(model_dir, expected, optional):
+    for name, tensor in read_tensors(model_dir, expected, optional, mtp):
         target = dtype_of(name)
         state[name] = tensor if tensor.dtype == target else tensor.to(target)
     return state

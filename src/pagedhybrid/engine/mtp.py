@@ -1,0 +1,117 @@
+"""The MTP drafter: draft tokens from the checkpoint's multi-token-prediction head (``mtp.*``).
+
+The head (``models.qwen35.model.MtpHead``) reads, at position ``p``, the main model's final-norm
+hidden ``h_p`` and the token ``t_{p+1}`` after it, and predicts ``t_{p+2}``; its one
+full-attention layer keeps K/V in its own pool of the cache (layer index ``num_hidden_layers``)
+on the sequence's own pages, so it needs no page bookkeeping of its own (vLLM's and ONNX Runtime
+GenAI's layout). After every step, ``propose``:
+
+1. catch-up: for every request of the step that is still running, the rows it committed
+   (a prefill chunk's, a decode's, a verify chunk's last token and accepted drafts) run
+   through the head with the token after each (the next prompt token, an accepted draft or
+   the token just sampled), at the same positions and on the same pages -- one packed head
+   step for the whole batch (a multi-token chunk past the prompt is marked ``verify``: the head
+   has no state rows, and the fused attention layer takes such a step). The head's K/V at every committed position are then those of
+   the committed tokens (a rejected draft's are overwritten here);
+2. chain: for each request to draft for, the head's logits at its last committed row give
+   draft ``d1`` (the argmax: a point mass, which ``speculative.verify``'s rejection sampling
+   takes as the proposal distribution); then ``k - 1`` one-token head steps feed each draft
+   back with the head's own hidden in place of ``h``, one position further on each (their K/V
+   lie past the sequence's length: the next catch-up overwrites them). The scheduler reserves
+   ``k - 1`` lookahead positions of pages for that when it can (``SchedulerConfig.lookahead``);
+   a chain stops early where the request's pages end.
+
+A request that was not in the step (no new hidden) keeps the drafts it got when it was, while it
+still has exactly those tokens. Requests that finished in the step are skipped. With prefix
+caching, a hit's pages hold the K/V the head wrote for the request that computed them; the head's
+K/V at a page's last position depend on the token after the page, which a request that shares
+only the page may not have: its drafts can be worse, never its output (every draft is verified).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from pagedhybrid.engine.request import Request, RequestStatus
+from pagedhybrid.kernels.step import StepMetadata, int_tensor
+
+if TYPE_CHECKING:
+    from pagedhybrid.engine.runner import ModelRunner
+
+
+class MtpDrafter:
+    """Drafts from the model's MTP head over the runner's last step (module docstring);
+    ``table(request)`` is the request's current page table."""
+
+    def __init__(self, runner: ModelRunner, table: Callable[[Request], Sequence[int]]) -> None:
+        self.runner, self.table = runner, table
+        self._drafts: dict[int, tuple[Request, int, tuple[int, ...]]] = {}
+
+    def propose(self, requests: Sequence[Request], k: int) -> None:
+        step = self.runner.take_hidden()
+        if step is not None:
+            self._step(*step, requests, k)
+        for req in requests:
+            kept = self._drafts.get(id(req))
+            ok = kept is not None and kept[0] is req and kept[1] == req.num_tokens
+            req.draft_ids = kept[2] if ok and kept is not None else ()
+        for key in [key for key, (r, _, _) in self._drafts.items() if r.finished]:
+            del self._drafts[key]
+
+    @torch.no_grad()
+    def _step(self, meta: StepMetadata, hidden: torch.Tensor, reqs: Sequence[Request],
+              todo: Sequence[Request], k: int) -> None:
+        model, cache = self.runner.model, self.runner.cache
+        wanted = {id(r) for r in todo}
+        seqs, qs, rows, ids, drafting = [], [], [], [], []
+        for b, req in enumerate(reqs):
+            start = meta.past_lens[b]
+            n = req.num_computed_tokens - start  # the rows it committed
+            if (req.status is not RequestStatus.RUNNING or not 0 < n <= meta.q_lens[b]
+                    or len(req.token_ids) <= start + n):
+                continue
+            seqs.append(b)
+            qs.append(n)
+            rows.extend(range(meta.cu_seqlens[b], meta.cu_seqlens[b] + n))
+            ids.extend(req.token_ids[start + 1:start + n + 1])
+            if id(req) in wanted and start + n == req.num_tokens - 1:
+                drafting.append((req, len(rows) - 1, start + n - 1))  # (request, row, position)
+        if not seqs:
+            return
+        past = [meta.past_lens[b] for b in seqs]
+        sub = StepMetadata.build(qs, past, meta.block_table[seqs],
+                                 [int(meta.state_slots[b]) for b in seqs],
+                                 block_size=meta.block_size, num_pages=meta.num_pages,
+                                 num_slots=cache.num_slots,
+                                 verify=[i for i, (n, p) in enumerate(zip(qs, past, strict=True))
+                                         if n > 1 and p > 0])
+        picks = int_tensor([r for _, r, _ in drafting], torch.int64)
+        logits, out = model.forward_mtp(int_tensor(ids, torch.int64),
+                                        hidden[int_tensor(rows, torch.int64)], sub, cache, picks)
+        if not drafting:
+            return
+        chains = [[t] for t in logits.argmax(dim=-1).tolist()]  # d1 of each drafting request
+        state = out.index_select(0, picks)  # [D, hidden]: the head's hidden at each last row
+        live = list(range(len(drafting)))  # the chains still going
+        bs = meta.block_size
+        for j in range(1, k):
+            tables = {i: self.table(drafting[i][0]) for i in live}
+            live = [i for i in live if (drafting[i][2] + j) // bs < len(tables[i])]
+            if not live:
+                break
+            step = StepMetadata.build(
+                [1] * len(live), [drafting[i][2] + j for i in live], [tables[i] for i in live],
+                list(range(len(live))), block_size=bs, num_pages=meta.num_pages,
+                num_slots=max(len(live), cache.num_slots))
+            sel = int_tensor(live, torch.int64)
+            logits, nxt = model.forward_mtp(
+                int_tensor([chains[i][-1] for i in live], torch.int64),
+                state.index_select(0, sel), step, cache)
+            state.index_copy_(0, sel, nxt)
+            for i, t in zip(live, logits.argmax(dim=-1).tolist(), strict=True):
+                chains[i].append(t)
+        for (req, _, _), chain in zip(drafting, chains, strict=True):
+            self._drafts[id(req)] = (req, req.num_tokens, tuple(chain))
