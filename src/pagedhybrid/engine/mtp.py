@@ -11,8 +11,9 @@ GenAI's layout). After every step, ``propose``:
    through the head with the token after each (the next prompt token, an accepted draft or
    the token just sampled), at the same positions and on the same pages -- one packed head
    step for the whole batch (a multi-token chunk past the prompt is marked ``verify``: the head
-   has no state rows, and the fused attention layer takes such a step). The head's K/V at every committed position are then those of
-   the committed tokens (a rejected draft's are overwritten here);
+   has no state rows, and the fused attention layer takes such a step). The head's K/V at every
+   committed position are then those of the committed tokens (a rejected draft's are
+   overwritten here);
 2. chain: for each request to draft for, the head's logits at its last committed row give
    draft ``d1`` (the argmax: a point mass, which ``speculative.verify``'s rejection sampling
    takes as the proposal distribution); then ``k - 1`` one-token head steps feed each draft
