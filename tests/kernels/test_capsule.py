@@ -14,6 +14,7 @@ from pagedhybrid.kernels.backend import backend
 from pagedhybrid.kernels.capsule import (
     Capsule,
     capsule_bytes,
+    conv_replay_index,
     full_state_bytes,
     replay_conv,
     segments,
@@ -152,10 +153,10 @@ def test_conv_replay_and_segments() -> None:
     slots = torch.tensor([1, 4])
     got = pool.clone()
     # two rounds (a checkpoint cut after 2 tokens of the first chunk) == one round
-    replay_conv(got, caps, slots, torch.tensor([0, 0], dtype=torch.int32),
-                torch.tensor([2, 5], dtype=torch.int32))
-    replay_conv(got, caps, slots[:1], torch.tensor([2], dtype=torch.int32),
-                torch.tensor([4], dtype=torch.int32))
+    replay_conv(got, caps, slots, conv_replay_index(3, torch.tensor([0, 0], dtype=torch.int32),
+                                                    torch.tensor([2, 5], dtype=torch.int32)))
+    replay_conv(got, caps, slots[:1], conv_replay_index(3, torch.tensor([2], dtype=torch.int32),
+                                                        torch.tensor([4], dtype=torch.int32)))
     for s, n in ((1, 4), (4, 5)):
         ext = torch.cat([pool[s], caps.conv[s, :n].t()], 1)
         assert torch.equal(got[s], ext[:, -3:])

@@ -82,7 +82,10 @@ class Engine:
         self._make_pools()
         self.drafter: Drafter | None = None
         if spec is not None and spec.method == "mtp":
-            self.drafter = MtpDrafter(self.runner, lambda r: self.blocks.table(r.request_id))
+            self.drafter = MtpDrafter(
+                self.runner, lambda r: self.blocks.table(r.request_id),
+                (lambda reqs, costs: self.draft_budget.trim(reqs, len(self.scheduler.running),
+                                                             costs)) if spec.adaptive else None)
         elif spec is not None:
             self.drafter = NgramDrafter(spec)
         self.draft_budget = DraftBudget()
@@ -288,7 +291,7 @@ class Engine:
             self.stats.spec.drafter_failures += 1
             for req in todo:
                 req.draft_ids = ()
-        if todo and spec.adaptive:
+        if todo and spec.adaptive and spec.method != "mtp":  # (MtpDrafter trims its chain)
             self.draft_budget.trim([r for r in todo if r.draft_ids], len(running))
 
     def _account(self, sched: SchedulerOutput, result: StepResult, t0: float, t_sched: float,

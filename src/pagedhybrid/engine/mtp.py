@@ -22,15 +22,24 @@ GenAI's layout). After every step, ``propose``:
    ``k - 1`` lookahead positions of pages for that when it can (``SchedulerConfig.lookahead``);
    a chain stops early where the request's pages end.
 
-A request that was not in the step (no new hidden) keeps the drafts it got when it was, while it
-still has exactly those tokens. Requests that finished in the step are skipped. With prefix
-caching, a hit's pages hold the K/V the head wrote for the request that computed them; the head's
-K/V at a page's last position depend on the token after the page, which a request that shares
-only the page may not have: its drafts can be worse, never its output (every draft is verified).
+With the engine's draft budget on (``adaptive``), the budget decides before the head runs how
+many drafts each request gets, counting the catch-up's and each chain step's time as costs of
+the positions they open: the chain stops at the last position some request keeps, and where no
+draft pays (a large, compute-bound batch) the step skips the head altogether -- its K/V at that
+step's positions stay stale, which later drafts may pay for in acceptance, never in output. A
+request with no drafts this step keeps none; one that was not in the step (no new hidden) keeps
+the drafts it got when it was, while it still has exactly those tokens. Requests that finished
+in the step are skipped. With prefix caching, a hit's pages hold the K/V the head wrote for the
+request that computed them; the head's K/V at a page's last position depend on the token after
+the page, which a request that shares only the page may not have: its drafts can be worse,
+never its output (every draft is verified).
 """
 
 from __future__ import annotations
 
+import statistics
+import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -43,30 +52,48 @@ if TYPE_CHECKING:
     from pagedhybrid.engine.runner import ModelRunner
 
 
+Budget = Callable[[Sequence[Request], Sequence[float]], None]
+
+
 class MtpDrafter:
     """Drafts from the model's MTP head over the runner's last step (module docstring);
-    ``table(request)`` is the request's current page table."""
+    ``table(request)`` is the request's current page table. ``budget(requests, costs)``, when
+    given, cuts each request's ``draft_ids`` (placeholders, ``k`` of them) before the head runs,
+    knowing what each draft position costs whatever the number of requests using it
+    (``DraftBudget.trim``'s ``position_costs``: the catch-up's median time for the first, a
+    chain step's for each further one): the chain runs only as far as some request keeps
+    drafts, and a step where no draft pays for itself skips the head altogether."""
 
-    def __init__(self, runner: ModelRunner, table: Callable[[Request], Sequence[int]]) -> None:
-        self.runner, self.table = runner, table
+    def __init__(self, runner: ModelRunner, table: Callable[[Request], Sequence[int]],
+                 budget: Budget | None = None) -> None:
+        self.runner, self.table, self.budget = runner, table, budget
         self._drafts: dict[int, tuple[Request, int, tuple[int, ...]]] = {}
+        self._catch_s: deque[float] = deque(maxlen=32)  # recent catch-up times
+        self._chain_s: deque[float] = deque(maxlen=32)  # recent chain step times
 
     def propose(self, requests: Sequence[Request], k: int) -> None:
         step = self.runner.take_hidden()
-        if step is not None:
-            self._step(*step, requests, k)
+        want = {id(r): k for r in requests}
+        if self.budget is not None and requests:
+            for r in requests:
+                r.draft_ids = (0,) * k  # lengths only: cut by the budget
+            costs = [statistics.median(q) if q else 0.0 for q in (self._catch_s, self._chain_s)]
+            self.budget(requests, [costs[0]] + [costs[1]] * (k - 1))
+            want = {id(r): len(r.draft_ids) for r in requests}
+        if step is not None and (not requests or any(want.values())):
+            self._step(*step, want)
         for req in requests:
             kept = self._drafts.get(id(req))
             ok = kept is not None and kept[0] is req and kept[1] == req.num_tokens
-            req.draft_ids = kept[2] if ok and kept is not None else ()
+            req.draft_ids = kept[2][:want[id(req)]] if ok and kept is not None else ()
         for key in [key for key, (r, _, _) in self._drafts.items() if r.finished]:
             del self._drafts[key]
 
     @torch.no_grad()
     def _step(self, meta: StepMetadata, hidden: torch.Tensor, reqs: Sequence[Request],
-              todo: Sequence[Request], k: int) -> None:
+              want: dict[int, int]) -> None:
         model, cache = self.runner.model, self.runner.cache
-        wanted = {id(r) for r in todo}
+        t0 = time.perf_counter()
         seqs, qs, rows, ids, drafting = [], [], [], [], []
         for b, req in enumerate(reqs):
             start = meta.past_lens[b]
@@ -78,7 +105,7 @@ class MtpDrafter:
             qs.append(n)
             rows.extend(range(meta.cu_seqlens[b], meta.cu_seqlens[b] + n))
             ids.extend(req.token_ids[start + 1:start + n + 1])
-            if id(req) in wanted and start + n == req.num_tokens - 1:
+            if want.get(id(req), 0) and start + n == req.num_tokens - 1:
                 drafting.append((req, len(rows) - 1, start + n - 1))  # (request, row, position)
         if not seqs:
             return
@@ -95,12 +122,16 @@ class MtpDrafter:
         if not drafting:
             return
         chains = [[t] for t in logits.argmax(dim=-1).tolist()]  # d1 of each drafting request
+        self._catch_s.append(time.perf_counter() - t0)
+        lengths = [want[id(r)] for r, _, _ in drafting]
         state = out.index_select(0, picks)  # [D, hidden]: the head's hidden at each last row
-        live = list(range(len(drafting)))  # the chains still going
+        live = [i for i, w in enumerate(lengths) if w > 1]  # the chains still going
         bs = meta.block_size
-        for j in range(1, k):
+        for j in range(1, max(lengths)):
+            t0 = time.perf_counter()
             tables = {i: self.table(drafting[i][0]) for i in live}
-            live = [i for i in live if (drafting[i][2] + j) // bs < len(tables[i])]
+            live = [i for i in live
+                    if lengths[i] > j and (drafting[i][2] + j) // bs < len(tables[i])]
             if not live:
                 break
             step = StepMetadata.build(
@@ -114,5 +145,6 @@ class MtpDrafter:
             state.index_copy_(0, sel, nxt)
             for i, t in zip(live, logits.argmax(dim=-1).tolist(), strict=True):
                 chains[i].append(t)
+            self._chain_s.append(time.perf_counter() - t0)
         for (req, _, _), chain in zip(drafting, chains, strict=True):
             self._drafts[id(req)] = (req, req.num_tokens, tuple(chain))

@@ -166,9 +166,12 @@ class DraftBudget:
         """The request's draft acceptance probability so far (prior: one of each)."""
         return (req.spec_accepted + 1) / (req.spec_accepted + req.spec_rejections + 2)
 
-    def trim(self, requests: Sequence[Request], rows: int) -> None:
+    def trim(self, requests: Sequence[Request], rows: int,
+             position_costs: Sequence[float] = ()) -> None:
         """Cut each request's ``draft_ids`` to the drafts that pay on a step of ``rows`` other
-        rows."""
+        rows. ``position_costs[j]``: seconds that opening draft position ``j`` adds to the step
+        whatever the number of requests using it (the MTP drafter's catch-up for the first, a
+        chain step for each further one); the first request kept at a position pays it."""
         fit = self.fit()
         if fit is None or not requests:
             return
@@ -177,12 +180,13 @@ class DraftBudget:
         p = {id(r): self.acceptance(r) for r in requests}
         keep = dict.fromkeys(p, 0)
         for j in range(max(len(r.draft_ids) for r in requests)):
+            opening = position_costs[j] if j < len(position_costs) else 0.0
             for r in sorted(requests, key=lambda r: -p[id(r)]):
                 if keep[id(r)] == j and j < len(r.draft_ids):
                     gain = p[id(r)] ** (j + 1)
-                    if gain * t > b * n:
+                    if gain * t > (b + opening) * n:
                         keep[id(r)] += 1
-                        n, t = n + gain, t + b
+                        n, t, opening = n + gain, t + b + opening, 0.0
         for r in requests:
             r.draft_ids = r.draft_ids[:keep[id(r)]]
 

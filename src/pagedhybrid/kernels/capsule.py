@@ -142,16 +142,21 @@ def gated_delta(run: Callable[..., torch.Tensor], capture: StateCapture | None,
     return out
 
 
-def replay_conv(pool: torch.Tensor, capsule: Capsule, slots: torch.Tensor, begin: torch.Tensor,
-                end: torch.Tensor) -> None:
-    """Conv rows ``slots`` advanced by capsule tokens ``begin .. end - 1`` (row copies)."""
+def conv_replay_index(length: int, begin: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
+    """int64 ``[B, L]``: where each of a conv row's ``L`` entries comes from after capsule
+    tokens ``begin .. end - 1``, in ``[row | capsule]`` (the same for every layer of a round)."""
+    p = (end - begin).long()[:, None] + torch.arange(length)  # [B, L]: place in [state | x_b..]
+    return torch.where(p < length, p, p + begin.long()[:, None])
+
+
+def replay_conv(pool: torch.Tensor, capsule: Capsule, slots: torch.Tensor,
+                index: torch.Tensor) -> None:
+    """Conv rows ``slots`` advanced by the capsule tokens ``conv_replay_index`` says (row
+    copies)."""
     state = pool.index_select(0, slots)  # [B, C, L]
-    length = state.shape[-1]
     caps = capsule.conv.index_select(0, slots).transpose(1, 2)  # [B, C, cap]
     ext = torch.cat([state, caps], 2)  # [B, C, L + cap]
-    p = (end - begin).long()[:, None] + torch.arange(length)  # [B, L]: place in [state | x_begin..]
-    col = torch.where(p < length, p, p + begin.long()[:, None])
-    pool.index_copy_(0, slots, ext.gather(2, col[:, None, :].expand(-1, ext.shape[1], -1)))
+    pool.index_copy_(0, slots, ext.gather(2, index[:, None, :].expand(-1, ext.shape[1], -1)))
 
 
 def torch_capture(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,

@@ -36,7 +36,13 @@ from typing import NamedTuple
 import torch
 
 from pagedhybrid.errors import ContractViolation
-from pagedhybrid.kernels.capsule import Capsule, StateCapture, replay_conv, segments
+from pagedhybrid.kernels.capsule import (
+    Capsule,
+    StateCapture,
+    conv_replay_index,
+    replay_conv,
+    segments,
+)
 from pagedhybrid.kernels.step import StepMetadata, int_tensor
 from pagedhybrid.kvquant import KVScales, dequantize
 from pagedhybrid.models.qwen35.config import Qwen35Config
@@ -260,8 +266,11 @@ class PagedHybridCache:
             sl = int_tensor([slots[i] for i in todo], torch.int64)
             b0 = int_tensor([begin[i] for i in todo], torch.int32)
             b1 = int_tensor([end[i] for i in todo], torch.int32)
+            index = None
             for i, caps in self.capsules.items():
-                replay_conv(self.conv_state[i], caps, sl, b0, b1)
+                if index is None:
+                    index = conv_replay_index(self.conv_state[i].shape[-1], b0, b1)
+                replay_conv(self.conv_state[i], caps, sl, index)
                 capture.replay(self.recurrent_state[i], sl, caps, b0, b1)
             for i, row in saves:
                 for layer, conv in self.checkpoint_conv.items():
