@@ -330,3 +330,18 @@ def test_the_draft_budget_keeps_drafts_that_pay_for_their_rows(
     engine.draft_budget.observe = lambda rows, seconds: None  # (keep the synthetic fit)
     run(engine, [(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=6))])
     assert engine.stats.spec.drafts == 0
+
+
+def test_position_costs_stop_a_chain_where_it_stops_paying() -> None:
+    """A cost per opened draft position (the MTP head's catch-up and chain steps): on a
+    weights-bound batch-1 step a cheap position is opened, one that costs more than its
+    expected tokens are worth is not (and nothing past it), and a first position too dear
+    for anyone leaves every request without drafts (the MTP drafter then skips its head)."""
+    good = Request("g", (1,), SamplingParams(), 0, torch.Generator())
+    good.spec_accepted = 30  # p ~ 0.97
+    budget = _budget(10e-3, 0.5e-3)
+    for costs, want in (((), 4), ((1e-3, 1e-3, 1e-3), 4), ((1e-3, 1e-3, 30e-3), 2),
+                        ((30e-3,), 0)):
+        good.draft_ids = (1, 2, 3, 4)
+        budget.trim([good], 1, costs)
+        assert len(good.draft_ids) == want, costs
