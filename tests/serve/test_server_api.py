@@ -261,3 +261,40 @@ def test_speculative_server_answers_as_without_and_counts_drafts(tmp_path, llm: 
                           '{"num_speculative_tokens": 9}'], capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 2 and "num_speculative_tokens" in bad.stderr, bad.stderr
+
+
+def test_structured_outputs_through_the_openai_client(server: Server) -> None:
+    """``response_format`` json_schema through the real openai client's
+    ``beta.chat.completions.parse`` with a pydantic model (parsed, schema-valid), json_object,
+    and vLLM's ``guided_choice`` / ``guided_regex`` extras on completions, streamed and not --
+    the KJV model knows no JSON: the grammar alone makes the answers valid."""
+    import json
+    import re
+
+    from pydantic import BaseModel, Field
+
+    class Verse(BaseModel):
+        book: str = Field(max_length=12)
+        chapter: int = Field(ge=1, le=150)
+        kept: bool
+
+    c = client(server)
+    msgs = [{"role": "user", "content": "Recite Genesis 1:1."}]
+    for seed in (1, 2):
+        r = c.beta.chat.completions.parse(model=server.model, messages=msgs,
+                                          response_format=Verse, max_tokens=64, seed=seed)
+        assert r.choices[0].finish_reason == "stop"
+        verse = r.choices[0].message.parsed
+        assert isinstance(verse, Verse) and 1 <= verse.chapter <= 150
+    r = c.chat.completions.create(model=server.model, messages=msgs, max_tokens=64, seed=3,
+                                  response_format={"type": "json_object"})
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content or ""), dict)
+    choices = ["Moses", "Aaron"]
+    r2 = c.completions.create(model=server.model, prompt=PROMPT, max_tokens=8, seed=4,
+                              extra_body={"guided_choice": choices})
+    assert r2.choices[0].text in choices
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model=server.model, prompt=PROMPT, max_tokens=12, seed=5, stream=True,
+        extra_body={"guided_regex": "[0-9]{2}-[a-z]{3}"}) if ch.choices)
+    assert re.fullmatch("[0-9]{2}-[a-z]{3}", streamed), streamed

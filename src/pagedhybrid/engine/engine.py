@@ -48,6 +48,7 @@ from pagedhybrid.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOu
 from pagedhybrid.engine.speculative import DraftBudget, Drafter, NgramDrafter, draftable
 from pagedhybrid.engine.states import CheckpointPool, StatePool
 from pagedhybrid.engine.stats import EngineStats
+from pagedhybrid.engine.structured import Grammars
 from pagedhybrid.errors import ContractViolation
 from pagedhybrid.kernels.backend import Selection
 from pagedhybrid.models.qwen35 import PagedHybridCache, Qwen35ForCausalLM
@@ -89,6 +90,7 @@ class Engine:
         elif spec is not None:
             self.drafter = NgramDrafter(spec)
         self.draft_budget = DraftBudget()
+        self.grammars: Grammars | None = None  # structured outputs (made when first asked)
         self._generator = torch.Generator().manual_seed(self.config.seed)
         self._arrivals = 0
         self._pending: list[RequestOutput] = []
@@ -183,10 +185,22 @@ class Engine:
                else self._generator)
         req = Request(request_id, tuple(ids), params, self._arrivals, gen,
                       bad_word_ids=bad_words)
+        if params.structured_outputs is not None:
+            req.matcher = self._grammars(request_id).matcher(params.structured_outputs,
+                                                              "structured_outputs", request_id)
         if self.tokenizer is not None:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer)
         self.scheduler.add(req)  # CapacityError when it can never fit
         self._arrivals += 1
+
+    def _grammars(self, request_id: str) -> Grammars:
+        """llguidance's view of the tokenizer, made on the first constrained request."""
+        if self.tokenizer is None:
+            raise InvalidRequest(request_id, "structured_outputs", "needs the model's tokenizer")
+        if self.grammars is None:
+            self.grammars = Grammars(self.tokenizer, self.model.config.vocab_size,
+                                     self.eos_token_ids)
+        return self.grammars
 
     def _token_ids(self, request_id: str, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):

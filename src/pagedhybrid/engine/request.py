@@ -18,7 +18,7 @@ import enum
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -72,6 +72,7 @@ class Request:
     draft_ids: tuple[int, ...] = ()  # speculative drafts for the next step (the drafter's)
     spec_accepted: int = 0  # draft tokens accepted so far
     spec_rejections: int = 0  # verify steps that ended at a rejected draft
+    matcher: Any = None  # structured outputs: the request's llguidance matcher (structured.py)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -114,6 +115,8 @@ class Request:
         self.token_ids.append(tok.token_id)
         if tok.logprobs is not None:
             self.logprobs.append(tok.logprobs)
+        if self.matcher is not None and self.matcher.is_stopped():
+            return "stop"  # the grammar is complete (its EOS consumed, or nothing can follow)
         p = self.params
         if self.num_output_tokens > p.min_tokens or p.min_tokens == 0:
             if tok.token_id in p.stop_token_ids:

@@ -54,6 +54,7 @@ from pagedhybrid.engine.sampling import SampledToken, bad_word_bans, logprob_dic
 from pagedhybrid.engine.scheduler import Commit, SchedulerOutput
 from pagedhybrid.engine.speculative import verify
 from pagedhybrid.engine.stats import EngineStats
+from pagedhybrid.engine.structured import allowed_tokens, consume
 from pagedhybrid.errors import ContractViolation
 from pagedhybrid.kernels.backend import Needs, Selection, select
 from pagedhybrid.kernels.native import cpu_form, dense, set_pool_threads
@@ -364,10 +365,15 @@ class ModelRunner:
         gens = [r.generator for r in reqs]
         # only random rows draw noise: their generators' states, to restore if the batch fails
         states = [(g, g.get_state()) for g, p in zip(gens, params, strict=True) if not p.greedy]
+        allowed = None  # structured outputs: the grammars' tokens, every token elsewhere
+        constrained = [j for j, r in enumerate(reqs) if r.matcher is not None]
+        if constrained:
+            allowed = allowed_tokens([reqs[j].matcher for j in constrained], vocab, eos,
+                                     len(reqs), constrained)
         toks: list[SampledToken | str | None]  # a token, the reason sampling raised, or None
         try:
             toks = list(sample(rows, params, gens, reqs, banned if any(banned) else None,
-                               self._noise))
+                               self._noise, allowed))
         except Exception:  # find the row that fails, keep the others
             for g, st in states:
                 g.set_state(st)  # the batch may have drawn some rows' noise already
@@ -375,12 +381,19 @@ class ModelRunner:
             for j in range(len(reqs)):
                 try:
                     toks.extend(sample(rows[j:j + 1], params[j:j + 1], gens[j:j + 1],
-                                       reqs[j:j + 1], banned[j:j + 1], self._noise))
+                                       reqs[j:j + 1], banned[j:j + 1], self._noise,
+                                       None if allowed is None else allowed[j:j + 1]))
                 except Exception as exc:
                     toks.append(f"sampling failed: {type(exc).__name__}: {exc}")
+        if allowed is not None:
+            for j in (~allowed.any(dim=1)).nonzero().flatten().tolist():
+                toks[j] = "structured output: the grammar allows no token here"
         sampled: dict[str, list[SampledToken]] = {}
         failed: list[tuple[Request, str]] = []
         for r, t in zip(reqs, toks, strict=True):
+            if isinstance(t, SampledToken) and r.matcher is not None and not consume(
+                    r.matcher, t.token_id, eos):
+                t = f"structured output: the grammar refused token {t.token_id}"
             if isinstance(t, SampledToken):
                 sampled[r.request_id] = [t]
             else:

@@ -45,10 +45,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from pagedhybrid.engine.structured import StructuredOutputs
 from pagedhybrid.errors import ContractViolation
 from pagedhybrid.kernels.native.sampling import greedy_rows
 
@@ -82,6 +83,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] | Mapping[int, float] = ()
     bad_words: tuple[str, ...] = ()
+    # grammar-constrained decoding (engine/structured.py): a StructuredOutputs or its mapping
+    structured_outputs: StructuredOutputs | Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         def bad(field: str, rule: str, got: object) -> ContractViolation:
@@ -137,6 +140,8 @@ class SamplingParams:
         if not all(isinstance(w, str) and w.strip() for w in words):
             raise bad("bad_words", "must be non-blank strings", words)
         object.__setattr__(self, "bad_words", words)
+        object.__setattr__(self, "structured_outputs",
+                           StructuredOutputs.of(self.structured_outputs))
 
     @property
     def greedy(self) -> bool:
@@ -358,12 +363,15 @@ def logprob_dicts(logits: torch.Tensor, tokens: Sequence[int], k: int
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
            generators: Sequence[torch.Generator], history: Sequence[TokenHistory] | None = None,
            banned: Sequence[Sequence[int]] | None = None,
-           noise: torch.Tensor | None = None) -> list[SampledToken | None]:
+           noise: torch.Tensor | None = None,
+           allowed: torch.Tensor | None = None) -> list[SampledToken | None]:
     """Pick one token per row of ``logits`` ``[B, V]`` (see the module docstring); None for a
     row whose raw logits hold a NaN or an infinity (its request fails alone).
     ``history`` (one per row) feeds the penalties, ``banned`` (one list per row) the ids that
-    may not be sampled now; ``noise`` is a float32 buffer kept across steps for the random
-    rows' draws (resized as needed; a fresh one when None)."""
+    may not be sampled now, ``allowed`` (bool ``[B, V]``) the only ids that may (a grammar's
+    mask, ``structured.py``); ``noise`` is a float32 buffer kept across steps for the random
+    rows' draws (resized as needed; a fresh one when None). Logprobs are the raw
+    distribution's."""
     rows = logits.shape[0]
     if len(params) != rows or len(generators) != rows or (
             history is not None and len(history) != rows) or (
@@ -375,6 +383,8 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     raw = logits.float()  # [B, V] (the logits themselves when they are fp32)
     picked = greedy_rows(raw)  # [B]: raw argmax, -1 for a row with a non-finite logit
     proc = process_logits(raw, params, history, banned)  # [B, V] (a copy only if processed)
+    if allowed is not None:
+        proc = (raw.clone() if proc is raw else proc).masked_fill_(~allowed, float("-inf"))
     tokens = picked if proc is raw else proc.argmax(dim=-1)  # [B] greedy choice first
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:

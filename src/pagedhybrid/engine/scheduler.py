@@ -320,7 +320,9 @@ class Scheduler:
                drafts: tuple[int, ...] = ()) -> ScheduledSequence:
         start = req.num_computed_tokens
         ahead = self.config.lookahead
-        if ahead and start + n - len(drafts) == req.num_tokens:  # it samples: room for a chain
+        # it samples: room for a chain, from pages no running request may need this step
+        if (ahead and start + n - len(drafts) == req.num_tokens
+                and self.alloc.blocks.num_free > len(self.running)):
             self.alloc.grow(req.request_id, min(start + n + ahead, self.config.max_model_len))
         table = tuple(self.alloc.blocks.table(req.request_id))
         if drafts:  # checkpoints inside a verify chunk are planned at its commit

@@ -45,8 +45,9 @@ One step with speculation (engine -> scheduler -> runner -> scheduler):
    there). Attention needs no rollback: a rejected token's K/V rows lie past the sequence's
    length and are overwritten.
 
-Requests with penalties, bad words or ``min_tokens`` still to reach are not drafted for (their
-processed logits depend on the tokens before each row); they decode as usual in the same steps.
+Requests with penalties, bad words, ``min_tokens`` still to reach or a grammar
+(``structured_outputs``) are not drafted for (their processed logits depend on the tokens before
+each row); they decode as usual in the same steps.
 """
 
 from __future__ import annotations
@@ -195,6 +196,7 @@ def draftable(req: Request) -> bool:
     """Whether a request's rows may be verified together (module docstring)."""
     p = req.params
     return not (p.penalized or req.bad_word_ids or req.num_output_tokens < p.min_tokens
+                or req.matcher is not None
                 or (p.prompt_logprobs is not None and not req.prompt_logprobs_done))
 
 

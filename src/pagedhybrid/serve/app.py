@@ -41,7 +41,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedhybrid import __version__
 from pagedhybrid.engine import SamplingParams
+from pagedhybrid.engine.request import InvalidRequest
 from pagedhybrid.engine.sampling import wrap_seed
+from pagedhybrid.engine.structured import Grammars, StructuredOutputs
 from pagedhybrid.errors import ContractViolation
 from pagedhybrid.serve.core import Closing, EngineClient, EngineRefusal, Refused
 from pagedhybrid.serve.metrics import ServerMetrics
@@ -68,6 +70,7 @@ class ServerState:
     api_key: str | None = None
     max_waiting: int | None = None  # None: requests queue (vLLM's behaviour)
     root: str = ""  # the checkpoint folder (``/v1/models`` ``root``)
+    grammars: Grammars | None = None  # structured outputs' grammar checks (made when asked)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -104,6 +107,9 @@ def sampling_params(state: ServerState, body: Any, max_tokens: int, logprobs: in
     """The engine's parameters of choice ``index``; a value the engine refuses -> 400."""
     if body.min_tokens > max_tokens:
         raise ApiError(400, "min_tokens must be <= max_tokens", "min_tokens")
+    spec, source = body.structured()
+    if spec is not None:
+        check_grammar(state, spec, source)
     try:
         params = SamplingParams(
             temperature=1.0 if body.temperature is None else body.temperature,
@@ -118,11 +124,25 @@ def sampling_params(state: ServerState, body: Any, max_tokens: int, logprobs: in
             frequency_penalty=body.frequency_penalty or 0.0,
             repetition_penalty=(1.0 if body.repetition_penalty is None
                                 else body.repetition_penalty),
-            logit_bias=body.logit_bias_ids(), bad_words=tuple(body.bad_words or ()))
+            logit_bias=body.logit_bias_ids(), bad_words=tuple(body.bad_words or ()),
+            structured_outputs=spec)
         params.check_vocab(state.vocab_size)
     except ContractViolation as exc:
         raise ApiError(400, f"{exc.where} {exc.rule}", exc.where) from None
     return params
+
+
+def check_grammar(state: ServerState, spec: StructuredOutputs, source: str) -> None:
+    """A grammar llguidance refuses is a 400 naming the client's field, before the engine sees
+    the request (compiled here once per distinct grammar; the engine compiles its own)."""
+    if state.tokenizer is None:
+        raise ApiError(400, f"{source} needs the model's tokenizer", source)
+    if state.grammars is None:
+        state.grammars = Grammars(state.tokenizer, state.vocab_size)
+    try:
+        state.grammars.matcher(spec, source, "-")
+    except InvalidRequest as exc:
+        raise ApiError(400, f"{source} {exc.rule}", source) from None
 
 
 # -- the app ------------------------------------------------------------------------------------

@@ -6,9 +6,11 @@ is typed and range-checked here (integers in their ranges, int64 seeds, floats f
 Unicode); what needs the model (token ids inside the vocabulary, ``top_k`` up to the vocabulary,
 prompt + ``max_tokens`` within ``max_model_len``) is checked by the handler against it. A field
 is either implemented or refused: unknown fields, and known OpenAI fields this server does not
-implement yet (``tools``, a non-text ``response_format``, ``suffix``), are a 400 naming the
-field. ``ApiError`` is every refusal: an HTTP status and OpenAI's error object
-``{"error": {"message", "type", "param", "code"}}``.
+implement yet (``tools``, ``suffix``), are a 400 naming the field. ``response_format``
+(``json_object`` / ``json_schema``) and vLLM's ``structured_outputs`` / ``guided_json`` /
+``guided_regex`` / ``guided_choice`` / ``guided_grammar`` constrain the output by a grammar
+(``engine/structured.py``); one of them per request. ``ApiError`` is every refusal: an HTTP
+status and OpenAI's error object ``{"error": {"message", "type", "param", "code"}}``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from pagedhybrid.engine.sampling import INT64, MAX_LOGIT_BIAS, MAX_PENALTY
+from pagedhybrid.engine.structured import StructuredOutputs
+from pagedhybrid.errors import ContractViolation
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit; also logprobs / prompt_logprobs here
 MAX_N = 128  # OpenAI's limit for n (and best_of here)
@@ -97,16 +101,56 @@ class _Sampling(BaseModel):
     stop_token_ids: list[TokenId] | None = None
     bad_words: list[NonEmptyText] | None = None
     prompt_logprobs: LogprobCount | None = None
+    structured_outputs: dict[Text, Any] | None = None
+    guided_json: dict[Text, Any] | Text | None = None
+    guided_regex: NonEmptyText | None = None
+    guided_choice: Annotated[list[NonEmptyText], Field(min_length=1)] | None = None
+    guided_grammar: NonEmptyText | None = None
 
     @model_validator(mode="after")
     def _shared_rules(self) -> _Sampling:
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options is only allowed with stream=true",
                            "stream_options")
-        if self.response_format is not None and self.response_format.type != "text":
+        if self.response_format is not None and self.response_format.type not in (
+                "text", "json_object", "json_schema"):
             raise ApiError(400, f"response_format type {self.response_format.type!r} is not "
-                           "supported yet (structured outputs); only 'text'", "response_format")
+                           "supported; use 'text', 'json_object' or 'json_schema' (or the "
+                           "structured_outputs / guided_* extras)", "response_format")
         return self
+
+    def structured(self) -> tuple[StructuredOutputs | None, str]:
+        """The request's grammar (``engine/structured.py``) and the field it came from:
+        ``response_format`` (``json_object``; ``json_schema``'s ``schema``, ``strict`` or
+        not: the output always follows it), vLLM's ``structured_outputs`` or one ``guided_*``
+        extra. More than one of them is a 400 naming the second."""
+        found: list[tuple[str, dict[str, Any]]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif rf is not None and rf.type == "json_schema":
+            js = (rf.model_extra or {}).get("json_schema")
+            if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
+                raise ApiError(400, "response_format.json_schema.schema must be a JSON schema "
+                               "object", "response_format")
+            found.append(("response_format", {"json": js["schema"]}))
+        if self.structured_outputs is not None:
+            found.append(("structured_outputs", dict(self.structured_outputs)))
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"),
+                          ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                found.append((name, {key: value}))
+        if not found:
+            return None, ""
+        if len(found) > 1:
+            raise ApiError(400, f"{found[1][0]} cannot be combined with {found[0][0]}: give one "
+                           "grammar", found[1][0])
+        name, value = found[0]
+        try:
+            return StructuredOutputs.of(value), name
+        except ContractViolation as exc:
+            raise ApiError(400, f"{name}: '{exc.where}' {exc.rule}", name) from None
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:

@@ -1,0 +1,197 @@
+"""Structured outputs: grammar-constrained decoding with llguidance (vLLM's ``structured_outputs``).
+
+* ``StructuredOutputs`` -- vLLM's field names, exactly one set: ``json`` (a JSON schema: a dict
+  or its JSON text), ``json_object`` (any JSON object), ``regex``, ``choice`` (a list of
+  strings) or ``grammar`` (a Lark grammar in llguidance's dialect). ``grammar_text()`` is the
+  llguidance grammar of it; JSON is laid out compactly (``JSON_LAYOUT``); schema keywords
+  llguidance does not implement are refused (not ignored).
+* ``Grammars(tokenizer, vocab_size)`` -- llguidance's view of the engine's tokenizer (a
+  ``tokenizer.json`` through the ``tokenizers`` library, or the 256-byte tokenizer of the test
+  checkpoints) and ``matcher(spec, field)``: a new matcher of the spec's grammar, each distinct
+  grammar compiled once (a request deep-copies the compiled matcher). A grammar llguidance
+  refuses -- a malformed schema, an unsupported keyword, a regex that does not compile, a Lark
+  error -- raises ``InvalidRequest`` naming ``field`` with llguidance's message.
+* ``allowed_tokens(matchers, vocab, eos, rows, at)`` -- each matcher fills its row of one int32
+  bitmask ``[S, ceil(V / 32)]`` (llguidance's layout), unpacked to bool ``[S, V]`` in one op;
+  the sampler sets every disallowed logit to ``-inf`` in one ``masked_fill``
+  (``sampling.sample(allowed=)``). ``consume`` advances a matcher by the sampled token.
+
+Why llguidance: it is what onnxruntime-genai 0.18 constrains with; its wheel depends on nothing
+(xgrammar 0.2.9 requires torch, transformers and triton), and its masks are computed lazily per
+step from the current lexer state (no per-grammar precompilation of the vocabulary), which keeps
+compilation of a schema in the order of a millisecond on this CPU.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagedhybrid.errors import ContractViolation
+
+OP = "StructuredOutputs"
+# JSON is written compactly, one space after "," and ":" (xgrammar's any_whitespace=False
+# layout): free whitespace lets a weak model wander in blanks until max_tokens
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """vLLM's ``structured_outputs`` (module docstring)."""
+
+    json: Mapping[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        set_ = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(set_) != 1:
+            raise ContractViolation(OP, "structured_outputs",
+                                    f"must set exactly one of {list(KINDS)}", set_)
+        if self.json is not None and not isinstance(self.json, Mapping | str):
+            raise ContractViolation(OP, "json", "must be a JSON schema (an object or its text)",
+                                    type(self.json).__name__)
+        if not isinstance(self.json_object, bool):
+            raise ContractViolation(OP, "json_object", "must be a bool", self.json_object)
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ContractViolation(OP, name, "must be a non-empty string", v)
+        if self.choice is not None:
+            ok = (isinstance(self.choice, list | tuple) and self.choice
+                  and all(isinstance(c, str) and c for c in self.choice))
+            if not ok:
+                raise ContractViolation(OP, "choice", "must be a non-empty list of non-empty "
+                                        "strings", self.choice)
+            object.__setattr__(self, "choice", tuple(self.choice))
+
+    @classmethod
+    def of(cls, value: StructuredOutputs | Mapping[str, Any] | None
+           ) -> StructuredOutputs | None:
+        """``value`` as a spec: a mapping's unknown keys are refused by name."""
+        if value is None or isinstance(value, StructuredOutputs):
+            return value
+        if not isinstance(value, Mapping):
+            raise ContractViolation(OP, "structured_outputs", "must be a mapping or None",
+                                    type(value).__name__)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ContractViolation(OP, unknown[0], f"is not a known key (known: "
+                                    f"{sorted(known)})", value)
+        return cls(**value)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    def grammar_text(self) -> str:
+        """The llguidance grammar (its JSON grammar format) of the spec."""
+        import llguidance
+
+        m = llguidance.LLMatcher
+        if self.json is not None:
+            schema = self.json if isinstance(self.json, str) else json.dumps(self.json)
+            return m.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
+        if self.json_object:
+            return m.grammar_from_json_schema('{"type": "object"}', defaults=JSON_LAYOUT)
+        if self.regex is not None:
+            return m.grammar_from_regex(self.regex)
+        if self.choice is not None:
+            return m.grammar_from_lark("start: " + " | ".join(json.dumps(c)
+                                                               for c in self.choice))
+        assert self.grammar is not None
+        return m.grammar_from_lark(self.grammar)
+
+
+class Grammars:
+    """llguidance's tokenizer of the engine's tokenizer and the compiled grammars (module
+    docstring)."""
+
+    MAX_CACHED = 256
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos: Sequence[int] = ()) -> None:
+        import llguidance
+
+        eos = tuple(eos) or tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
+        backend = getattr(tokenizer, "_tok", None)  # TokenizersTokenizer's tokenizers object
+        if backend is not None:
+            self.tokenizer = llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size,
+                                                    eos_token=eos[0] if eos else None)
+        else:  # the byte tokenizer: 256 byte tokens, then its specials
+            self.tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(
+                _ByteView(eos, tokenizer.bos_token_id, vocab_size)), n_vocab=vocab_size)
+        self.vocab_size = vocab_size
+        self._compiled: dict[str, Any] = {}
+
+    def matcher(self, spec: StructuredOutputs, field: str, request_id: str) -> Any:
+        """A fresh matcher of ``spec``'s grammar (``InvalidRequest`` naming ``field`` when
+        llguidance refuses it)."""
+        import llguidance
+
+        from pagedhybrid.engine.request import InvalidRequest
+
+        try:
+            text = spec.grammar_text()
+        except Exception as exc:  # llguidance's grammar builders raise on malformed input
+            raise InvalidRequest(request_id, field, f"is not a usable {spec.kind} "
+                                 f"({type(exc).__name__}: {exc})") from None
+        base = self._compiled.get(text)
+        if base is None:
+            base = llguidance.LLMatcher(self.tokenizer, text)
+            if base.is_error():
+                raise InvalidRequest(request_id, field, f"is not a usable {spec.kind}: "
+                                     f"{base.get_error().strip()}")
+            if len(self._compiled) >= self.MAX_CACHED:
+                self._compiled.pop(next(iter(self._compiled)))
+            self._compiled[text] = base
+        return base.deep_copy()
+
+
+class _ByteView:
+    """The byte tokenizer as llguidance's ``TokenizerWrapper`` reads a tokenizer."""
+
+    def __init__(self, eos: Sequence[int], bos: int | None, vocab_size: int) -> None:
+        self.eos_token_id = eos[0]
+        self.bos_token_id = bos
+        self.tokens = [bytes([i]) for i in range(256)] + [
+            f"<special_{i}>".encode() for i in range(256, vocab_size)]
+        self.special_token_ids = list(range(256, vocab_size))
+
+    def __call__(self, text: bytes) -> list[int]:
+        return list(text)
+
+
+def allowed_tokens(matchers: Sequence[Any], vocab: int, eos: Sequence[int] = (),
+                   rows: int | None = None, at: Sequence[int] | None = None) -> torch.Tensor:
+    """bool ``[rows, V]`` (``rows`` default: one per matcher): row ``at[i]`` (default ``i``)
+    the tokens ``matchers[i]`` allows now, every token in the other rows; where a matcher
+    allows its EOS (``eos[0]``), the other EOS ids too. Each matcher fills its row of one
+    int32 bitmask (llguidance's layout: bit ``t % 32`` of word ``t // 32`` allows token
+    ``t``), unpacked by numpy in one pass (after a forward, every distinct torch op pays for
+    cold code)."""
+    words = (vocab + 31) // 32
+    n = len(matchers) if rows is None else rows
+    at = range(len(matchers)) if at is None else at
+    bits = np.full((n, words), -1, dtype=np.int32)
+    for m, r in zip(matchers, at, strict=True):
+        bits[r] = 0
+        m.unsafe_compute_mask_ptr(bits[r].ctypes.data, words * 4)
+    allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    if len(eos) > 1:
+        others = [t for t in eos[1:] if 0 <= t < vocab]
+        allowed[:, others] |= allowed[:, eos[0]:eos[0] + 1]
+    return torch.from_numpy(allowed.view(np.bool_))
+
+
+def consume(matcher: Any, token: int, eos: Sequence[int]) -> bool:
+    """Advance ``matcher`` by a sampled token (any EOS id is the matcher's own EOS)."""
+    return bool(matcher.consume_token(eos[0] if eos and token in eos else token))
