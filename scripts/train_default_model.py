@@ -56,6 +56,7 @@ from pagedhybrid.models.qwen35.linear_attention import QK_L2_NORM_EPS
 from pagedhybrid.models.qwen35.rope import mrope_cos_sin
 
 SEED = 1611
+BASE_STEPS, BASE_LR = 2400, 3e-3
 VOCAB = 4096
 SEQ_LEN = 256
 HELDOUT_EVERY = 40
@@ -287,9 +288,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--text", help="KJV text dump (default: run Debian's `bible`)")
     ap.add_argument("--out", default=str(DEFAULT_MODEL_DIR))
-    ap.add_argument("--steps", type=int, default=2400)
+    ap.add_argument("--steps", type=int, default=None,
+                    help=f"default {BASE_STEPS} (the base), {MTP_STEPS} (--mtp)")
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--lr", type=float, default=None,
+                    help=f"default {BASE_LR} (the base), {MTP_LR} (--mtp)")
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--probe", type=int, default=0, help="time this many steps and exit")
@@ -329,6 +332,8 @@ def main() -> int:
           f"out; {len(data)} training tokens", flush=True)
     if args.mtp:
         return train_mtp(args, data, Path(args.out))
+    steps0 = BASE_STEPS if args.steps is None else args.steps
+    lr_peak = BASE_LR if args.lr is None else args.lr
 
     config = model_config()
     model = build(config, torch.float32, "cpu")
@@ -346,14 +351,14 @@ def main() -> int:
     matrices = [p for p in model.parameters() if p.dim() >= 2]
     vectors = [p for p in model.parameters() if p.dim() < 2]  # norms, A_log, dt_bias
     opt = torch.optim.AdamW([{"params": matrices, "weight_decay": 0.1},
-                             {"params": vectors, "weight_decay": 0.0}], lr=args.lr,
+                             {"params": vectors, "weight_decay": 0.0}], lr=lr_peak,
                             betas=(0.9, 0.95))
-    steps = args.probe or args.steps
+    steps = args.probe or steps0
     gen = torch.Generator().manual_seed(SEED)
     log = []
     t_train = time.perf_counter()
     for step in range(steps):
-        lr = args.lr * min(1.0, (step + 1) / args.warmup) * (
+        lr = lr_peak * min(1.0, (step + 1) / args.warmup) * (
             0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(step / steps, 1.0))))
         for group in opt.param_groups:
             group["lr"] = lr
@@ -402,8 +407,8 @@ def train_mtp(args: argparse.Namespace, data: torch.Tensor, out: Path) -> int:
 
     from pagedhybrid.models.qwen35 import load
 
-    steps = args.steps if args.steps != 2400 else MTP_STEPS
-    lr0 = args.lr if args.lr != 3e-3 else MTP_LR
+    steps = MTP_STEPS if args.steps is None else args.steps
+    lr0 = MTP_LR if args.lr is None else args.lr
     if args.resume:
         model = load(out, torch.float32, mtp=True)
     else:

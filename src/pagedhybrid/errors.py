@@ -8,9 +8,18 @@ Every rejection names what was wrong so a user can act on it:
   cache, an unsupported model type, an execution provider without a kernel); the reason says what
   to do instead.
 * ``CapacityError`` -- a request that can never fit the configured pools.
+
+``from_mapping`` builds a typed config dataclass from an options mapping, refusing unknown keys
+by name.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import fields
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 class PagedHybridError(Exception):
@@ -42,3 +51,14 @@ class UnsupportedConfiguration(PagedHybridError, NotImplementedError):
 
 class CapacityError(PagedHybridError, RuntimeError):
     """A request that can never fit the configured KV pages or state slots."""
+
+
+def from_mapping(cls: type[T], value: Mapping[str, Any], op: str) -> T:
+    """``cls(**value)`` for a dataclass ``cls`` (an options mapping as its typed config); a key
+    that is no field of ``cls`` is a ``ContractViolation`` of ``op`` naming it."""
+    known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ContractViolation(op, unknown[0], f"is not a known key (known: {sorted(known)})",
+                                value)
+    return cls(**value)

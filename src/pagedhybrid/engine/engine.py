@@ -186,8 +186,10 @@ class Engine:
         req = Request(request_id, tuple(ids), params, self._arrivals, gen,
                       bad_word_ids=bad_words)
         if params.structured_outputs is not None:
-            req.matcher = self._grammars(request_id).matcher(params.structured_outputs,
-                                                              "structured_outputs", request_id)
+            try:
+                req.matcher = self._grammars(request_id).matcher(params.structured_outputs)
+            except ContractViolation as exc:
+                raise InvalidRequest(request_id, exc.where, exc.rule) from None
         if self.tokenizer is not None:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer)
         self.scheduler.add(req)  # CapacityError when it can never fit

@@ -55,7 +55,7 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -67,7 +67,7 @@ from pagedhybrid.engine.sampling import (
     params_probs,
     process_logits,
 )
-from pagedhybrid.errors import ContractViolation
+from pagedhybrid.errors import ContractViolation, from_mapping
 from pagedhybrid.kernels.native.sampling import greedy_rows
 
 MAX_SPECULATIVE_TOKENS = 7  # + the last sampled token = ONNX Runtime's capacity limit of 8
@@ -119,12 +119,7 @@ class SpeculativeConfig:
             raise ContractViolation("EngineConfig", "speculative_config",
                                     "must be a mapping (vLLM's speculative_config) or None",
                                     type(value).__name__)
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ContractViolation("speculative_config", unknown[0],
-                                    f"is not a known key (known: {sorted(known)})", value)
-        return cls(**value)
+        return from_mapping(cls, value, "speculative_config")
 
     @property
     def capacity(self) -> int:

@@ -7,10 +7,11 @@
   llguidance does not implement are refused (not ignored).
 * ``Grammars(tokenizer, vocab_size)`` -- llguidance's view of the engine's tokenizer (a
   ``tokenizer.json`` through the ``tokenizers`` library, or the 256-byte tokenizer of the test
-  checkpoints) and ``matcher(spec, field)``: a new matcher of the spec's grammar, each distinct
+  checkpoints) and ``matcher(spec)``: a new matcher of the spec's grammar, each distinct
   grammar compiled once (a request deep-copies the compiled matcher). A grammar llguidance
   refuses -- a malformed schema, an unsupported keyword, a regex that does not compile, a Lark
-  error -- raises ``InvalidRequest`` naming ``field`` with llguidance's message.
+  error -- raises ``ContractViolation`` with llguidance's message (the engine and the server
+  name their own field).
 * ``allowed_tokens(matchers, vocab, eos, rows, at)`` -- each matcher fills its row of one int32
   bitmask ``[S, ceil(V / 32)]`` (llguidance's layout), unpacked to bool ``[S, V]`` in one op;
   the sampler sets every disallowed logit to ``-inf`` in one ``masked_fill``
@@ -26,13 +27,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from pagedhybrid.errors import ContractViolation
+from pagedhybrid.errors import ContractViolation, from_mapping
 
 OP = "StructuredOutputs"
 # JSON is written compactly, one space after "," and ":" (xgrammar's any_whitespace=False
@@ -82,12 +83,7 @@ class StructuredOutputs:
         if not isinstance(value, Mapping):
             raise ContractViolation(OP, "structured_outputs", "must be a mapping or None",
                                     type(value).__name__)
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ContractViolation(OP, unknown[0], f"is not a known key (known: "
-                                    f"{sorted(known)})", value)
-        return cls(**value)
+        return from_mapping(cls, value, OP)
 
     @property
     def kind(self) -> str:
@@ -132,24 +128,22 @@ class Grammars:
         self.vocab_size = vocab_size
         self._compiled: dict[str, Any] = {}
 
-    def matcher(self, spec: StructuredOutputs, field: str, request_id: str) -> Any:
-        """A fresh matcher of ``spec``'s grammar (``InvalidRequest`` naming ``field`` when
-        llguidance refuses it)."""
+    def matcher(self, spec: StructuredOutputs) -> Any:
+        """A fresh matcher of ``spec``'s grammar (``ContractViolation`` naming
+        ``structured_outputs`` when llguidance refuses it)."""
         import llguidance
-
-        from pagedhybrid.engine.request import InvalidRequest
 
         try:
             text = spec.grammar_text()
         except Exception as exc:  # llguidance's grammar builders raise on malformed input
-            raise InvalidRequest(request_id, field, f"is not a usable {spec.kind} "
-                                 f"({type(exc).__name__}: {exc})") from None
+            raise ContractViolation(OP, "structured_outputs", f"is not a usable {spec.kind} "
+                                    f"({type(exc).__name__}: {exc})") from None
         base = self._compiled.get(text)
         if base is None:
             base = llguidance.LLMatcher(self.tokenizer, text)
             if base.is_error():
-                raise InvalidRequest(request_id, field, f"is not a usable {spec.kind}: "
-                                     f"{base.get_error().strip()}")
+                raise ContractViolation(OP, "structured_outputs", f"is not a usable "
+                                        f"{spec.kind}: {base.get_error().strip()}")
             if len(self._compiled) >= self.MAX_CACHED:
                 self._compiled.pop(next(iter(self._compiled)))
             self._compiled[text] = base

@@ -41,7 +41,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedhybrid import __version__
 from pagedhybrid.engine import SamplingParams
-from pagedhybrid.engine.request import InvalidRequest
 from pagedhybrid.engine.sampling import wrap_seed
 from pagedhybrid.engine.structured import Grammars, StructuredOutputs
 from pagedhybrid.errors import ContractViolation
@@ -140,8 +139,8 @@ def check_grammar(state: ServerState, spec: StructuredOutputs, source: str) -> N
     if state.grammars is None:
         state.grammars = Grammars(state.tokenizer, state.vocab_size)
     try:
-        state.grammars.matcher(spec, source, "-")
-    except InvalidRequest as exc:
+        state.grammars.matcher(spec)
+    except ContractViolation as exc:
         raise ApiError(400, f"{source} {exc.rule}", source) from None
 
 

@@ -266,10 +266,9 @@ class PagedHybridCache:
             sl = int_tensor([slots[i] for i in todo], torch.int64)
             b0 = int_tensor([begin[i] for i in todo], torch.int32)
             b1 = int_tensor([end[i] for i in todo], torch.int32)
-            index = None
+            index = conv_replay_index(self.conv_state[next(iter(self.capsules))].shape[-1],
+                                      b0, b1)  # the same for every layer
             for i, caps in self.capsules.items():
-                if index is None:
-                    index = conv_replay_index(self.conv_state[i].shape[-1], b0, b1)
                 replay_conv(self.conv_state[i], caps, sl, index)
                 capture.replay(self.recurrent_state[i], sl, caps, b0, b1)
             for i, row in saves:
