@@ -63,11 +63,39 @@ HELDOUT_EVERY = 40
 CHAT_FRACTION = 0.15  # chat exchanges per training chapter
 SPECIALS = ("<|endoftext|>", "<|bos|>", "<|im_start|>", "<|im_end|>")
 EOS, BOS, IM_START, IM_END = range(4)
-CHAT_TEMPLATE = (  # BOS first: every training document began with it
-    "{{ bos_token }}{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+# ChatML turns, BOS first (every training document began with it); tools, tool calls and tool
+# results in the Qwen3.5 format (engine/chat.py), without reasoning (the model was not trained to)
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- set system = messages and messages[0].role == 'system' -%}"
+    "{%- if tools -%}"
+    "{{ '<|im_start|>system\\n' }}"
+    "{%- if system -%}{{ messages[0].content + '\\n\\n' }}{%- endif -%}"
+    "{{ '# Tools\\n\\nYou may call one or more functions. Their signatures are within "
+    "<tools></tools>:\\n<tools>' }}"
+    "{%- for tool in tools -%}{{ '\\n' + (tool | tojson) }}{%- endfor -%}"
+    "{{ '\\n</tools>\\n\\nTo call a function, reply with:\\n<tool_call>\\n<function=NAME>\\n"
+    "<parameter=ARGUMENT>\\nVALUE\\n</parameter>\\n</function>\\n</tool_call><|im_end|>\\n' }}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if message.role == 'system' and tools -%}"
+    "{%- elif message.role == 'tool' -%}"
+    "{{ '<|im_start|>user\\n<tool_response>\\n' + (message.content or '') "
+    "+ '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else -%}"
+    "{{ '<|im_start|>' + message.role + '\\n' + (message.content or '') }}"
+    "{%- for call in message.tool_calls or [] -%}"
+    "{%- set call = call.function if call.function is defined else call -%}"
+    "{{ ('\\n\\n' if (message.content or not loop.first) else '') + '<tool_call>\\n<function=' "
+    "+ call.name + '>\\n' }}"
+    "{%- for name, value in (call.arguments if call.arguments is mapping else {}).items() -%}"
+    "{{ '<parameter=' + name + '>\\n' + (value if value is string else value | tojson) "
+    "+ '\\n</parameter>\\n' }}"
+    "{%- endfor -%}{{ '</function>\\n</tool_call>' }}"
+    "{%- endfor -%}{{ '<|im_end|>\\n' }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
 )
 
 

@@ -1,5 +1,5 @@
 """Property-based fuzzing of a live server from its own OpenAPI schema with the real
-``schemathesis`` CLI: thousands of generated bodies (valid and invalid) across every endpoint,
+``schemathesis`` CLI: about a thousand generated bodies (valid and invalid) across every endpoint,
 no response >= 500, the engine process alive, and a known greedy request answered correctly
 afterwards."""
 
@@ -25,14 +25,14 @@ def test_schemathesis_finds_no_server_error(tmp_path: Path) -> None:
         cli = Path(sys.executable).with_name("schemathesis")
         run = subprocess.run(
             [str(cli), "run", f"{s.base}/openapi.json", "--checks", "not_a_server_error",
-             "--max-examples", "150", "--workers", "1", "--seed", "2026",
+             "--max-examples", "60", "--workers", "1", "--seed", "2026",
              "--generation-database", "none", "--request-timeout", "120", "--no-color"],
             cwd=tmp_path, capture_output=True, text=True, timeout=900)
         out = run.stdout + run.stderr
         assert run.returncode == 0, out[-6000:]
         generated = re.search(r"(\d+) generated, (\d+) passed", out)
         assert generated is not None, out[-3000:]
-        assert int(generated.group(1)) >= 2000 and generated.group(1) == generated.group(2), \
+        assert int(generated.group(1)) >= 800 and generated.group(1) == generated.group(2), \
             out[-3000:]
         assert "Selected: 9/9" in out and "Tested: 9" in out, out[-3000:]
         assert httpx.get(f"{s.base}/health", timeout=30).status_code == 200

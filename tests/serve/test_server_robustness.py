@@ -131,11 +131,11 @@ def test_surrogates_in_chat_and_tools_are_400_and_the_server_keeps_serving(
         r = post_raw(server, "/chat/completions", raw.replace(b"M", model, 1))
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"].startswith("messages")
-    for fields, param in (({"tools": [{"type": "function", "function": {"name": "f"}}]},
-                           "tools"),
-                          ({"tool_choice": "auto"}, "tool_choice"),
-                          ({"messages": [{"role": "tool", "content": "x",
-                                          "tool_call_id": "1"}]}, "messages"),
+    for fields, param in (({"tools": [{"type": "function", "function": {
+                               "name": "f", "parameters": {"type": "array"}}}]},
+                           "tools[0].function.parameters"),
+                          ({"tool_choice": "required"}, "tool_choice"),
+                          ({"messages": [{"role": "tool", "content": "x"}]}, "messages"),
                           ({"messages": [{"role": "user", "content": [
                               {"type": "image_url", "image_url": {"url": "x"}}]}]},
                            "messages.0.content.0.type")):

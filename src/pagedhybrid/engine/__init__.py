@@ -21,14 +21,14 @@
 * ``IncrementalDetokenizer`` (``detokenizer.py``) -- each request's text, O(new tokens) a step;
   the server reads it.
 * ``Engine`` (``engine.py``) -- ``add_request`` / ``abort_request`` / ``step`` (schedule ->
-  runner -> update) / ``stream``; ``LLM`` (``llm.py``) -- offline ``generate``.
+  runner -> update) / ``stream``; ``LLM`` (``llm.py``) -- offline ``generate`` and ``chat``.
 """
 
 from __future__ import annotations
 
 from pagedhybrid.engine.config import EngineConfig
 from pagedhybrid.engine.engine import Engine
-from pagedhybrid.engine.llm import LLM, Throughput, load_engine
+from pagedhybrid.engine.llm import LLM, ChatOutput, Throughput, load_engine
 from pagedhybrid.engine.pages import BlockPool
 from pagedhybrid.engine.request import FinishReason, InvalidRequest, Request, RequestOutput
 from pagedhybrid.engine.runner import ModelRunner, build_batch
@@ -47,6 +47,7 @@ __all__ = [
     "GREEDY",
     "LLM",
     "BlockPool",
+    "ChatOutput",
     "Engine",
     "EngineConfig",
     "EngineStats",

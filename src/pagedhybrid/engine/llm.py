@@ -4,20 +4,25 @@
 checkpoint folder, with its tokenizer; ``generate(prompts, params)`` queues every prompt at once,
 steps the engine until all are finished (a progress bar on stderr), prints one throughput line
 (prompt tok/s, generated tok/s) and returns the final ``RequestOutput`` of each prompt in input
-order. ``stream`` yields the outputs of every step instead.
+order. ``stream`` yields the outputs of every step instead. ``chat(messages, tools=...)`` renders
+each conversation with the checkpoint's chat template and returns its answer parsed as the server
+parses it (``engine/chat.py``: ``reasoning_content``, ``content``, ``tool_calls``; ``tool_choice``
+``required`` or a named function forced by a grammar).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from pagedhybrid import dtypes
+from pagedhybrid.engine.chat import ChatParser, Tools, constraint, template_message, thinking
 from pagedhybrid.engine.config import EngineConfig
 from pagedhybrid.engine.engine import Engine
 from pagedhybrid.engine.request import RequestOutput
@@ -25,6 +30,7 @@ from pagedhybrid.engine.sampling import SamplingParams
 from pagedhybrid.errors import ContractViolation, UnsupportedConfiguration
 
 Prompt = str | Sequence[int]
+Conversation = Sequence[Mapping[str, object]]
 
 MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what a model may be loaded in
 # their accepted names (--dtype choices): "auto" (the checkpoint's dtype), logical ("float32")
@@ -63,6 +69,16 @@ class Throughput:
     def line(self) -> str:
         return (f"{self.requests} requests in {self.elapsed_s:.2f} s: "
                 f"prompt {self.prompt_tps:.1f} tok/s, generated {self.generated_tps:.1f} tok/s")
+
+
+@dataclass(frozen=True)
+class ChatOutput:
+    """One conversation's answer: the engine's output (token ids, raw text, logprobs) and
+    OpenAI's assistant message of it (``content``, ``reasoning_content``, ``tool_calls``)."""
+
+    output: RequestOutput
+    message: dict[str, object]
+    finish_reason: str | None
 
 
 def load_engine(model: str | Path | None = None, *, dtype: str | torch.dtype = "auto",
@@ -172,4 +188,41 @@ class LLM:
             sum(len(r.token_ids) for r in results), elapsed)
         if use_progress:
             print(self.last_throughput.line(), file=sys.stderr)
+        return results
+
+    def chat(self, messages: Conversation | Sequence[Conversation],
+             sampling_params: SamplingParams | None = None, *,
+             tools: Sequence[Mapping[str, object]] | None = None, tool_choice: object = None,
+             parallel_tool_calls: bool | None = None,
+             chat_template_kwargs: Mapping[str, object] | None = None,
+             use_progress: bool = True) -> list[ChatOutput]:
+        """Answer one conversation (a list of OpenAI messages) or several: each rendered by
+        the chat template with ``tools``, generated with ``sampling_params`` (its structured
+        output, or the forced tool call of ``tool_choice``, applies after any reasoning), and
+        parsed into an assistant message (module docstring)."""
+        tok = self.engine.tokenizer
+        if tok is None or not hasattr(tok, "apply_chat_template"):
+            raise UnsupportedConfiguration("LLM.chat needs a checkpoint with a tokenizer and "
+                                           "a chat template")
+        convs = [messages] if messages and isinstance(messages[0], Mapping) else messages
+        spec = Tools.of(tools, tool_choice, parallel_tool_calls)
+        params = sampling_params or SamplingParams()
+        prompts, plist, parsers = [], [], []
+        for c, conv in enumerate(convs):
+            rendered = [template_message(m, f"messages[{c}][{i}]")  # type: ignore[arg-type]
+                        for i, m in enumerate(conv)]
+            text = tok.apply_chat_template(
+                rendered, add_generation_prompt=True, **(chat_template_kwargs or {}),
+                **({"tools": spec.for_template()} if spec is not None else {}))
+            opened = thinking(text)
+            prompts.append(tok.encode(text, add_special_tokens=False))
+            plist.append(dataclasses.replace(params, structured_outputs=constraint(
+                params.structured_outputs, spec, opened)))
+            parsers.append(ChatParser(opened, spec))
+        results = []
+        for out, parser in zip(self.generate(prompts, plist, use_progress=use_progress),
+                               parsers, strict=True):
+            parser.feed(out.text or "", final=True)
+            results.append(ChatOutput(out, parser.message(),
+                                      parser.finish_reason(out.finish_reason)))
         return results

@@ -2,9 +2,11 @@
 
 * ``StructuredOutputs`` -- vLLM's field names, exactly one set: ``json`` (a JSON schema: a dict
   or its JSON text), ``json_object`` (any JSON object), ``regex``, ``choice`` (a list of
-  strings) or ``grammar`` (a Lark grammar in llguidance's dialect). ``grammar_text()`` is the
-  llguidance grammar of it; JSON is laid out compactly (``JSON_LAYOUT``); schema keywords
-  llguidance does not implement are refused (not ignored).
+  strings) or ``grammar`` (a Lark grammar in llguidance's dialect). ``lark_body()`` is the spec
+  as the body of a Lark rule (``%json {...}``, a regex, alternatives, ``%lark {...}``: what
+  ``chat.constraint`` composes after a reasoning prefix) and ``grammar_text()`` the llguidance
+  grammar of it; JSON is laid out compactly (``JSON_LAYOUT``); schema keywords llguidance does
+  not implement are refused (not ignored).
 * ``Grammars(tokenizer, vocab_size)`` -- llguidance's view of the engine's tokenizer (a
   ``tokenizer.json`` through the ``tokenizers`` library, or the 256-byte tokenizer of the test
   checkpoints) and ``matcher(spec)``: a new matcher of the spec's grammar, each distinct
@@ -89,23 +91,36 @@ class StructuredOutputs:
     def kind(self) -> str:
         return next(k for k in KINDS if getattr(self, k) not in (None, False))
 
+    def lark_body(self) -> str:
+        """The spec as the body of a rule of llguidance's Lark dialect (``chat.constraint``
+        puts it after the reasoning)."""
+        import llguidance
+
+        if self.json is not None or self.json_object:
+            schema = {"type": "object"} if self.json_object else self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as exc:
+                    raise ContractViolation(OP, "json", f"is not JSON text ({exc})") from None
+            if not isinstance(schema, Mapping):
+                raise ContractViolation(OP, "json", "must be a JSON schema object",
+                                        type(schema).__name__)
+            return "%json " + json.dumps({**schema, "x-guidance": JSON_LAYOUT})
+        if self.regex is not None:
+            return f"/{llguidance.regex_to_lark(self.regex)}/"
+        if self.choice is not None:
+            return " | ".join(json.dumps(c) for c in self.choice)
+        assert self.grammar is not None
+        return "%lark {\n" + self.grammar + "\n}"
+
     def grammar_text(self) -> str:
         """The llguidance grammar (its JSON grammar format) of the spec."""
         import llguidance
 
-        m = llguidance.LLMatcher
-        if self.json is not None:
-            schema = self.json if isinstance(self.json, str) else json.dumps(self.json)
-            return m.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
-        if self.json_object:
-            return m.grammar_from_json_schema('{"type": "object"}', defaults=JSON_LAYOUT)
-        if self.regex is not None:
-            return m.grammar_from_regex(self.regex)
-        if self.choice is not None:
-            return m.grammar_from_lark("start: " + " | ".join(json.dumps(c)
-                                                               for c in self.choice))
-        assert self.grammar is not None
-        return m.grammar_from_lark(self.grammar)
+        if self.grammar is not None:  # a whole Lark grammar as given
+            return llguidance.LLMatcher.grammar_from_lark(self.grammar)
+        return llguidance.LLMatcher.grammar_from_lark(f"start: {self.lark_body()}")
 
 
 class Grammars:

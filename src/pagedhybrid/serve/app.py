@@ -41,6 +41,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedhybrid import __version__
 from pagedhybrid.engine import SamplingParams
+from pagedhybrid.engine.chat import Tools, constraint, thinking
 from pagedhybrid.engine.sampling import wrap_seed
 from pagedhybrid.engine.structured import Grammars, StructuredOutputs
 from pagedhybrid.errors import ContractViolation
@@ -101,14 +102,14 @@ def check_prompt(state: ServerState, ids: list[int], max_tokens: int, param: str
                        "max_tokens", "context_length_exceeded")
 
 
-def sampling_params(state: ServerState, body: Any, max_tokens: int, logprobs: int | None,
+def sampling_params(state: ServerState, body: Any, job: Job, logprobs: int | None,
                     prompt_logprobs: int | None, index: int) -> SamplingParams:
     """The engine's parameters of choice ``index``; a value the engine refuses -> 400."""
+    max_tokens, spec = job.max_tokens, job.structured
     if body.min_tokens > max_tokens:
         raise ApiError(400, "min_tokens must be <= max_tokens", "min_tokens")
-    spec, source = body.structured()
     if spec is not None:
-        check_grammar(state, spec, source)
+        check_grammar(state, spec, job.structured_field)
     try:
         params = SamplingParams(
             temperature=1.0 if body.temperature is None else body.temperature,
@@ -329,7 +330,8 @@ def create_app(state: ServerState) -> FastAPI:
         check_auth(state, request)
         check_model(state, body.model)
         text = body.prompt if body.messages is None else render_chat(
-            body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+            body.messages, body.add_generation_prompt, body.chat_template_kwargs,
+            body.tool_spec())
         ids = state.tokenizer.encode(text, add_special_tokens=body.special_tokens())
         return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
                 "token_strs": [token_text(state.tokenizer, t) for t in ids]
@@ -346,11 +348,13 @@ def create_app(state: ServerState) -> FastAPI:
         return {"prompt": state.tokenizer.decode(body.tokens)}
 
     def render_chat(messages: Sequence[Any], add_generation_prompt: bool,
-                    kwargs: dict[str, Any] | None) -> str:
+                    kwargs: dict[str, Any] | None, tools: Tools | None) -> str:
+        rendered = [m.for_template(f"messages[{i}]") for i, m in enumerate(messages)]
+        extra = {"tools": tools.for_template()} if tools is not None else {}
         try:
             return str(state.tokenizer.apply_chat_template(
-                [m.for_template() for m in messages],
-                add_generation_prompt=add_generation_prompt, **(kwargs or {})))
+                rendered, add_generation_prompt=add_generation_prompt, **extra,
+                **(kwargs or {})))
         except Exception as exc:  # a template that cannot render these messages
             raise ApiError(400, f"messages cannot be rendered by the chat template: "
                            f"{type(exc).__name__}: {exc}", "messages") from None
@@ -367,7 +371,7 @@ def create_app(state: ServerState) -> FastAPI:
             engine_lp = max(engine_lp or 0, 0)
         prompt_k = [k for k in (body.prompt_logprobs,
                                 job.logprobs if job.echo_logprobs else None) if k is not None]
-        params = [sampling_params(state, body, job.max_tokens, engine_lp,
+        params = [sampling_params(state, body, job, engine_lp,
                                   max(prompt_k) if prompt_k else None, i)
                   for i in range(best_of)]
         if state.core.closing is not None:
@@ -384,7 +388,7 @@ def create_app(state: ServerState) -> FastAPI:
             for i in range(best_of):
                 sub = f"{rid}-{p_i}-{i}"
                 choices[sub] = Choice(p_i * best_of + i, sub, stops, state.tokenizer,
-                                      job.echo_only)
+                                      job.echo_only, parser=job.parser())
                 state.core.submit(sub, ids, params[i], sink)
         opts = body.stream_options
         out = Responses(rid, state.model_name, state.tokenizer, job, choices, best_of,
@@ -454,22 +458,35 @@ def create_app(state: ServerState) -> FastAPI:
             check_prompt(state, ids, max_tokens, "prompt")
         echo = (list(texts) if texts else [state.tokenizer.decode(p) for p in prompts]
                 ) if body.echo else []
+        spec, source = body.structured()
         return await generate(request, body, Job(
             prompts, max_tokens, body.logprobs, False, echo,
-            echo_logprobs=body.echo and body.logprobs is not None, echo_only=echo_only))
+            echo_logprobs=body.echo and body.logprobs is not None, echo_only=echo_only,
+            structured=spec, structured_field=source))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
         check_auth(state, request)
         check_model(state, body.model)
-        ids = state.tokenizer.encode(
-            render_chat(body.messages, body.add_generation_prompt, body.chat_template_kwargs),
-            add_special_tokens=body.add_special_tokens)
+        tools = body.tool_spec()
+        text = render_chat(body.messages, body.add_generation_prompt, body.chat_template_kwargs,
+                           tools)
+        ids = state.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else \
             body.max_tokens
         max_tokens = limit if limit is not None else max(1, state.max_model_len - len(ids))
         check_prompt(state, ids, max_tokens, "messages")
         k = (body.top_logprobs or 0) if body.logprobs else None
-        return await generate(request, body, Job([ids], max_tokens, k, True))
+        spec, source = body.structured()
+        reasoning = thinking(text)
+        try:
+            spec = constraint(spec, tools, reasoning)
+        except ContractViolation as exc:
+            raise ApiError(400, f"{exc.where} {exc.rule}", exc.where) from None
+        if not source and spec is not None:
+            source = "tool_choice"
+        return await generate(request, body, Job(
+            [ids], max_tokens, k, True, structured=spec, structured_field=source,
+            tools=tools, thinking=reasoning))
 
     return app

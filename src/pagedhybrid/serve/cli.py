@@ -1,5 +1,6 @@
 """``pagedhybrid serve [MODEL_DIR] [--host 127.0.0.1] [--port 8000] [--served-model-name NAME]
-[engine options as in generate] [--max-waiting N] [--api-key KEY] [--shutdown-timeout S]``.
+[engine options as in generate] [--max-waiting N] [--api-key KEY] [--shutdown-timeout S]
+[--chat-template FILE]``.
 
 Loads the model (the built-in one by default) into an ``Engine`` in a process of its own
 (``core.EngineClient``, as vLLM's engine core) and serves the OpenAI API with uvicorn on
@@ -39,6 +40,9 @@ def register_subcommands(subparsers: Any) -> None:
                    help="require 'Authorization: Bearer KEY'")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests may finish in after SIGTERM")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template (a file, or the template's text) used instead "
+                   "of the checkpoint's")
     p.add_argument("--log-level", default="warning")
     add_engine_arguments(p)
     p.set_defaults(func=serve_main)
@@ -67,7 +71,14 @@ def build_state(args: argparse.Namespace) -> Any:
     name = args.served_model_name or model_dir.name
     metrics = ServerMetrics(name, spec.num_speculative_tokens if spec else 0)
     core.on_step = metrics.on_step
-    return ServerState(core, load_tokenizer(model_dir, info.vocab_size), name,
+    tokenizer = load_tokenizer(model_dir, info.vocab_size)
+    if args.chat_template is not None:
+        if not hasattr(tokenizer, "chat_template"):
+            core.stop()
+            raise PagedHybridError(f"{model_dir}'s tokenizer renders no chat template")
+        source = Path(args.chat_template)
+        tokenizer.chat_template = source.read_text() if source.is_file() else args.chat_template
+    return ServerState(core, tokenizer, name,
                        info.max_model_len, info.vocab_size, metrics, args.api_key,
                        args.max_waiting, str(model_dir))
 

@@ -6,7 +6,8 @@ is typed and range-checked here (integers in their ranges, int64 seeds, floats f
 Unicode); what needs the model (token ids inside the vocabulary, ``top_k`` up to the vocabulary,
 prompt + ``max_tokens`` within ``max_model_len``) is checked by the handler against it. A field
 is either implemented or refused: unknown fields, and known OpenAI fields this server does not
-implement yet (``tools``, ``suffix``), are a 400 naming the field. ``response_format``
+implement (``suffix``), are a 400 naming the field. ``tools`` / ``tool_choice`` and tool
+messages follow ``engine/chat.py``. ``response_format``
 (``json_object`` / ``json_schema``) and vLLM's ``structured_outputs`` / ``guided_json`` /
 ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` constrain the output by a grammar
 (``engine/structured.py``); one of them per request. ``ApiError`` is every refusal: an HTTP
@@ -19,6 +20,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from pagedhybrid.engine.chat import Tools, template_message
 from pagedhybrid.engine.sampling import INT64, MAX_LOGIT_BIAS, MAX_PENALTY
 from pagedhybrid.engine.structured import StructuredOutputs
 from pagedhybrid.errors import ContractViolation
@@ -220,20 +222,43 @@ class TextPart(BaseModel):
     text: Text
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: Text
+    arguments: Text  # the JSON text of an object
+
+
+class ToolCallIn(BaseModel):
+    """A tool call of an earlier assistant turn, as the API returned it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCallIn] | None = None
     tool_call_id: Text | None = None
+    reasoning_content: Text | None = None  # vLLM: an earlier turn's reasoning
 
     @model_validator(mode="after")
-    def _no_tools_yet(self) -> ChatMessage:
-        if self.role == "tool" or self.tool_calls is not None or self.tool_call_id is not None:
-            raise ApiError(400, "tool messages and tool_calls are not supported yet (tool "
-                           "calling)", "messages")
+    def _roles(self) -> ChatMessage:
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ApiError(400, "a tool message needs the tool_call_id it answers", "messages")
+        if self.role != "tool" and self.tool_call_id is not None:
+            raise ApiError(400, "tool_call_id belongs to tool messages", "messages")
+        if self.role != "assistant" and (self.tool_calls is not None
+                                         or self.reasoning_content is not None):
+            raise ApiError(400, "tool_calls and reasoning_content belong to assistant "
+                           "messages", "messages")
         return self
 
     def text(self) -> str:
@@ -243,11 +268,18 @@ class ChatMessage(BaseModel):
             return self.content
         return "".join(part.text for part in self.content)
 
-    def for_template(self) -> dict[str, str]:
-        msg = {"role": self.role, "content": self.text()}
-        if self.name is not None:
-            msg["name"] = self.name
-        return msg
+    def for_template(self, where: str) -> dict[str, Any]:
+        """The message as chat templates read it (``chat.template_message``)."""
+        msg: dict[str, Any] = {"role": self.role, "content": self.text()}
+        for key in ("name", "tool_call_id", "reasoning_content"):
+            if getattr(self, key) is not None:
+                msg[key] = getattr(self, key)
+        if self.tool_calls:
+            msg["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        try:
+            return template_message(msg, where)
+        except ContractViolation as exc:
+            raise ApiError(400, f"{exc.where} {exc.rule}", exc.where) from None
 
 
 class ChatCompletionRequest(_Sampling):
@@ -268,15 +300,22 @@ class ChatCompletionRequest(_Sampling):
     @model_validator(mode="after")
     def _chat_rules(self) -> ChatCompletionRequest:
         check_template_kwargs(self.chat_template_kwargs)
-        for name in ("tools", "parallel_tool_calls"):
-            if getattr(self, name):
-                raise ApiError(400, f"{name} is not supported yet (tool calling)", name)
-        if self.tool_choice not in (None, "none"):
-            raise ApiError(400, "tool_choice is not supported yet (tool calling); only "
-                           "'none'", "tool_choice")
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+        self.tool_spec()
         return self
+
+    def tool_spec(self) -> Tools | None:
+        return tool_spec(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+
+def tool_spec(tools: list[dict[str, Any]] | None, choice: Any = None,
+              parallel: bool | None = None) -> Tools | None:
+    """``tools`` / ``tool_choice`` / ``parallel_tool_calls`` checked (``chat.Tools``)."""
+    try:
+        return Tools.of(tools, choice, parallel)
+    except ContractViolation as exc:
+        raise ApiError(400, f"{exc.where} {exc.rule}", exc.where) from None
 
 
 TEMPLATE_VARIABLES = ("messages", "tools", "add_generation_prompt")
@@ -301,14 +340,21 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None  # rendered with the messages
     return_token_strs: bool = False
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ApiError(400, "give exactly one of prompt or messages", "prompt")
+        if self.tools is not None and self.messages is None:
+            raise ApiError(400, "tools are rendered with messages", "tools")
         check_template_kwargs(self.chat_template_kwargs)
+        self.tool_spec()
         return self
+
+    def tool_spec(self) -> Tools | None:
+        return tool_spec(self.tools)
 
     def special_tokens(self) -> bool:
         return self.messages is None if self.add_special_tokens is None \

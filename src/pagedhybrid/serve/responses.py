@@ -25,7 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedhybrid.engine import RequestOutput
+from pagedhybrid.engine.chat import ChatParser, Tools
 from pagedhybrid.engine.sampling import Logprob
+from pagedhybrid.engine.structured import StructuredOutputs
 
 
 @dataclass
@@ -39,6 +41,14 @@ class Job:
     echo_texts: list[str] = field(default_factory=list)
     echo_logprobs: bool = False  # completions: prompt tokens' logprobs with the echo
     echo_only: bool = False  # max_tokens 0 + echo
+    structured: StructuredOutputs | None = None  # the answer's grammar
+    structured_field: str = ""  # the request field it came from (named by a 400)
+    tools: Tools | None = None  # chat: the request's tools
+    thinking: bool = False  # chat: the prompt opened <think>
+
+    def parser(self) -> ChatParser | None:
+        """A choice's reasoning / tool-call parser (chat answers)."""
+        return ChatParser(self.thinking, self.tools) if self.chat else None
 
 
 # -- one choice: incremental text, stop strings, logprobs ------------------------------------------
@@ -61,6 +71,8 @@ class Choice:
     arrival: float = field(default_factory=time.perf_counter)
     last_token_time: float | None = None
     echoed: bool = False  # streaming: the echo chunk went out
+    parser: ChatParser | None = None  # chat: reasoning, content and tool calls of the text
+    parts: dict[str, Any] = field(default_factory=dict)  # chat: the delta not yet streamed
 
     @property
     def done(self) -> bool:
@@ -106,7 +118,26 @@ class Choice:
                 safe -= 1
         delta = text[self.sent:safe]
         self.sent = safe
+        if self.parser is not None:
+            _merge(self.parts, self.parser.feed(delta, final=self.done))
+            if self.parser.done and not self.done:  # parallel_tool_calls false: one call
+                self.finish_reason, stopped = "tool_calls", True
+            self.finish_reason = self.parser.finish_reason(self.finish_reason)
         return delta, stopped
+
+
+def _merge(parts: dict[str, Any], delta: dict[str, Any]) -> None:
+    """Add a parser delta to the parts not yet streamed (a call's pieces joined)."""
+    for key, value in delta.items():
+        if key != "tool_calls":
+            parts[key] = parts.get(key, "") + value
+            continue
+        calls = parts.setdefault("tool_calls", [])
+        for item in value:
+            if calls and calls[-1]["index"] == item["index"]:
+                calls[-1]["function"]["arguments"] += item["function"]["arguments"]
+            else:
+                calls.append({**item, "function": dict(item["function"])})
 
 
 # -- logprobs -----------------------------------------------------------------------------------
@@ -217,17 +248,20 @@ class Responses:
         return completion_logprobs(self.tok, c.token_ids[first:],
                                    c.logprobs[first:len(c.token_ids)], k, offset)
 
-    def entry(self, index: int, text: str, logprobs: dict[str, Any] | None,
+    def entry(self, index: int, text: str | dict[str, Any], logprobs: dict[str, Any] | None,
               finish: str | None, *, final: bool = False, role: bool = False
               ) -> dict[str, Any]:
-        """A choice entry: completions' ``text``; chat's ``message`` (``final``) or ``delta``
-        (``role``: the first chunk, naming the assistant)."""
+        """A choice entry: completions' ``text``; chat's ``message`` (``final``: the parser's
+        message) or ``delta`` (the parser's parts; ``role``: the first chunk, naming the
+        assistant)."""
         if not self.job.chat:
             shaped: dict[str, Any] = {"text": text}
-        elif final or role:
-            shaped = {"message" if final else "delta": {"role": "assistant", "content": text}}
-        else:
+        elif role:
+            shaped = {"delta": {"role": "assistant", "content": ""}}
+        elif isinstance(text, str):  # no parser: an error chunk
             shaped = {"delta": {"content": text} if text else {}}
+        else:
+            shaped = {"message" if final else "delta": text}
         return {"index": index, **shaped, "logprobs": logprobs, "finish_reason": finish}
 
     def stream_entry(self, c: Choice, delta: str) -> dict[str, Any] | None:
@@ -236,7 +270,10 @@ class Responses:
         if len(c.token_ids) > c.sent_logprobs and len(c.logprobs) >= len(c.token_ids):
             lp = self.logprobs(c, c.sent_logprobs)
             c.sent_logprobs = len(c.token_ids)
-        return self.entry(c.index, delta, lp, c.finish_reason) if delta or c.done or lp else None
+        new: str | dict[str, Any] = delta
+        if c.parser is not None:
+            new, c.parts = c.parts, {}
+        return self.entry(c.index, new, lp, c.finish_reason) if new or c.done or lp else None
 
     def _envelope(self, kind: str, entries: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.rid, "object": kind, "created": self.created, "model": self.model,
@@ -249,7 +286,8 @@ class Responses:
             gen_lp = self.logprobs(c, offset=len(echo))
             if lp is not None and gen_lp is not None:
                 lp = {key: lp[key] + gen_lp[key] for key in lp}
-            out.append(self.entry(j, echo + c.text, lp or gen_lp, c.finish_reason, final=True))
+            text = c.parser.message() if c.parser is not None else echo + c.text
+            out.append(self.entry(j, text, lp or gen_lp, c.finish_reason, final=True))
             if k is not None and not job.chat:
                 out[-1]["prompt_logprobs"] = vllm_prompt_logprobs(self.tok, c, k)
         resp = self._envelope("chat.completion" if job.chat else "text_completion", out)

@@ -86,7 +86,7 @@ class TokenizersTokenizer:
         self.eos_token_ids = tuple(eos_token_ids)
         self.chat_template = chat_template
         self.special_tokens = dict(special_tokens or {})  # e.g. {"eos_token": "<|im_end|>"}
-        self._template: Any = None
+        self._template: tuple[str, Any] | None = None  # (source, compiled)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
@@ -101,12 +101,13 @@ class TokenizersTokenizer:
         if self.chat_template is None:
             raise UnsupportedConfiguration("this checkpoint has no chat template "
                                            "(chat_template.jinja or tokenizer_config.json)")
-        if self._template is None:
-            self._template = _jinja_environment().from_string(self.chat_template)
+        if self._template is None or self._template[0] != self.chat_template:  # compiled once
+            self._template = (self.chat_template,
+                              _jinja_environment().from_string(self.chat_template))
         specials = {f"{name}_token": self.token(token_id) for name, token_id in
                     (("bos", self.bos_token_id),
                      ("eos", self.eos_token_ids[0] if self.eos_token_ids else None))}
-        return self._template.render(**specials | self.special_tokens | kwargs,
+        return self._template[1].render(**specials | self.special_tokens | kwargs,
                                      messages=list(messages), tools=tools,
                                      add_generation_prompt=add_generation_prompt)
 
