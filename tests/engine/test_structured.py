@@ -4,8 +4,9 @@
   lists: every finished output validates (``jsonschema``) or matches, sampled at temperature 1
   from the built-in model (which knows nothing of JSON: the grammar alone makes it valid);
 * constrained and unconstrained requests in one batch: the unconstrained ones equal their
-  outputs alone; constrained ones are not drafted for under speculation (the others are);
-  a preempted constrained request still validates;
+  outputs alone; under speculation constrained requests are drafted and verified through the
+  grammar's masks, greedy outputs token-identical to plain decoding; a preempted constrained
+  request still validates;
 * refusals by field: a schema llguidance cannot compile, an unimplemented keyword, a regex that
   does not compile, two kinds at once, an unknown key.
 """
@@ -101,6 +102,15 @@ def test_generated_schemas_always_validate(engine: Engine, schema: dict, seed: i
     jsonschema.validate(json.loads(o.text), schema)  # type: ignore[attr-defined]
 
 
+def test_a_complete_grammar_ends_its_request_before_min_tokens(engine: Engine) -> None:
+    """``min_tokens`` bans EOS, but a grammar that can only end is complete: the answer stays
+    valid and ends there (not an error, not padded to ``min_tokens``)."""
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=40, min_tokens=30,
+                            structured_outputs={"choice": ["yea", "nay"]})
+    (o,) = generate(engine, [(PROMPT, params)]).values()
+    assert o.text in ("yea", "nay") and o.finish_reason == "stop", o  # type: ignore[attr-defined]
+
+
 def test_unconstrained_requests_are_unchanged_beside_constrained_ones(engine: Engine) -> None:
     greedy = SamplingParams(temperature=0.0, max_tokens=24)
     alone = generate(engine, [(PROMPT, greedy), ("In the beginning", greedy)])
@@ -112,17 +122,26 @@ def test_unconstrained_requests_are_unchanged_beside_constrained_ones(engine: En
     assert m[3].text in ("yea", "nay")  # type: ignore[attr-defined]
 
 
-def test_speculation_and_preemption_keep_the_grammar() -> None:
-    """With MTP drafts on, constrained requests decode without drafts (their next rows depend
-    on the grammar state) while unconstrained ones are drafted; with pages for about one request
-    at a time, preempted constrained requests still validate."""
-    spec = load_engine(None, num_blocks=256, speculative_config={
-        "method": "mtp", "num_speculative_tokens": 3, "adaptive": False})
-    outs = list(generate(spec, [(PROMPT, constrained({"json": PERSON}, s)) for s in range(2)]
-                         + [(PROMPT, SamplingParams(temperature=0.0, max_tokens=32))]).values())
-    for o in outs[:2]:
+def test_speculation_drafts_under_the_grammar_exactly_and_preemption_keeps_it() -> None:
+    """With MTP drafts on, constrained requests are drafted too (drafts cut where the grammar
+    would refuse one, every verify row masked by the grammar's state after the drafts before
+    it): greedy outputs equal plain decoding's token for token (batch-invariant mode, so
+    verify rows compute as decode rows do), sampled ones validate; with pages for about one
+    request at a time, preempted constrained requests still validate."""
+    mtp = {"method": "mtp", "num_speculative_tokens": 3, "adaptive": False}
+    plain = load_engine(None, num_blocks=256, batch_invariant=True)
+    spec = load_engine(None, num_blocks=256, batch_invariant=True, speculative_config=mtp)
+    greedy = [(PROMPT, SamplingParams(temperature=0.0, max_tokens=160,
+                                      structured_outputs={"json": PERSON})),
+              (PROMPT, SamplingParams(temperature=0.0, max_tokens=100,
+                                      structured_outputs={"regex": "[a-z ,]{20,90}[.]"}))]
+    want, got = generate(plain, greedy), generate(spec, greedy)
+    assert [o.token_ids for o in want.values()] == [o.token_ids for o in got.values()]  # type: ignore
+    assert spec.stats.spec.drafts > 0 and spec.stats.spec.accepted_tokens > 0
+    outs = list(generate(spec, [(PROMPT, constrained({"json": PERSON}, s)) for s in range(3)]
+                         ).values())
+    for o in outs:
         jsonschema.validate(json.loads(o.text), PERSON)  # type: ignore[attr-defined]
-    assert spec.stats.spec.drafts > 0
     tight = load_engine(None, num_blocks=12, block_size=16, max_num_seqs=4)
     outs = list(generate(tight, [(PROMPT, constrained({"json": PERSON}, s)) for s in range(4)]
                          ).values())

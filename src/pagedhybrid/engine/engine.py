@@ -307,6 +307,11 @@ class Engine:
             self.stats.spec.drafter_failures += 1
             for req in todo:
                 req.draft_ids = ()
+        eos = self.eos_token_ids
+        for req in todo:  # a grammar's requests: drafts up to the first one it would refuse
+            if req.matcher is not None and req.draft_ids:
+                req.draft_ids = tuple(req.draft_ids[:req.matcher.validate_tokens(
+                    [eos[0] if t in eos else t for t in req.draft_ids])])
         if todo and spec.adaptive and spec.method != "mtp":  # (MtpDrafter trims its chain)
             self.draft_budget.trim([r for r in todo if r.draft_ids], len(running))
 

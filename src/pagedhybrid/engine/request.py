@@ -115,7 +115,7 @@ class Request:
         self.token_ids.append(tok.token_id)
         if tok.logprobs is not None:
             self.logprobs.append(tok.logprobs)
-        if self.matcher is not None and self.matcher.is_stopped():
+        if tok.grammar_end:
             return "stop"  # the grammar is complete (its EOS consumed, or nothing can follow)
         p = self.params
         if self.num_output_tokens > p.min_tokens or p.min_tokens == 0:

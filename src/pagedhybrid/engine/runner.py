@@ -43,7 +43,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -54,7 +54,7 @@ from pagedhybrid.engine.sampling import SampledToken, bad_word_bans, logprob_dic
 from pagedhybrid.engine.scheduler import Commit, SchedulerOutput
 from pagedhybrid.engine.speculative import verify
 from pagedhybrid.engine.stats import EngineStats
-from pagedhybrid.engine.structured import allowed_tokens, consume
+from pagedhybrid.engine.structured import allowed_tokens, consume, draft_masks
 from pagedhybrid.errors import ContractViolation
 from pagedhybrid.kernels.backend import Needs, Selection, select
 from pagedhybrid.kernels.native import cpu_form, dense, set_pool_threads
@@ -181,6 +181,22 @@ def build_batch(output: SchedulerOutput, cache: PagedHybridCache, device: str = 
     return StepBatch(batch, meta,
                      None if every else int_tensor(rows, torch.int64, device),
                      sampling, sample_rows, spans, reqs, tuple(verify))
+
+
+def advance(matcher: Any, toks: list[SampledToken], eos: Sequence[int]
+            ) -> list[SampledToken] | str:
+    """A request's grammar advanced by the tokens it keeps this step; they end with the one
+    that completes the grammar (marked ``grammar_end``). A token the grammar refuses fails the
+    request (the reason is returned)."""
+    out = []
+    for t in toks:
+        if not consume(matcher, t.token_id, eos):
+            return f"structured output: the grammar refused token {t.token_id}"
+        if matcher.is_stopped():
+            out.append(t._replace(grammar_end=True))
+            break
+        out.append(t)
+    return out
 
 
 class ModelRunner:
@@ -317,10 +333,15 @@ class ModelRunner:
             sampled, failed = self._sample(rows, reqs)
         if step.verify:
             seqs = [scheduled.sequences[i] for i, _ in step.verify]
+            eos = [t for t in self.eos_token_ids if 0 <= t < logits.shape[1]]
+            masks = [None if s.request.matcher is None else draft_masks(
+                s.request.matcher, s.drafts, logits.shape[1], eos) for s in seqs]
             for s, kept in zip(seqs, verify(logits, [s.request for s in seqs],
                                             [s.drafts for s in seqs],
-                                            [r for _, r in step.verify], self._noise),
+                                            [r for _, r in step.verify], self._noise, masks),
                                strict=True):
+                if not isinstance(kept, str) and s.request.matcher is not None:
+                    kept = advance(s.request.matcher, kept, eos)
                 if isinstance(kept, str):
                     failed.append((s.request, kept))
                 else:
@@ -391,13 +412,13 @@ class ModelRunner:
         sampled: dict[str, list[SampledToken]] = {}
         failed: list[tuple[Request, str]] = []
         for r, t in zip(reqs, toks, strict=True):
-            if isinstance(t, SampledToken) and r.matcher is not None and not consume(
-                    r.matcher, t.token_id, eos):
-                t = f"structured output: the grammar refused token {t.token_id}"
-            if isinstance(t, SampledToken):
-                sampled[r.request_id] = [t]
+            kept = [t] if isinstance(t, SampledToken) else "non-finite logits" if t is None else t
+            if r.matcher is not None and not isinstance(kept, str):
+                kept = advance(r.matcher, kept, eos)
+            if isinstance(kept, str):
+                failed.append((r, kept))
             else:
-                failed.append((r, "non-finite logits" if t is None else t))
+                sampled[r.request_id] = kept
         return sampled, failed
 
     # -- the training-side recompute ---------------------------------------------------------------

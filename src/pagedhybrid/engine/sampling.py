@@ -207,10 +207,12 @@ class Logprob(NamedTuple):
 
 
 class SampledToken(NamedTuple):
-    """One sampled token; ``logprobs`` maps token id -> Logprob (top-k plus the sampled one)."""
+    """One sampled token; ``logprobs`` maps token id -> Logprob (top-k plus the sampled one);
+    ``grammar_end``: the request's grammar is complete with this token (structured outputs)."""
 
     token_id: int
     logprobs: dict[int, Logprob] | None
+    grammar_end: bool = False
 
 
 class TokenHistory(Protocol):

@@ -45,9 +45,13 @@ One step with speculation (engine -> scheduler -> runner -> scheduler):
    there). Attention needs no rollback: a rejected token's K/V rows lie past the sequence's
    length and are overwritten.
 
-Requests with penalties, bad words, ``min_tokens`` still to reach or a grammar
-(``structured_outputs``) are not drafted for (their processed logits depend on the tokens before
-each row); they decode as usual in the same steps.
+Requests with penalties, bad words or ``min_tokens`` still to reach are not drafted for (their
+processed logits depend on the tokens before each row); they decode as usual in the same steps.
+A request under a grammar (``structured_outputs``) is: its drafts are cut where the grammar
+would refuse one (``matcher.validate_tokens``), and each row of its verify chunk is masked by
+what the grammar allows after the drafts before it (``structured.draft_masks``: consumed
+tentatively, rolled back) -- the same masked distribution plain decoding samples from, so
+verification stays exact; the matcher then advances by the tokens kept.
 """
 
 from __future__ import annotations
@@ -191,7 +195,6 @@ def draftable(req: Request) -> bool:
     """Whether a request's rows may be verified together (module docstring)."""
     p = req.params
     return not (p.penalized or req.bad_word_ids or req.num_output_tokens < p.min_tokens
-                or req.matcher is not None
                 or (p.prompt_logprobs is not None and not req.prompt_logprobs_done))
 
 
@@ -249,11 +252,14 @@ class NgramDrafter:
 
 
 def verify(logits: torch.Tensor, reqs: Sequence[Request], drafts: Sequence[Sequence[int]],
-           first_rows: Sequence[int], noise: torch.Tensor
+           first_rows: Sequence[int], noise: torch.Tensor,
+           masks: Sequence[torch.Tensor | None] | None = None
            ) -> list[list[SampledToken] | str]:
     """The tokens each verify request keeps (module docstring, step 3): request ``r``'s chunk
-    has ``len(drafts[r]) + 1`` logits rows from ``first_rows[r]``. A request whose rows are not
-    all finite, or whose verification raises, gets the reason instead of tokens."""
+    has ``len(drafts[r]) + 1`` logits rows from ``first_rows[r]``; ``masks[r]`` (bool
+    ``[len(drafts[r]) + 1, V]``, or None) are the tokens its grammar allows at each row
+    (``structured.draft_masks``). A request whose rows are not all finite, whose grammar allows
+    no token, or whose verification raises, gets the reason instead of tokens."""
     raw = logits.float()
     idx = [first + i for first, d in zip(first_rows, drafts, strict=True)
            for i in range(len(d) + 1)]
@@ -261,6 +267,18 @@ def verify(logits: torch.Tensor, reqs: Sequence[Request], drafts: Sequence[Seque
     params = [r.params for r, d in zip(reqs, drafts, strict=True) for _ in range(len(d) + 1)]
     finite = greedy_rows(rows)  # [R]: -1 for a row with a non-finite logit
     proc = process_logits(rows, params)  # logit_bias (the only row-independent processor)
+    dead: set[int] = set()  # requests whose grammar allows nothing at their first row
+    if masks is not None and any(m is not None for m in masks):
+        allowed = torch.ones_like(proc, dtype=torch.bool)
+        row = 0
+        for r, (d, m) in enumerate(zip(drafts, masks, strict=True)):
+            if m is not None:
+                allowed[row:row + len(d) + 1] = m
+                if not bool(m[0].any()):
+                    dead.add(r)
+                    allowed[row:row + len(d) + 1] = True
+            row += len(d) + 1
+        proc = proc.masked_fill(~allowed, float("-inf"))
     targets = proc.argmax(dim=-1)
     rnd = [i for i, p in enumerate(params) if not p.greedy]
     probs = None
@@ -270,12 +288,15 @@ def verify(logits: torch.Tensor, reqs: Sequence[Request], drafts: Sequence[Seque
     ok, best = finite.tolist(), targets.tolist()
     out: list[list[SampledToken] | str] = []
     row = 0
-    for req, d in zip(reqs, drafts, strict=True):
+    for r, (req, d) in enumerate(zip(reqs, drafts, strict=True)):
         n = len(d) + 1
         mine = range(row, row + n)
         row += n
         if any(ok[i] < 0 for i in mine):
             out.append("non-finite logits")
+            continue
+        if r in dead:
+            out.append("structured output: the grammar allows no token here")
             continue
         try:
             picks = (_greedy(d, best[mine.start:mine.stop]) if req.params.greedy else

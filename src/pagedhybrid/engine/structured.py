@@ -187,13 +187,41 @@ def allowed_tokens(matchers: Sequence[Any], vocab: int, eos: Sequence[int] = (),
     int32 bitmask (llguidance's layout: bit ``t % 32`` of word ``t // 32`` allows token
     ``t``), unpacked by numpy in one pass (after a forward, every distinct torch op pays for
     cold code)."""
-    words = (vocab + 31) // 32
     n = len(matchers) if rows is None else rows
-    at = range(len(matchers)) if at is None else at
-    bits = np.full((n, words), -1, dtype=np.int32)
-    for m, r in zip(matchers, at, strict=True):
-        bits[r] = 0
-        m.unsafe_compute_mask_ptr(bits[r].ctypes.data, words * 4)
+    bits = np.full((n, (vocab + 31) // 32), -1, dtype=np.int32)
+    for m, r in zip(matchers, range(len(matchers)) if at is None else at, strict=True):
+        _fill(m, bits[r])
+    return _unpack(bits, vocab, eos)
+
+
+def draft_masks(matcher: Any, drafts: Sequence[int], vocab: int, eos: Sequence[int] = ()
+                ) -> torch.Tensor:
+    """bool ``[len(drafts) + 1, V]``: the tokens ``matcher`` allows at each row of a verify
+    chunk -- now, then after each draft in turn (consumed tentatively and rolled back).
+    Rows after a draft the grammar refuses, or after the grammar is complete, allow every
+    token: verification never reaches them (a refused draft is rejected, and the kept tokens
+    end where the grammar does)."""
+    bits = np.full((len(drafts) + 1, (vocab + 31) // 32), -1, dtype=np.int32)
+    taken = 0
+    for row in range(len(drafts) + 1):
+        if row:
+            d = drafts[row - 1]
+            if matcher.is_stopped() or matcher.try_consume_tokens(
+                    [eos[0] if eos and d in eos else d]) != 1:
+                break
+            taken += 1
+        _fill(matcher, bits[row])
+    if taken:
+        matcher.rollback(taken)
+    return _unpack(bits, vocab, eos)
+
+
+def _fill(matcher: Any, row: np.ndarray) -> None:
+    row[:] = 0
+    matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+
+
+def _unpack(bits: np.ndarray, vocab: int, eos: Sequence[int]) -> torch.Tensor:
     allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
     if len(eos) > 1:
         others = [t for t in eos[1:] if 0 <= t < vocab]
