@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 
 from pagedhybrid.engine import LLM, Engine, SamplingParams, load_engine
 from pagedhybrid.engine.chat import ChatParser, Tools, constraint, template_message, thinking
+from pagedhybrid.engine.request import InvalidRequest
 from pagedhybrid.engine.structured import Grammars, StructuredOutputs, allowed_tokens
 from pagedhybrid.errors import ContractViolation
 from pagedhybrid.models.qwen35.synthetic import QWEN35_CHAT_TEMPLATE
@@ -264,7 +265,7 @@ def test_bad_chat_combinations_are_refused_by_field(engine: Engine) -> None:
     assert info.value.where == "messages[2].tool_calls[0].function.arguments"
     bad = {"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"x": {"type": "strnig"}}}}}
-    with pytest.raises(Exception, match="strnig"):
+    with pytest.raises(InvalidRequest, match="strnig"):
         LLM(engine=engine).chat(ASK, SamplingParams(max_tokens=4), tools=[bad],
                                 tool_choice="required", use_progress=False)
     assert not engine.has_unfinished_requests()

@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pagedhybrid.engine import Engine, SamplingParams, load_engine
+from pagedhybrid.engine import LLM, Engine, SamplingParams, load_engine
 from pagedhybrid.engine.request import InvalidRequest
 from pagedhybrid.engine.structured import StructuredOutputs
 from pagedhybrid.errors import ContractViolation
@@ -158,12 +158,45 @@ def test_speculation_drafts_under_the_grammar_exactly_and_preemption_keeps_it() 
     ({"grammar": "start: nosuchrule"}, "grammar"),
 ])
 def test_unusable_grammars_are_refused_by_field(engine: Engine, spec: dict, match: str) -> None:
+    """``LLM`` checks a grammar before queuing it (``InvalidRequest`` naming
+    ``structured_outputs``); the engine compiles off its step, and a grammar that does not
+    compile fails its request alone, the others served."""
     with pytest.raises(InvalidRequest, match=match) as info:
-        engine.add_request("bad", PROMPT, SamplingParams(structured_outputs=spec))
+        LLM(engine=engine).generate([PROMPT], SamplingParams(structured_outputs=spec),
+                                    use_progress=False)
     assert info.value.what == "structured_outputs"
-    assert "bad" not in engine.scheduler.requests
+    assert not engine.has_unfinished_requests()
+    outs = generate(engine, [(PROMPT, SamplingParams(structured_outputs=spec)),
+                             (PROMPT, SamplingParams(temperature=0.0, max_tokens=4))])
+    bad, good = outs.values()
+    assert bad.finish_reason == "error" and match in bad.error, bad  # type: ignore[attr-defined]
+    assert bad.error.startswith("structured_outputs")  # type: ignore[attr-defined]
+    assert good.finish_reason == "length"  # type: ignore[attr-defined]
 
 
+def test_compilation_never_holds_up_the_batch(engine: Engine) -> None:
+    """A grammar that takes a long while to compile (one lexeme of 60,000 words: about half a
+    second here) keeps only its own request waiting: a request added after it decodes
+    meanwhile, and the constrained one then answers one of the words."""
+    words = [f"w{i}x{i * 7}" for i in range(60000)]
+    slow = SamplingParams(temperature=1.0, seed=1, max_tokens=16, structured_outputs={
+        "grammar": "start: W\nW: " + " | ".join(f'"{w}"' for w in words)})
+    engine.add_request("slow", PROMPT, slow)
+    engine.add_request("free", PROMPT, SamplingParams(temperature=0.0, max_tokens=24,
+                                                      ignore_eos=True))
+    progress: dict[str, int] = {}
+    at_first: int | None = None
+    done = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            progress[o.request_id] = len(o.token_ids)
+            if o.request_id == "slow" and at_first is None and o.token_ids:
+                at_first = progress.get("free", 0)
+            if o.finished:
+                done[o.request_id] = o
+    assert at_first is not None and at_first >= 8, at_first  # free decoded while it compiled
+    assert re.fullmatch(r"w[0-9]+x[0-9]+", done["slow"].text)  # type: ignore[attr-defined]
+    assert len(done["free"].token_ids) == 24  # type: ignore[attr-defined]
 @pytest.mark.parametrize(("spec", "field"), [
     ({"regex": "a", "choice": ["b"]}, "structured_outputs"),
     ({}, "structured_outputs"),

@@ -33,6 +33,7 @@ import sys
 import time
 import traceback
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent import futures
 
 import torch
 
@@ -48,10 +49,12 @@ from pagedhybrid.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOu
 from pagedhybrid.engine.speculative import DraftBudget, Drafter, NgramDrafter, draftable
 from pagedhybrid.engine.states import CheckpointPool, StatePool
 from pagedhybrid.engine.stats import EngineStats
-from pagedhybrid.engine.structured import Grammars
+from pagedhybrid.engine.structured import GrammarCompiler
 from pagedhybrid.errors import ContractViolation
 from pagedhybrid.kernels.backend import Selection
 from pagedhybrid.models.qwen35 import PagedHybridCache, Qwen35ForCausalLM
+
+GRAMMAR_WAIT_S = 0.05  # a step with only compiling grammars to wait for waits this long at most
 
 
 class Engine:
@@ -90,7 +93,7 @@ class Engine:
         elif spec is not None:
             self.drafter = NgramDrafter(spec)
         self.draft_budget = DraftBudget()
-        self.grammars: Grammars | None = None  # structured outputs (made when first asked)
+        self.grammars: GrammarCompiler | None = None  # structured outputs (when first asked)
         self._generator = torch.Generator().manual_seed(self.config.seed)
         self._arrivals = 0
         self._pending: list[RequestOutput] = []
@@ -185,24 +188,39 @@ class Engine:
                else self._generator)
         req = Request(request_id, tuple(ids), params, self._arrivals, gen,
                       bad_word_ids=bad_words)
-        if params.structured_outputs is not None:
-            try:
-                req.matcher = self._grammars(request_id).matcher(params.structured_outputs)
-            except ContractViolation as exc:
-                raise InvalidRequest(request_id, exc.where, exc.rule) from None
+        if params.structured_outputs is not None:  # compiled off the step (GrammarCompiler)
+            req.grammar = self._compiler(request_id).submit(params.structured_outputs)
         if self.tokenizer is not None:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer)
         self.scheduler.add(req)  # CapacityError when it can never fit
         self._arrivals += 1
 
-    def _grammars(self, request_id: str) -> Grammars:
-        """llguidance's view of the tokenizer, made on the first constrained request."""
+    def _compiler(self, request_id: str) -> GrammarCompiler:
+        """The grammar thread, started by the first constrained request."""
         if self.tokenizer is None:
             raise InvalidRequest(request_id, "structured_outputs", "needs the model's tokenizer")
         if self.grammars is None:
-            self.grammars = Grammars(self.tokenizer, self.model.config.vocab_size,
-                                     self.eos_token_ids)
+            self.grammars = GrammarCompiler(self.tokenizer, self.model.config.vocab_size,
+                                            self.eos_token_ids)
         return self.grammars
+
+    def _collect_grammars(self) -> bool:
+        """Matchers that finished compiling go to their requests (a grammar that failed to
+        compile fails its request alone); True while some are still compiling."""
+        pending = False
+        for req in [r for r in self.scheduler.waiting if r.grammar is not None]:
+            if not req.grammar.done():
+                pending = True
+                continue
+            try:
+                req.matcher = req.grammar.result()
+            except Exception as exc:
+                why = f"{exc.rule}" if isinstance(exc, ContractViolation) else \
+                    f"did not compile: {type(exc).__name__}: {exc}"
+                self.scheduler.finish(req, "error", f"structured_outputs {why}")
+                self.scheduler.failed.append(req)
+            req.grammar = None
+        return pending
 
     def _token_ids(self, request_id: str, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -261,6 +279,7 @@ class Engine:
         sched: SchedulerOutput | None = None
         st = self.stats
         try:
+            compiling = self.grammars is not None and self._collect_grammars()
             t0 = time.perf_counter()
             sched = self.scheduler.schedule()
             t_sched = time.perf_counter() - t0
@@ -280,6 +299,10 @@ class Engine:
                                if s.request.finished
                                or s.request.num_output_tokens > s.request.num_emitted)
                 self._account(sched, result, t0, t_sched, t1)
+            elif compiling:  # only grammars to wait for: wait for one, not in a busy loop
+                futures.wait([r.grammar for r in self.scheduler.waiting
+                              if r.grammar is not None], GRAMMAR_WAIT_S,
+                             futures.FIRST_COMPLETED)
         except Exception as exc:  # the engine must outlive a faulty step
             outputs.extend(self._fail_step(sched, exc))
         outputs.extend(self._output(r) for r in self.scheduler.take_failed())

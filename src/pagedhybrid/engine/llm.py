@@ -25,8 +25,9 @@ from pagedhybrid import dtypes
 from pagedhybrid.engine.chat import ChatParser, Tools, constraint, template_message, thinking
 from pagedhybrid.engine.config import EngineConfig
 from pagedhybrid.engine.engine import Engine
-from pagedhybrid.engine.request import RequestOutput
+from pagedhybrid.engine.request import InvalidRequest, RequestOutput
 from pagedhybrid.engine.sampling import SamplingParams
+from pagedhybrid.engine.structured import check
 from pagedhybrid.errors import ContractViolation, UnsupportedConfiguration
 
 Prompt = str | Sequence[int]
@@ -132,6 +133,12 @@ class LLM:
                                         (len(plist), len(prompts)))
         self._batch += 1
         ids = [f"b{self._batch}-{i}" for i in range(len(prompts))]
+        for rid, p in zip(ids, plist, strict=True):  # a bad grammar is refused here, as vLLM's
+            if p.structured_outputs is not None:     # front end does (the engine compiles it)
+                try:
+                    check(p.structured_outputs)
+                except ContractViolation as exc:
+                    raise InvalidRequest(rid, exc.where, exc.rule) from None
         queued: list[str] = []
         try:
             for rid, prompt, p in zip(ids, prompts, plist, strict=True):

@@ -73,6 +73,7 @@ class Request:
     spec_accepted: int = 0  # draft tokens accepted so far
     spec_rejections: int = 0  # verify steps that ended at a rejected draft
     matcher: Any = None  # structured outputs: the request's llguidance matcher (structured.py)
+    grammar: Any = None  # the future of ``matcher`` while it compiles (not admitted until done)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

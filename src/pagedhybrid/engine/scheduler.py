@@ -364,9 +364,11 @@ class Scheduler:
             budget -= n
             i += 1
         if not preempted:
-            while (self.waiting and budget > 0
-                   and len(self.running) < self.config.max_num_seqs):
-                req = self.waiting[0]
+            while budget > 0 and len(self.running) < self.config.max_num_seqs:
+                # the first waiting request that is ready (a grammar still compiling waits)
+                req = next((r for r in self.waiting if r.grammar is None), None)
+                if req is None:
+                    break
                 try:
                     admitted = self.alloc.admit(req, budget)
                 except Exception as exc:  # this request fails alone; admission goes on
@@ -375,7 +377,7 @@ class Scheduler:
                 if admitted is None:
                     break
                 slot, hit, n = admitted
-                self.waiting.popleft()
+                self.waiting.remove(req)
                 req.status = RequestStatus.RUNNING
                 req.num_computed_tokens = hit.tokens
                 if not req.admitted:

@@ -14,6 +14,10 @@
   refuses -- a malformed schema, an unsupported keyword, a regex that does not compile, a Lark
   error -- raises ``ContractViolation`` with llguidance's message (the engine and the server
   name their own field).
+* ``check(spec)`` -- llguidance's check of a grammar, no tokenizer needed (front ends: the server,
+  ``LLM``); ``GrammarCompiler`` -- the engine's: grammars compiled on a thread of their own (the
+  request waits in the queue until its matcher is ready, never the batch; a grammar that does
+  not compile fails its request alone).
 * ``allowed_tokens(matchers, vocab, eos, rows, at)`` -- each matcher fills its row of one int32
   bitmask ``[S, ceil(V / 32)]`` (llguidance's layout), unpacked to bool ``[S, V]`` in one op;
   the sampler sets every disallowed logit to ``-inf`` in one ``masked_fill``
@@ -27,6 +31,7 @@ compilation of a schema in the order of a millisecond on this CPU.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -163,6 +168,46 @@ class Grammars:
                 self._compiled.pop(next(iter(self._compiled)))
             self._compiled[text] = base
         return base.deep_copy()
+
+
+def check(spec: StructuredOutputs) -> None:
+    """llguidance's check of ``spec``'s grammar, which needs no tokenizer (a millisecond or two
+    per distinct grammar, remembered): ``ContractViolation`` naming ``structured_outputs``
+    when it refuses it."""
+    try:
+        text = spec.grammar_text()
+    except Exception as exc:  # llguidance's grammar builders raise on malformed input
+        raise ContractViolation(OP, "structured_outputs", f"is not a usable {spec.kind} "
+                                f"({type(exc).__name__}: {exc})") from None
+    error = _grammar_error(text)
+    if error:
+        raise ContractViolation(OP, "structured_outputs",
+                                f"is not a usable {spec.kind}: {error.strip()}")
+
+
+@functools.lru_cache(maxsize=1024)
+def _grammar_error(text: str) -> str:
+    import llguidance
+
+    return str(llguidance.LLMatcher.validate_grammar(text))
+
+
+class GrammarCompiler:
+    """Grammars compiled on a thread of their own, off the engine's step: llguidance releases
+    the GIL while it builds its view of the tokenizer (once; seconds for a 248K vocabulary) and
+    each matcher (milliseconds, up to seconds for a large grammar), so the step loop keeps
+    running. ``submit(spec)`` returns the future of the request's matcher (raising
+    ``ContractViolation`` when llguidance refuses the grammar: front ends ``check`` first, as
+    vLLM's does, so that a client's mistake is refused before the engine sees it)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos: Sequence[int] = ()) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="pagedhybrid-grammar")
+        self._grammars = self._pool.submit(Grammars, tokenizer, vocab_size, eos)
+
+    def submit(self, spec: StructuredOutputs) -> Any:
+        return self._pool.submit(lambda: self._grammars.result().matcher(spec))
 
 
 class _ByteView:

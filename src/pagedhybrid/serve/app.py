@@ -43,7 +43,7 @@ from pagedhybrid import __version__
 from pagedhybrid.engine import SamplingParams
 from pagedhybrid.engine.chat import Tools, constraint, thinking
 from pagedhybrid.engine.sampling import wrap_seed
-from pagedhybrid.engine.structured import Grammars, StructuredOutputs
+from pagedhybrid.engine.structured import StructuredOutputs, check
 from pagedhybrid.errors import ContractViolation
 from pagedhybrid.serve.core import Closing, EngineClient, EngineRefusal, Refused
 from pagedhybrid.serve.metrics import ServerMetrics
@@ -70,7 +70,6 @@ class ServerState:
     api_key: str | None = None
     max_waiting: int | None = None  # None: requests queue (vLLM's behaviour)
     root: str = ""  # the checkpoint folder (``/v1/models`` ``root``)
-    grammars: Grammars | None = None  # structured outputs' grammar checks (made when asked)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -108,8 +107,6 @@ def sampling_params(state: ServerState, body: Any, job: Job, logprobs: int | Non
     max_tokens, spec = job.max_tokens, job.structured
     if body.min_tokens > max_tokens:
         raise ApiError(400, "min_tokens must be <= max_tokens", "min_tokens")
-    if spec is not None:
-        check_grammar(state, spec, job.structured_field)
     try:
         params = SamplingParams(
             temperature=1.0 if body.temperature is None else body.temperature,
@@ -132,15 +129,11 @@ def sampling_params(state: ServerState, body: Any, job: Job, logprobs: int | Non
     return params
 
 
-def check_grammar(state: ServerState, spec: StructuredOutputs, source: str) -> None:
+def check_grammar(spec: StructuredOutputs, source: str) -> None:
     """A grammar llguidance refuses is a 400 naming the client's field, before the engine sees
-    the request (compiled here once per distinct grammar; the engine compiles its own)."""
-    if state.tokenizer is None:
-        raise ApiError(400, f"{source} needs the model's tokenizer", source)
-    if state.grammars is None:
-        state.grammars = Grammars(state.tokenizer, state.vocab_size)
+    the request (llguidance's check needs no tokenizer; the engine compiles the grammar)."""
     try:
-        state.grammars.matcher(spec)
+        check(spec)
     except ContractViolation as exc:
         raise ApiError(400, f"{source} {exc.rule}", source) from None
 
@@ -371,6 +364,8 @@ def create_app(state: ServerState) -> FastAPI:
             engine_lp = max(engine_lp or 0, 0)
         prompt_k = [k for k in (body.prompt_logprobs,
                                 job.logprobs if job.echo_logprobs else None) if k is not None]
+        if job.structured is not None:  # llguidance's check, off the event loop
+            await asyncio.to_thread(check_grammar, job.structured, job.structured_field)
         params = [sampling_params(state, body, job, engine_lp,
                                   max(prompt_k) if prompt_k else None, i)
                   for i in range(best_of)]
