@@ -1,13 +1,25 @@
-"""Structured outputs: what the grammar mask costs a decode step, and what a grammar costs to
-compile.
+"""Structured outputs: what the grammar mask costs a decode step, what grammars cost to compile
+(llguidance and xgrammar side by side), and whether compiling holds up other requests.
 
-Built-in model, batches of 1 / 16 / 64 requests decoding 64 tokens each, greedy; side ``off``:
-unconstrained; side ``on``: every request constrained by a grammar that never ends early
-(``regex`` ``[a-z ]{300}``: the batch keeps its size) -- decode tok/s and the step time, medians
-of ``--repeats`` alternating runs. Then llguidance compile time (a new matcher of a new grammar)
-for JSON schemas of growing size. States the CPU; writes JSON.
+1. ``decode``: built-in model, batches of 1 / 16 / 64 requests decoding 64 tokens each, greedy;
+   side ``off``: unconstrained; side ``on``: every request constrained by a grammar that never
+   ends early (``regex`` ``[a-z ]{300}``: the batch keeps its size) -- decode tok/s and the
+   step time, medians of ``--repeats`` alternating runs.
+2. ``libraries``: on the built-in model's tokenizer, llguidance (what the engine uses) and, when
+   it is installed, xgrammar (``pip install --no-deps xgrammar``; it is no dependency of this
+   package): the tokenizer view's build time, compile time of JSON schemas (2 / 8 / 32
+   properties) and of the regex, and the mask time per step of B matchers (B = 1 / 16 / 64)
+   sampling from random logits through the mask -- the same work for both.
+3. ``ttft``: 32 unconstrained requests arriving every 10 ms, alone and again beside 8
+   constrained ones arriving among them, each with a grammar never seen before (JSON schemas of
+   32 properties, and one lexeme of 60,000 words that takes ~0.5 s to compile): the
+   unconstrained requests' time to first token, median and p90 (goal: within 10%); and beside
+   the same constrained requests with their grammars compiled already (the same load without
+   compiling: what compiling itself costs the others).
 
-    python benchmarks/structured.py [--out FILE]
+States the CPU; writes JSON.
+
+    python benchmarks/structured.py [--out FILE] [--sections decode libraries ttft]
 """
 
 from __future__ import annotations
@@ -19,13 +31,24 @@ import statistics
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from pagedhybrid.engine import SamplingParams, load_engine
-from pagedhybrid.engine.structured import StructuredOutputs
+from pagedhybrid.engine.structured import Grammars, StructuredOutputs, allowed_tokens, consume
 from pagedhybrid.kernels.native import cpu_form
+from pagedhybrid.models.qwen35 import default_model_dir, load_tokenizer
 
 PROMPT = "And the LORD said unto Moses,"
+REGEX = "[a-z ]{300}"
+
+
+def schema(n: int, salt: int = 0) -> dict:
+    return {"type": "object", "required": [f"k{salt}_{i}" for i in range(n)],
+            "additionalProperties": False,
+            "properties": {f"k{salt}_{i}": [{"type": "string", "maxLength": 12},
+                                            {"type": "integer", "minimum": 0, "maximum": 99},
+                                            {"type": "boolean"}][i % 3] for i in range(n)}}
 
 
 def decode_rate(engine, batch: int, params: SamplingParams) -> tuple[float, float]:
@@ -46,45 +69,196 @@ def decode_rate(engine, batch: int, params: SamplingParams) -> tuple[float, floa
     return tokens / max(sum(steps), 1e-9), 1e3 * statistics.median(steps)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", default="benchmarks/results/structured.json")
-    args = ap.parse_args(argv)
-    torch.set_num_threads(2)
-    engine = load_engine(None, num_blocks=1024, max_num_seqs=64)
+def decode_section(engine, batches: list[int], repeats: int) -> list[dict]:
     sides = {"off": SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True),
              "on": SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True,
-                                  structured_outputs={"regex": "[a-z ]{300}"})}
+                                  structured_outputs={"regex": REGEX})}
     rows = []
-    for batch in args.batches:
+    for batch in batches:
         runs: dict[str, list[tuple[float, float]]] = {s: [] for s in sides}
-        for _ in range(args.repeats):
+        for _ in range(repeats):
             for side, params in sides.items():
                 runs[side].append(decode_rate(engine, batch, params))
-        row = {"batch": batch}
+        row: dict = {"batch": batch}
         for side, rs in runs.items():
             row[f"{side}_tok_s"] = statistics.median(r[0] for r in rs)
             row[f"{side}_step_ms"] = statistics.median(r[1] for r in rs)
         row["slowdown"] = 1 - row["on_tok_s"] / row["off_tok_s"]  # the mask's share
         rows.append(row)
         print(json.dumps(row), flush=True)
-    grammars = engine._grammars("bench")
-    compile_ms = []
-    for n in (2, 8, 32):
-        schema = {"type": "object", "required": [f"k{i}" for i in range(n)],
-                  "properties": {f"k{i}": {"type": ["string", "integer", "boolean"][i % 3]}
-                                 for i in range(n)}}
+    return rows
+
+
+class _Llguidance:
+    name = "llguidance"
+
+    def __init__(self, tok, vocab: int, eos: tuple[int, ...]) -> None:
+        self.vocab, self.eos = vocab, eos
         t0 = time.perf_counter()
-        grammars.matcher(StructuredOutputs(json=schema))
-        compile_ms.append({"properties": n, "ms": 1e3 * (time.perf_counter() - t0)})
-    print(json.dumps(compile_ms))
+        self.grammars = Grammars(tok, vocab, eos)
+        self.view_ms = 1e3 * (time.perf_counter() - t0)
+
+    def compile(self, spec: StructuredOutputs):
+        return self.grammars.matcher(spec)
+
+    def matcher(self, compiled):
+        return compiled.deep_copy()
+
+    def masks(self, ms) -> np.ndarray:
+        return allowed_tokens(ms, self.vocab, self.eos).numpy()
+
+    def accept(self, m, token: int) -> bool:
+        return consume(m, token, self.eos) and not m.is_stopped()
+
+
+class _Xgrammar:
+    name = "xgrammar"
+
+    def __init__(self, vocab: int) -> None:
+        import transformers
+        import xgrammar as xgr
+
+        self.xgr, self.vocab = xgr, vocab
+        hf = transformers.AutoTokenizer.from_pretrained(str(default_model_dir()))
+        t0 = time.perf_counter()
+        info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab)
+        self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self.view_ms = 1e3 * (time.perf_counter() - t0)
+        self.version = getattr(xgr, "__version__", None)
+
+    def compile(self, spec: StructuredOutputs):
+        if spec.regex is not None:
+            return self.compiler.compile_regex(spec.regex)
+        return self.compiler.compile_json_schema(json.dumps(spec.json), any_whitespace=False)
+
+    def matcher(self, compiled):
+        return self.xgr.GrammarMatcher(compiled)
+
+    def masks(self, ms) -> np.ndarray:
+        bits = self.xgr.allocate_token_bitmask(len(ms), self.vocab)
+        for i, m in enumerate(ms):
+            m.fill_next_token_bitmask(bits, i)
+        return np.unpackbits(bits.numpy().view(np.uint8), axis=1,
+                             bitorder="little")[:, :self.vocab].view(np.bool_)
+
+    def accept(self, m, token: int) -> bool:
+        return bool(m.accept_token(token)) and not m.is_terminated()
+
+
+def library_section(batches: list[int], steps: int = 40) -> list[dict]:
+    tok = load_tokenizer(default_model_dir())
+    vocab = 4096
+    eos = tuple(tok.eos_token_ids)
+    libs: list = [_Llguidance(tok, vocab, eos)]
+    try:
+        libs.append(_Xgrammar(vocab))
+    except ImportError as exc:
+        print(f"xgrammar not installed ({exc}): llguidance alone", flush=True)
+    out = []
+    gen = torch.Generator().manual_seed(0)
+    for lib in libs:
+        row: dict = {"library": lib.name, "tokenizer_view_ms": lib.view_ms, "compile_ms": {}}
+        for n in (2, 8, 32):
+            t0 = time.perf_counter()
+            lib.compile(StructuredOutputs(json=schema(n, salt=n + 1000)))
+            row["compile_ms"][f"json_{n}"] = 1e3 * (time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        compiled = lib.compile(StructuredOutputs(regex=REGEX))
+        row["compile_ms"]["regex"] = 1e3 * (time.perf_counter() - t0)
+        row["mask_ms_per_step"] = {}
+        for batch in batches:
+            ms = [lib.matcher(compiled) for _ in range(batch)]
+            spent = []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                allowed = torch.from_numpy(np.ascontiguousarray(lib.masks(ms)))
+                spent.append(time.perf_counter() - t0)
+                logits = torch.randn(batch, vocab, generator=gen)
+                picks = logits.masked_fill(~allowed, float("-inf")).argmax(-1).tolist()
+                for i, (m, t) in enumerate(zip(ms, picks, strict=True)):
+                    if not lib.accept(m, t):
+                        ms[i] = lib.matcher(compiled)  # ended: a fresh one keeps B
+            row["mask_ms_per_step"][str(batch)] = 1e3 * statistics.median(spent)
+        out.append(row)
+        print(json.dumps(row), flush=True)
+    return out
+
+
+def ttft_run(engine, constrained: bool, salt: int) -> list[float]:
+    """TTFT (s) of the unconstrained requests: 32 arriving every 10 ms, and with
+    ``constrained`` 8 more among them, each with a grammar never compiled before."""
+    arrivals = [(0.010 * i, f"u{salt}-{i}", SamplingParams(temperature=0.0, max_tokens=24,
+                                                           ignore_eos=True))
+                for i in range(32)]
+    if constrained:
+        words = " | ".join(f'"w{salt}x{i}"' for i in range(60000))
+        specs = [{"json": schema(32, salt=salt * 10 + j)} for j in range(7)]
+        specs.append({"grammar": f"start: W\nW: {words}"})
+        arrivals += [(0.010 * (4 * j + 1) + 0.005, f"c{salt}-{j}", SamplingParams(
+            temperature=1.0, seed=j, max_tokens=24, structured_outputs=spec))
+            for j, spec in enumerate(specs)]
+    arrivals.sort(key=lambda a: a[0])
+    added: dict[str, float] = {}
+    first: dict[str, float] = {}
+    t0 = time.perf_counter()
+    while arrivals or engine.has_unfinished_requests():
+        now = time.perf_counter() - t0
+        while arrivals and arrivals[0][0] <= now:
+            _, rid, params = arrivals.pop(0)
+            engine.add_request(rid, PROMPT, params)
+            added[rid] = time.perf_counter()
+        if not engine.has_unfinished_requests():
+            time.sleep(0.001)
+            continue
+        for o in engine.step():
+            if o.request_id not in first and o.token_ids:
+                first[o.request_id] = time.perf_counter()
+    return [first[r] - added[r] for r in added if r.startswith("u")]
+
+
+def ttft_section(repeats: int) -> dict:
+    """TTFT alone, beside constrained requests whose grammars are compiled already (``warm``:
+    the same load, no compiling) and beside ones compiling (new grammars)."""
+    engine = load_engine(None, num_blocks=1024, max_num_seqs=64)
+    runs: dict[str, list[float]] = {"alone": [], "beside_warm": [], "beside_compiling": []}
+    ttft_run(engine, True, 100)  # warm-up, and the grammars of the warm runs
+    for k in range(repeats):
+        runs["alone"] += ttft_run(engine, False, k)
+        runs["beside_warm"] += ttft_run(engine, True, 100)
+        runs["beside_compiling"] += ttft_run(engine, True, k)
+    out: dict = {}
+    for side, ts in runs.items():
+        ts = sorted(ts)
+        out[side] = {"p50_ms": 1e3 * statistics.median(ts),
+                     "p90_ms": 1e3 * ts[int(0.9 * (len(ts) - 1))]}
+    for side in ("beside_warm", "beside_compiling"):
+        for q in ("p50", "p90"):
+            out[f"{side}_{q}_ratio"] = out[side][f"{q}_ms"] / out["alone"][f"{q}_ms"]
+    out["compiling_vs_warm_p50"] = (out["beside_compiling"]["p50_ms"]
+                                    / out["beside_warm"]["p50_ms"])
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--sections", nargs="+", default=["decode", "libraries", "ttft"])
+    ap.add_argument("--out", default="benchmarks/results/structured.json")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(2)
     cpu = next((line.split(":", 1)[1].strip() for line in
                 Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
-    out = {"cpu": cpu, "cpu_form": cpu_form(), "threads": 2, "rows": rows,
-           "compile": compile_ms}
+    out: dict = {"cpu": cpu, "cpu_form": cpu_form(), "threads": 2}
+    if "decode" in args.sections:
+        out["decode"] = decode_section(load_engine(None, num_blocks=1024, max_num_seqs=64),
+                                       args.batches, args.repeats)
+    if "libraries" in args.sections:
+        out["libraries"] = library_section(args.batches)
+    if "ttft" in args.sections:
+        out["ttft"] = ttft_section(args.repeats)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
     return 0

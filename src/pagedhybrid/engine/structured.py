@@ -47,6 +47,7 @@ OP = "StructuredOutputs"
 # layout): free whitespace lets a weak model wander in blanks until max_tokens
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+GRAMMAR_NICE = 10  # the grammar thread's nice value: compiling takes only what steps leave
 
 
 @dataclass(frozen=True)
@@ -196,18 +197,31 @@ class GrammarCompiler:
     """Grammars compiled on a thread of their own, off the engine's step: llguidance releases
     the GIL while it builds its view of the tokenizer (once; seconds for a 248K vocabulary) and
     each matcher (milliseconds, up to seconds for a large grammar), so the step loop keeps
-    running. ``submit(spec)`` returns the future of the request's matcher (raising
+    running; the thread runs at a lower priority (``GRAMMAR_NICE``), so on a busy machine a
+    grammar waits for CPU rather than the step. ``submit(spec)`` returns the future of the
+    request's matcher (raising
     ``ContractViolation`` when llguidance refuses the grammar: front ends ``check`` first, as
     vLLM's does, so that a client's mistake is refused before the engine sees it)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos: Sequence[int] = ()) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="pagedhybrid-grammar")
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="pagedhybrid-grammar",
+                                        initializer=_background)
         self._grammars = self._pool.submit(Grammars, tokenizer, vocab_size, eos)
 
     def submit(self, spec: StructuredOutputs) -> Any:
         return self._pool.submit(lambda: self._grammars.result().matcher(spec))
+
+
+def _background() -> None:
+    """The calling thread yields the CPU to the step loop (Linux: a thread's own nice value)."""
+    import contextlib
+    import os
+    import threading
+
+    with contextlib.suppress(AttributeError, OSError):  # elsewhere: an ordinary thread
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), GRAMMAR_NICE)
 
 
 class _ByteView:
