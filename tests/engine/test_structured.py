@@ -122,6 +122,24 @@ def test_unconstrained_requests_are_unchanged_beside_constrained_ones(engine: En
     assert m[3].text in ("yea", "nay")  # type: ignore[attr-defined]
 
 
+def test_constrained_outputs_are_bitwise_alone_in_a_batch_and_from_the_prefix_cache() -> None:
+    """Batch-invariant mode: a constrained greedy request answers the same tokens alone, in a
+    batch beside constrained and unconstrained requests, and again from the prefix cache."""
+    eng = load_engine(None, num_blocks=256, batch_invariant=True,
+                      state_checkpoint_interval=16)
+    greedy = SamplingParams(temperature=0.0, max_tokens=120,
+                            structured_outputs={"json": PERSON})
+    long = " ".join([PROMPT] * 8)  # pages of its own to find in the cache
+    (alone,) = generate(eng, [(long, greedy)]).values()
+    batch = list(generate(eng, [(PROMPT + " and Aaron", constrained({"json": PERSON}, 1)),
+                                (long, greedy),
+                                ("In the beginning", SamplingParams(temperature=0.0,
+                                                                    max_tokens=40))]).values())
+    assert batch[1].token_ids == alone.token_ids  # type: ignore[attr-defined]
+    assert batch[1].num_cached_tokens > 0  # type: ignore[attr-defined]  # a prefix-cache hit
+    jsonschema.validate(json.loads(alone.text), PERSON)  # type: ignore[attr-defined]
+
+
 def test_speculation_drafts_under_the_grammar_exactly_and_preemption_keeps_it() -> None:
     """With MTP drafts on, constrained requests are drafted too (drafts cut where the grammar
     would refuse one, every verify row masked by the grammar's state after the drafts before
