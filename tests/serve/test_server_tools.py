@@ -168,5 +168,8 @@ def test_reasoning_content_with_the_qwen35_template(tmp_path) -> None:
             "type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
             extra_body={"chat_template_kwargs": {"enable_thinking": False}})
         jsonschema.validate(json.loads(js.choices[0].message.content), schema)
+        bad = httpx.post(f"{s.url}/chat/completions", timeout=60, json={
+            "model": s.model, "messages": ASK, "max_tokens": 4, "guided_json": "{not json"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "guided_json"
     finally:
         assert s.stop() == 0

@@ -476,8 +476,9 @@ def create_app(state: ServerState) -> FastAPI:
         reasoning = thinking(text)
         try:
             spec = constraint(spec, tools, reasoning)
-        except ContractViolation as exc:
-            raise ApiError(400, f"{exc.where} {exc.rule}", exc.where) from None
+        except ContractViolation as exc:  # a tool_choice rule, or the spec's own (its field)
+            where = exc.where if exc.op == "chat" or not source else source
+            raise ApiError(400, f"{where}: '{exc.where}' {exc.rule}", where) from None
         if not source and spec is not None:
             source = "tool_choice"
         return await generate(request, body, Job(
