@@ -122,6 +122,10 @@ def test_malformed_config_json(tmp_path):
     ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5,
                           "mrope_section": "4,2,2"}}, "mrope_section"),
     ({"model_type": None}, "model_type"),
+    ({"num_experts": 64}, "num_experts"),  # a MoE field in a dense config
+    ({"model_type": "qwen3_5_moe_text", "num_experts": 4, "num_experts_per_tok": 8},
+     "num_experts_per_tok"),
+    ({"model_type": "qwen3_5_moe_text", "moe_intermediate_size": 0}, "moe_intermediate_size"),
 ])
 def test_malformed_fields_name_the_field(tmp_path, change, field):
     data = tiny_hf_config().to_dict() | change
@@ -133,8 +137,8 @@ def test_malformed_fields_name_the_field(tmp_path, change, field):
 @pytest.mark.parametrize("change,reason", [
     ({"model_type": "llama"}, "not a Qwen3.5 hybrid"),
     ({"model_type": "qwen3_next"}, "not a Qwen3.5 hybrid"),
-    ({"model_type": "qwen3_5_moe_text"}, "mixture-of-experts"),
-    ({"num_experts": 64}, "mixture-of-experts"),
+    ({"model_type": "qwen3_5_moe_text", "norm_topk_prob": False}, "norm_topk_prob"),
+    ({"model_type": "qwen3_5_moe_text", "mlp_only_layers": [1]}, "mlp_only_layers"),
     ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.25}},
      "no mrope_section"),
     ({"rope_parameters": {"rope_type": "yarn", "mrope_section": [2, 1, 1],
@@ -155,6 +159,6 @@ def test_unsupported_configs_say_why(change, reason):
 def test_vl_wrapper_rejections():
     with pytest.raises(CheckpointError, match="text_config"):
         Qwen35Config.from_dict({"model_type": "qwen3_5"})
-    with pytest.raises(UnsupportedConfiguration, match="mixture-of-experts"):
+    with pytest.raises(UnsupportedConfiguration, match=r"text_config\.model_type"):
         Qwen35Config.from_dict({"model_type": "qwen3_5",
                                 "text_config": {"model_type": "qwen3_5_moe_text"}})

@@ -166,6 +166,10 @@ def check_model(config: Qwen35Config) -> None:
         raise UnsupportedConfiguration(
             "the model has no full_attention layer: the continuous-batching Engine needs exactly "
             "one paged_kv state group with at least one layer")
+    if config.is_moe:
+        raise UnsupportedConfiguration(
+            f"{config.source_model_type}: the export of mixture-of-experts models "
+            "(com.microsoft.MoE per layer) is not built yet; the engine serves them")
 
 
 def check_export(config: Qwen35Config, options: ExportOptions) -> None:

@@ -41,6 +41,9 @@ FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
 TEXT_MODEL_TYPE = "qwen3_5_text"
 VL_MODEL_TYPE = "qwen3_5"
+MOE_TEXT_MODEL_TYPE = "qwen3_5_moe_text"
+MOE_VL_MODEL_TYPE = "qwen3_5_moe"
+TEXT_TYPES = {VL_MODEL_TYPE: TEXT_MODEL_TYPE, MOE_VL_MODEL_TYPE: MOE_TEXT_MODEL_TYPE}
 DEFAULT_MROPE_SECTION = (11, 11, 10)  # HF Qwen3_5TextRotaryEmbedding default
 
 # The text_config of a Qwen3.5-27B-class checkpoint (64 layers: 16 full + 48 linear), for
@@ -73,8 +76,17 @@ _INT_DEFAULTS: dict[str, int] = {
     "linear_num_key_heads": 16,
     "linear_num_value_heads": 32,
 }
+# transformers 5.24 Qwen3_5MoeTextConfig defaults (35B-A3B's sizes) where they differ
+_MOE_DEFAULTS: dict[str, int] = {
+    "hidden_size": 2048, "num_hidden_layers": 40, "num_key_value_heads": 2,
+    "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+}
 _MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
              "shared_expert_intermediate_size")
+# MoE fields of other families that would change the math; transformers 5.24 Qwen3.5-MoE has
+# none of them (every layer sparse, top-k weights renormalised): refused unless at that value
+_MOE_FIXED = {"mlp_only_layers": [], "decoder_sparse_step": 1, "norm_topk_prob": True}
 
 
 @dataclass(frozen=True)
@@ -107,11 +119,20 @@ class Qwen35Config:
     source_model_type: str = TEXT_MODEL_TYPE
     checkpoint_dtype: str | None = None  # "dtype"/"torch_dtype" recorded in config.json
     mtp_num_hidden_layers: int = 0  # the checkpoint's multi-token-prediction layers (``mtp.*``)
+    # mixture of experts (``qwen3_5_moe_text``; 0 = a dense MLP of ``intermediate_size``)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         _check_consistency(self, "<Qwen35Config>")
 
     # -- derived dims ---------------------------------------------------------------------------
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
@@ -143,6 +164,9 @@ class Qwen35Config:
         it; a ``W`` that does not split a count raises ``UnsupportedConfiguration`` naming it."""
         if parallel.tp_world_size == 1:
             return self
+        if self.is_moe:
+            raise UnsupportedConfiguration("tensor parallelism of mixture-of-experts Qwen3.5 "
+                                           "models is not served yet; use tp_size 1")
         return dataclasses.replace(
             self,
             num_attention_heads=parallel.local(self.num_attention_heads, "num_attention_heads"),
@@ -177,22 +201,22 @@ class Qwen35Config:
         if not isinstance(data, dict):
             raise CheckpointError(source, "config", "must be a JSON object", type(data).__name__)
         model_type = data.get("model_type")
-        if model_type == VL_MODEL_TYPE:
+        if model_type in TEXT_TYPES:
             text = data.get("text_config")
             if not isinstance(text, dict):
                 raise CheckpointError(source, "text_config",
-                                      "must be an object in a qwen3_5 config", text)
-            inner = text.get("model_type", TEXT_MODEL_TYPE)
-            if inner != TEXT_MODEL_TYPE:
+                                      f"must be an object in a {model_type} config", text)
+            inner = text.get("model_type", TEXT_TYPES[model_type])
+            if inner != TEXT_TYPES[model_type]:
                 _reject_model_type(inner, source, "text_config.model_type")
             merged = dict(text)
             for key in ("tie_word_embeddings", "bos_token_id", "eos_token_id"):
                 if key in data and (key == "tie_word_embeddings" or key not in text):
                     merged[key] = data[key]
-            return _parse_text(merged, source, VL_MODEL_TYPE)
-        if model_type != TEXT_MODEL_TYPE:
+            return _parse_text(merged, source, model_type)
+        if model_type not in (TEXT_MODEL_TYPE, MOE_TEXT_MODEL_TYPE):
             _reject_model_type(model_type, source, "model_type")
-        return _parse_text(data, source, TEXT_MODEL_TYPE)
+        return _parse_text(data, source, model_type)
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The ``qwen3_5_text`` config.json content HF transformers 5.24 reads back."""
@@ -200,12 +224,16 @@ class Qwen35Config:
             None if not self.eos_token_id
             else self.eos_token_id[0] if len(self.eos_token_id) == 1 else list(self.eos_token_id)
         )
+        mlp: dict[str, Any] = {"intermediate_size": self.intermediate_size}
+        if self.is_moe:
+            mlp = {key: getattr(self, key) for key in _MOE_KEYS}
         return {
-            "architectures": ["Qwen3_5ForCausalLM"],
-            "model_type": TEXT_MODEL_TYPE,
+            "architectures": ["Qwen3_5MoeForCausalLM" if self.is_moe
+                              else "Qwen3_5ForCausalLM"],
+            "model_type": MOE_TEXT_MODEL_TYPE if self.is_moe else TEXT_MODEL_TYPE,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
+            **mlp,
             "num_hidden_layers": self.num_hidden_layers,
             "num_attention_heads": self.num_attention_heads,
             "num_key_value_heads": self.num_key_value_heads,
@@ -238,16 +266,12 @@ class Qwen35Config:
 
 # -- parsing helpers -----------------------------------------------------------------------------
 def _reject_model_type(model_type: object, source: str, where: str) -> None:
-    if isinstance(model_type, str) and "moe" in model_type:
-        raise UnsupportedConfiguration(
-            f"{source}: {where}={model_type!r} is a mixture-of-experts Qwen3.5 variant; only the "
-            f"dense-MLP hybrid models ({TEXT_MODEL_TYPE!r}, {VL_MODEL_TYPE!r}) are served"
-        )
     if model_type is None:
         raise CheckpointError(source, where, "is missing")
     raise UnsupportedConfiguration(
         f"{source}: {where}={model_type!r} is not a Qwen3.5 hybrid decoder; supported model "
-        f"types: {TEXT_MODEL_TYPE!r}, {VL_MODEL_TYPE!r}"
+        f"types: {TEXT_MODEL_TYPE!r}, {VL_MODEL_TYPE!r}, {MOE_TEXT_MODEL_TYPE!r}, "
+        f"{MOE_VL_MODEL_TYPE!r}"
     )
 
 
@@ -363,13 +387,35 @@ def _rope(d: dict[str, Any], head_dim: int, source: str) -> dict[str, Any]:
             "mrope_section": tuple(section), "mrope_interleaved": interleaved}
 
 
+def _moe(d: dict[str, Any], source: str, moe: bool) -> dict[str, int]:
+    """The MoE fields of a ``qwen3_5_moe_text`` config (checked); none of a dense one."""
+    if not moe:
+        for key in _MOE_KEYS:
+            if d.get(key):
+                raise CheckpointError(source, key, "is a mixture-of-experts field; a dense "
+                                      f"{TEXT_MODEL_TYPE!r} config has none (model_type "
+                                      f"{MOE_TEXT_MODEL_TYPE!r} is the MoE one)", d[key])
+        return {}
+    for key, value in _MOE_FIXED.items():
+        if key in d and d[key] != value:
+            raise UnsupportedConfiguration(f"{source}: '{key}'={d[key]!r} is not a Qwen3.5-MoE "
+                                           f"field (transformers 5.24: every layer sparse, "
+                                           f"top-k weights renormalised); only {value!r} is "
+                                           "served")
+    out = {key: _int(d, key, source, _MOE_DEFAULTS[key]) for key in _MOE_KEYS}
+    if out["num_experts_per_tok"] > out["num_experts"]:
+        raise CheckpointError(source, "num_experts_per_tok",
+                              f"must be <= num_experts={out['num_experts']}",
+                              out["num_experts_per_tok"])
+    return out
+
+
 def _parse_text(d: dict[str, Any], source: str, source_model_type: str) -> Qwen35Config:
-    for key in _MOE_KEYS:
-        if d.get(key):
-            raise UnsupportedConfiguration(
-                f"{source}: '{key}'={d[key]!r} marks a mixture-of-experts model; only dense-MLP "
-                "Qwen3.5 hybrid models are served"
-            )
+    moe = source_model_type in (MOE_TEXT_MODEL_TYPE, MOE_VL_MODEL_TYPE)
+    experts = _moe(d, source, moe)
+    if moe:  # transformers' MoE defaults for what the file leaves out
+        d = {**{k: v for k, v in _MOE_DEFAULTS.items() if k not in _MOE_KEYS}, **d}
+        d.setdefault("intermediate_size", experts["moe_intermediate_size"])  # (unused)
     if d.get("attention_bias", False) is not False:
         raise UnsupportedConfiguration(f"{source}: attention_bias=true is not served "
                                        "(Qwen3.5 checkpoints have no attention biases)")
@@ -393,12 +439,19 @@ def _parse_text(d: dict[str, Any], source: str, source_model_type: str) -> Qwen3
         source_model_type=source_model_type,
         checkpoint_dtype=dtype if isinstance(dtype, str) else None,
         mtp_num_hidden_layers=_count(d, "mtp_num_hidden_layers", source),
+        **experts,
     )
     _check_consistency(cfg, source)
     return cfg
 
 
 def _check_consistency(cfg: Qwen35Config, source: str) -> None:
+    if cfg.is_moe and not (0 < cfg.num_experts_per_tok <= cfg.num_experts
+                           and cfg.moe_intermediate_size > 0
+                           and cfg.shared_expert_intermediate_size > 0):
+        raise CheckpointError(source, "num_experts_per_tok",
+                              f"must be in [1, num_experts={cfg.num_experts}] with positive "
+                              "expert sizes", cfg.num_experts_per_tok)
     if cfg.num_attention_heads % cfg.num_key_value_heads:
         raise CheckpointError(source, "num_key_value_heads",
                               f"must divide num_attention_heads={cfg.num_attention_heads}",

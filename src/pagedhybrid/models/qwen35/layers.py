@@ -1,5 +1,5 @@
 """Small building blocks of the Qwen3.5 decoder (HF ``Qwen3_5RMSNorm``, ``Qwen3_5RMSNormGated``,
-``Qwen3_5MLP``).
+``Qwen3_5MLP``, ``Qwen3_5MoeSparseMoeBlock``).
 
 * ``OffsetRMSNorm``: ``y = x * rsqrt(mean(x^2) + eps) * (1 + w)`` in fp32, cast back. HF stores
   ``w`` zero-initialised; a checkpoint's value is used as is and the ``1 +`` is applied here.
@@ -8,6 +8,14 @@
 * ``MLP``: ``down(silu(gate(x)) * up(x))``; under tensor parallelism ``gate`` / ``up`` are
   column-parallel (rows ``[r * I / W, +I / W)``) and ``down`` row-parallel (its partial sums
   all-reduced), so each rank computes ``I / W`` intermediate channels.
+* ``SparseMoE`` (Qwen3.5-MoE's feed-forward, transformers 5.24's math): router logits
+  ``gate(x)`` in the model dtype, softmax in fp32, top-k, the k weights renormalised to sum 1
+  and cast back; each token's k experts ``down_e(silu(g) * u)`` with ``[g; u] = gate_up_e(x)``,
+  weighted and summed; plus the shared expert (an ``MLP``) times ``sigmoid(shared_expert_gate
+  (x))``. Experts are stored fused as transformers 5 holds them (``experts.gate_up_proj
+  [E, 2I, H]``, ``experts.down_proj [E, H, I]``; per-expert checkpoints are fused on load,
+  ``weights.fuse_experts``). Tokens are grouped by expert with one stable sort per layer, each
+  expert's rows computed together, and added back per token in expert order (HF's order).
 * Projections are ``pagedhybrid.parallel.linear``'s (``ReplicatedLinear``,
   ``ColumnParallelLinear``, ``RowParallelLinear``): bias-free, the product is the kernel
   bundle's (``matmul``, set from ``Backend.linear`` when the model's backend is set; None =
@@ -23,12 +31,14 @@ Parameter names equal HF's so ``state_dict()`` keys are the checkpoint keys.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagedhybrid.kernels.registry import TORCH_NORMS, TORCH_POINTWISE, Norms, Pointwise
 from pagedhybrid.parallel.linear import (
     ColumnParallelLinear,
     ParallelConfig,
+    ReplicatedLinear,
     RowParallelLinear,
     Segment,
 )
@@ -72,3 +82,70 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.pointwise.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Experts(nn.Module):
+    """The routed experts' weights, fused (``SparseMoE``)."""
+
+    pointwise: Pointwise = TORCH_POINTWISE
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_experts, self.intermediate = num_experts, intermediate
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden,
+                                                     dtype=dtype), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate,
+                                                  dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor
+                ) -> torch.Tensor:
+        """``sum_j weights[t, j] * expert_{index[t, j]}(x[t])`` for every token ``t``."""
+        out = torch.zeros_like(x)
+        flat = index.flatten()
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        k = index.shape[1]
+        tokens, slots = order // k, order % k
+        start = 0
+        for e, n in enumerate(counts):
+            if not n:
+                continue
+            t, j = tokens[start:start + n], slots[start:start + n]
+            start += n
+            gate, up = F.linear(x[t], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(self.pointwise.silu(gate) * up, self.down_proj[e])
+            out.index_add_(0, t, (y * weights[t, j, None]).to(out.dtype))
+        return out
+
+
+class SparseMoE(nn.Module):
+    """Qwen3.5-MoE's feed-forward block (module docstring)."""
+
+    pointwise: Pointwise = TORCH_POINTWISE
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, intermediate: int,
+                 shared_intermediate: int, dtype: torch.dtype, parallel: ParallelConfig
+                 ) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.gate = ReplicatedLinear(hidden, num_experts, dtype)
+        self.experts = Experts(num_experts, hidden, intermediate, dtype)
+        self.shared_expert = MLP(hidden, shared_intermediate, dtype, parallel)
+        self.shared_expert_gate = ReplicatedLinear(hidden, 1, dtype)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(top-k expert ids ``[T, k]``, their renormalised weights ``[T, k]`` in x's dtype)."""
+        logits = self.gate(x)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        top, index = torch.topk(probs, self.top_k, dim=-1)
+        top = top / top.sum(dim=-1, keepdim=True)
+        return index, top.to(logits.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        index, weights = self.route(x)
+        routed = self.experts(x, index, weights)
+        shared = self.pointwise.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return (routed + shared).reshape(shape)

@@ -62,11 +62,17 @@ from pagedhybrid.kernels.step import AttentionLayerWeights, GdnLayerWeights, Ste
 from pagedhybrid.kvquant import is_quantized
 from pagedhybrid.models.qwen35.attention import FullAttention
 from pagedhybrid.models.qwen35.config import FULL_ATTENTION, Qwen35Config
-from pagedhybrid.models.qwen35.layers import MLP, OffsetRMSNorm
+from pagedhybrid.models.qwen35.layers import MLP, OffsetRMSNorm, SparseMoE
 from pagedhybrid.models.qwen35.linear_attention import QK_L2_NORM_EPS, GatedDeltaNet
 from pagedhybrid.models.qwen35.packed import OP, PackedBatch, PagedHybridCache
 from pagedhybrid.models.qwen35.rope import mrope_cos_sin
-from pagedhybrid.models.qwen35.weights import read_tensors, release_pages
+from pagedhybrid.models.qwen35.weights import (
+    experts_layout,
+    fuse_experts,
+    per_expert_shapes,
+    read_tensors,
+    release_pages,
+)
 from pagedhybrid.parallel.linear import (
     ParallelConfig,
     ReplicatedLinear,
@@ -118,7 +124,11 @@ class DecoderLayer(nn.Module):
             self.self_attn = FullAttention(config, dtype, parallel)
         else:
             self.linear_attn = GatedDeltaNet(config, dtype, parallel)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size, dtype, parallel)
+        self.mlp: MLP | SparseMoE = SparseMoE(
+            config.hidden_size, config.num_experts, config.num_experts_per_tok,
+            config.moe_intermediate_size, config.shared_expert_intermediate_size, dtype,
+            parallel) if config.is_moe else MLP(config.hidden_size, config.intermediate_size,
+                                                dtype, parallel)
         self.input_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps,
                                                       dtype)
@@ -156,7 +166,10 @@ class DecoderLayer(nn.Module):
                      cache: PagedHybridCache, meta: StepMetadata, backend: Backend
                      ) -> torch.Tensor | None:
         """``h`` after this layer by the bundle's fused decode layer, or None where the bundle
-        has none or does not fuse this step (the caller runs the layer's modules)."""
+        has none, does not fuse this step, or the layer's feed-forward is a mixture of experts
+        (the caller runs the layer's modules)."""
+        if isinstance(self.mlp, SparseMoE):
+            return None
         i, matmul = self.index, self.mlp.down_proj.matmul
         if self.is_full:
             fn = backend.attention_decode_layer
@@ -538,7 +551,10 @@ def load(model_dir: str | Path, dtype: torch.dtype = torch.float32,
     transformers does)."""
     config = Qwen35Config.from_model_dir(model_dir)
     model = build(config, dtype, "meta", backend, parallel, mtp)
-    model.load_weights(read_tensors(model_dir, model.expected_shapes(),
-                                    optional=frozenset({"lm_head.weight"}), mtp=mtp))
+    expected = model.expected_shapes()
+    per_expert = config.is_moe and experts_layout(model_dir, mtp) == "per_expert"
+    stream = read_tensors(model_dir, per_expert_shapes(expected) if per_expert else expected,
+                          optional=frozenset({"lm_head.weight"}), mtp=mtp)
+    model.load_weights(fuse_experts(stream, config.num_experts) if per_expert else stream)
     model.source_dir = Path(model_dir)  # where calibrated KV scales are looked for
     return model.eval()

@@ -23,7 +23,8 @@ template is ours, in the Qwen3.5 chat format.
 ``published_checkpoint(path, size)`` is both: a random checkpoint of ``PUBLISHED[size]`` with the
 published tokenizer, written once and reused.
 
-``tiny_byte_config()`` is the small byte-level shape the tests build on:
+``tiny_byte_config()`` is the small byte-level shape the tests build on (``tiny_moe_config()``
+the same with a mixture of experts in every layer):
 hidden 64, 6 layers with ``full_attention_interval`` 3 (layers 2 and 5 full, 4 linear),
 4 query / 2 KV heads of dim 32 (partial rotary 0.25 -> rotary_dim 8, mrope_section [2, 1, 1]),
 linear heads 2 key / 4 value of dim 16, conv kernel 4, vocabulary 258 (256 bytes + BOS 256 +
@@ -86,6 +87,15 @@ def tiny_byte_config() -> Qwen35Config:
         eos_token_id=(BYTE_EOS,),
         checkpoint_dtype="float32",
     )
+
+
+def tiny_moe_config(num_experts: int = 8, top_k: int = 2) -> Qwen35Config:
+    """The tiny byte-level shape as a mixture-of-experts hybrid (``qwen3_5_moe_text``): every
+    layer's feed-forward ``num_experts`` routed experts of 32 channels (``top_k`` per token)
+    plus a shared expert of 48."""
+    return dataclasses.replace(tiny_byte_config(), num_experts=num_experts,
+                               num_experts_per_tok=top_k, moe_intermediate_size=32,
+                               shared_expert_intermediate_size=48)
 
 
 # -- published geometries --------------------------------------------------------------------------

@@ -24,6 +24,13 @@ from the file; a tensor that is not a view of a live mapping is left alone.
 ``read_tensors`` streams the checked views one at a time (the model's loader slices each to its
 TP rank's part before anything is converted); ``load_state_dict`` collects them in a serving dtype.
 
+Mixture-of-experts checkpoints store the routed experts one tensor each
+(``mlp.experts.{e}.gate_proj|up_proj|down_proj.weight``, as published and as transformers 5.24
+saves them) or fused (``mlp.experts.gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``, how
+transformers holds them in memory): ``experts_layout`` tells which (a checkpoint mixing both is
+refused, naming a tensor), ``per_expert_shapes`` is what to read for the per-expert one and
+``fuse_experts`` stacks each layer's experts into the fused tensors as the stream passes.
+
 A missing tensor, a tensor of the wrong shape or dtype, an unknown tensor, or a malformed file
 raises ``CheckpointError`` naming the tensor and file.
 """
@@ -32,9 +39,10 @@ from __future__ import annotations
 
 import json
 import mmap
+import re
 import struct
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -268,3 +276,65 @@ def load_state_dict(
         target = dtype_of(name)
         state[name] = tensor if tensor.dtype == target else tensor.to(target)
     return state
+
+
+EXPERT_RE = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+FUSED_EXPERTS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+
+
+def experts_layout(model_dir: str | Path, mtp: bool = False) -> str:
+    """``per_expert`` or ``fused`` (module docstring; ``fused`` when there are no experts)."""
+    seen: dict[str, str] = {}
+    for stored, name, file in iter_checkpoint(model_dir, mtp):
+        kind = "per_expert" if EXPERT_RE.match(name) else \
+            "fused" if name.endswith(FUSED_EXPERTS) else None
+        if kind is None:
+            continue
+        seen.setdefault(kind, stored)
+        if len(seen) == 2:
+            raise CheckpointError(str(file.path), stored, "mixes the fused and the per-expert "
+                                  f"layouts of the experts (also {seen['per_expert']!r} / "
+                                  f"{seen['fused']!r}); a checkpoint holds one")
+    return next(iter(seen), "fused")
+
+
+def per_expert_shapes(expected: Mapping[str, tuple[int, ...]]
+                      ) -> dict[str, tuple[int, ...]]:
+    """``expected`` with each fused experts tensor replaced by its per-expert tensors."""
+    out: dict[str, tuple[int, ...]] = {}
+    for name, shape in expected.items():
+        if name.endswith(".experts.gate_up_proj"):
+            base, (e, i2, h) = name[:-len("gate_up_proj")], shape
+            for k in range(e):
+                out[f"{base}{k}.gate_proj.weight"] = (i2 // 2, h)
+                out[f"{base}{k}.up_proj.weight"] = (i2 // 2, h)
+        elif name.endswith(".experts.down_proj"):
+            base, (e, h, i) = name[:-len("down_proj")], shape
+            for k in range(e):
+                out[f"{base}{k}.down_proj.weight"] = (h, i)
+        else:
+            out[name] = shape
+    return out
+
+
+def fuse_experts(stream: Iterable[tuple[str, torch.Tensor]], num_experts: int
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The stream with each layer's per-expert tensors replaced, once all have passed, by the
+    fused ``experts.gate_up_proj`` (gate rows, then up rows, per expert) and
+    ``experts.down_proj`` (the one copy loading makes of them)."""
+    held: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
+    for name, tensor in stream:
+        m = EXPERT_RE.match(name)
+        if m is None:
+            yield name, tensor
+            continue
+        prefix, e, kind = m.group(1), int(m.group(2)), m.group(3)
+        parts = held.setdefault(prefix, {})
+        parts[(e, kind)] = tensor
+        if len(parts) == 3 * num_experts:
+            del held[prefix]
+            yield f"{prefix}.gate_up_proj", torch.stack([
+                torch.cat([parts[(k, "gate_proj")], parts[(k, "up_proj")]])
+                for k in range(num_experts)])
+            yield f"{prefix}.down_proj", torch.stack([parts[(k, "down_proj")]
+                                                      for k in range(num_experts)])

@@ -1,0 +1,164 @@
+"""Qwen3.5-MoE hybrids (``qwen3_5_moe_text``) against HF transformers 5.24's
+``Qwen3_5MoeForCausalLM``.
+
+* checkpoints in both expert layouts load: the per-expert one transformers saves and publishes
+  (``mlp.experts.{e}.gate_proj/up_proj/down_proj.weight``) and the fused one it holds in memory
+  (``experts.gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``, written by our synthetic
+  helper and read back by HF too);
+* logits equal HF's (fp32) for several seeds, also when the router ties every expert (a zero
+  router: softmax uniform, top-k picks by index in both); the packed forward equals the dense
+  one; the engine's greedy outputs equal HF ``generate``;
+* the experts' grouped computation equals a naive per-token loop on random routings, with
+  empty experts and with every token on one expert;
+* refusals naming the tensor or field: a checkpoint mixing the layouts, a missing expert,
+  tensor parallelism, the export.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pagedhybrid.engine import LLM, SamplingParams
+from pagedhybrid.errors import UnsupportedConfiguration
+from pagedhybrid.models.qwen35 import PackedBatch, PagedHybridCache, Qwen35Config, load
+from pagedhybrid.models.qwen35.errors import CheckpointError
+from pagedhybrid.models.qwen35.layers import Experts
+from pagedhybrid.models.qwen35.synthetic import random_weights, tiny_moe_config, write_checkpoint
+
+transformers = pytest.importorskip("transformers")
+
+
+def hf_model(seed: int, zero_router: bool = False):
+    cfg = transformers.Qwen3_5MoeTextConfig(**{
+        **tiny_moe_config().to_hf_dict(), "tie_word_embeddings": False})
+    torch.manual_seed(seed)
+    m = transformers.Qwen3_5MoeForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            p.normal_(0, 0.08 if "norm" not in name else 0.02)
+            if zero_router and name.endswith("mlp.gate.weight"):
+                p.zero_()
+    return m
+
+
+@pytest.fixture(scope="module", params=[0, 1])
+def pair(request, tmp_path_factory) -> tuple[object, Path]:
+    m = hf_model(request.param, zero_router=request.param == 1)
+    path = tmp_path_factory.mktemp(f"moe{request.param}")
+    m.save_pretrained(path)
+    return m, path
+
+
+def test_transformers_saves_experts_one_tensor_each(pair) -> None:
+    _, path = pair
+    names = load_file(str(path / "model.safetensors")).keys()
+    assert "model.layers.0.mlp.experts.7.gate_proj.weight" in names
+    assert not any(n.endswith("experts.gate_up_proj") for n in names)
+    assert Qwen35Config.from_model_dir(path).is_moe
+
+
+def test_logits_equal_hf_and_packed_equals_dense(pair) -> None:
+    m, path = pair
+    ours = load(path)
+    x = torch.randint(0, 258, (1, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = m(input_ids=x).logits[0]
+        dense = ours.forward_dense(x)[0]
+    assert (dense - ref).abs().max() <= 1e-4 * max(1.0, ref.abs().max().item())
+    cfg = ours.config
+    cache = PagedHybridCache.allocate(cfg, num_pages=4, block_size=16, num_slots=1)
+    packed = ours.forward_packed(PackedBatch.from_sequences([x[0].tolist()], [0], [[0, 1, 2]],
+                                                            [0]), cache)
+    assert (packed - dense).abs().max() <= 1e-4 * max(1.0, ref.abs().max().item())
+
+
+def test_engine_greedy_equals_hf_generate(pair) -> None:
+    m, path = pair
+    llm = LLM(path, dtype="float32", num_blocks=64)
+    prompts = [[5, 17, 42, 99, 3], list(range(60, 100))]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16,
+                                                ignore_eos=True), use_progress=False)
+    for p, o in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            want = m.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+        assert list(o.token_ids) == want
+
+
+def test_the_fused_layout_loads_here_and_in_hf(tmp_path) -> None:
+    cfg = tiny_moe_config()
+    weights = random_weights(cfg, seed=5)
+    assert weights["model.layers.0.mlp.experts.gate_up_proj"].shape == (8, 64, 64)
+    write_checkpoint(tmp_path, cfg, weights)
+    ours = load(tmp_path)
+    hf = transformers.Qwen3_5MoeForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    x = torch.randint(0, 258, (1, 24), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ref = hf(input_ids=x).logits[0]
+        got = ours.forward_dense(x)[0]
+    assert (got - ref).abs().max() <= 1e-4 * max(1.0, ref.abs().max().item())
+
+
+def naive(experts: Experts, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor
+          ) -> torch.Tensor:
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(index.shape[1]):
+            e = int(index[t, j])
+            g, u = (experts.gate_up_proj[e] @ x[t]).chunk(2)
+            out[t] += weights[t, j] * (experts.down_proj[e] @ (torch.nn.functional.silu(g) * u))
+    return out
+
+
+@pytest.mark.parametrize("routing", ["random", "one expert", "few experts"])
+def test_grouped_experts_equal_a_naive_loop(routing: str) -> None:
+    gen = torch.Generator().manual_seed(7)
+    ex = Experts(16, 32, 24, torch.float32)
+    with torch.no_grad():
+        ex.gate_up_proj.copy_(torch.randn(16, 48, 32, generator=gen) / 6)
+        ex.down_proj.copy_(torch.randn(16, 32, 24, generator=gen) / 5)
+    x = torch.randn(37, 32, generator=gen)
+    if routing == "random":
+        index = torch.stack([torch.randperm(16, generator=gen)[:4] for _ in range(37)])
+    elif routing == "one expert":
+        index = torch.full((37, 1), 11)
+    else:  # most experts empty
+        index = torch.stack([torch.tensor([2, 9])[torch.randperm(2, generator=gen)]
+                             for _ in range(37)])
+    weights = torch.rand(index.shape, generator=gen)
+    assert torch.allclose(ex(x, index, weights), naive(ex, x, index, weights), atol=1e-5)
+
+
+def test_bad_moe_checkpoints_and_uses_are_refused(pair, tmp_path) -> None:
+    _, path = pair
+    tensors = load_file(str(path / "model.safetensors"))
+    config = (path / "config.json").read_text()
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    (mixed / "config.json").write_text(config)
+    save_file({**tensors, "model.layers.1.mlp.experts.down_proj":
+               torch.zeros(8, 64, 32)}, str(mixed / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="mixes the fused and the per-expert"):
+        load(mixed)
+    missing = tmp_path / "missing"
+    missing.mkdir()
+    (missing / "config.json").write_text(config)
+    save_file({k: v for k, v in tensors.items()
+               if k != "model.layers.2.mlp.experts.5.up_proj.weight"},
+              str(missing / "model.safetensors"))
+    with pytest.raises(CheckpointError) as info:
+        load(missing)
+    assert info.value.what == "model.layers.2.mlp.experts.5.up_proj.weight"
+    from pagedhybrid.export.options import check_model
+    from pagedhybrid.parallel.linear import ParallelConfig
+
+    cfg = Qwen35Config.from_dict(json.loads(config))
+    with pytest.raises(UnsupportedConfiguration, match="mixture-of-experts"):
+        check_model(cfg)
+    with pytest.raises(UnsupportedConfiguration, match="tensor parallelism"):
+        cfg.rank_local(ParallelConfig(tp_rank=0, tp_world_size=2))
