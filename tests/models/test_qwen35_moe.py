@@ -162,3 +162,11 @@ def test_bad_moe_checkpoints_and_uses_are_refused(pair, tmp_path) -> None:
         check_model(cfg)
     with pytest.raises(UnsupportedConfiguration, match="tensor parallelism"):
         cfg.rank_local(ParallelConfig(tp_rank=0, tp_world_size=2))
+
+
+def test_batch_invariant_mode_refuses_moe_naming_why(pair) -> None:
+    """No bundle declares a batch-invariant MoE yet: the registry refuses it, saying why,
+    rather than serving rows that depend on the batch."""
+    _, path = pair
+    with pytest.raises(UnsupportedConfiguration, match="batch-invariant mixture of experts"):
+        LLM(path, dtype="float32", num_blocks=64, batch_invariant=True)

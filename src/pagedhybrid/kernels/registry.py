@@ -196,6 +196,11 @@ class Needs:
                                     self.backend)
 
     @property
+    def mixture_of_experts(self) -> bool:
+        """The model's feed-forward is a mixture of experts (``config.num_experts``)."""
+        return bool(getattr(self.config, "num_experts", 0))
+
+    @property
     def model_head_dim(self) -> int | None:
         if self.head_dim is not None:
             return int(self.head_dim)
@@ -238,6 +243,7 @@ class BundleCapability:
     state_checkpoints: bool = False
     state_capture: bool = False
     batch_invariant: bool = False
+    moe_batch_invariant: bool = False  # expert products independent of the other tokens
     exports_lse: bool = False
     rope_in_op: bool = False
     tp_world_sizes: tuple[int, ...] | None = None  # None: any (the step runs on local heads)
@@ -277,6 +283,10 @@ class BundleCapability:
         if needs.batch_invariant and not self.batch_invariant:
             r.append("batch-invariant reduction is unsupported (its rows depend on the batch: "
                      "GEMM kernels and K splits chosen by shape, chunked prefill forms)")
+        if needs.batch_invariant and needs.mixture_of_experts and not self.moe_batch_invariant:
+            r.append("batch-invariant mixture of experts is unsupported (each expert's rows are "
+                     "one product over the tokens that picked it, so a token's arithmetic "
+                     "depends on the others)")
         if needs.exports_lse and not self.exports_lse:
             r.append("attention-domain LSE export is unsupported")
         if self.tp_world_sizes is not None and needs.tp_world_size not in self.tp_world_sizes:
