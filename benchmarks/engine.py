@@ -33,12 +33,14 @@ built-in model (32 held-out KJV passages of 16-200 tokens, 32 greedy tokens each
 benchmark's dtype), where logprobs are real.
 
     python benchmarks/engine.py --quick
+    python benchmarks/engine.py --quick --moe       # the MoE hybrid vs HF's MoE model
     python benchmarks/engine.py                     # 64 requests, prompts 16-512, out 16-128
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import random
@@ -65,6 +67,14 @@ def small_config() -> Qwen35Config:
         linear_num_key_heads=4, linear_num_value_heads=8, rope_theta=10000.0,
         partial_rotary_factor=0.25, mrope_section=(6, 5, 5), mrope_interleaved=True,
         tie_word_embeddings=True, max_position_embeddings=4096, checkpoint_dtype="float32")
+
+
+def moe_config() -> Qwen35Config:
+    """The small shape as a mixture-of-experts hybrid (``--moe``): 16 experts of 256 channels
+    per layer, 4 routed per token, plus a shared expert of 512 (~165M parameters in all, ~70M
+    active per token, embeddings included)."""
+    return dataclasses.replace(small_config(), num_experts=16, num_experts_per_tok=4,
+                               moe_intermediate_size=256, shared_expert_intermediate_size=512)
 
 
 @dataclass(frozen=True)
@@ -254,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", default="auto", help="engine kernels: auto|native|torch")
     p.add_argument("--batch-invariant", action="store_true",
                    help="default vs batch-invariant engine (and the recompute), no HF")
+    p.add_argument("--moe", action="store_true",
+                   help="the mixture-of-experts hybrid (moe_config) vs HF Qwen3_5MoeForCausalLM")
     p.add_argument("--out", default="benchmarks/results/engine.json")
     args = p.parse_args(argv)
     if args.quick:
@@ -261,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import transformers
 
-    cfg = small_config()
+    cfg = moe_config() if args.moe else small_config()
     with tempfile.TemporaryDirectory(prefix="ph-bench-") as tmp:
         write_checkpoint(Path(tmp), cfg, random_weights(cfg, seed=args.seed))
         dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
@@ -277,7 +289,9 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
             return 0
-        hf = transformers.Qwen3_5ForCausalLM.from_pretrained(tmp, dtype=dtype).eval()
+        hf_class = (transformers.Qwen3_5MoeForCausalLM if args.moe
+                    else transformers.Qwen3_5ForCausalLM)
+        hf = hf_class.from_pretrained(tmp, dtype=dtype).eval()
         n_params = sum(t.numel() for t in model.state_dict().values()) - (
             cfg.vocab_size * cfg.hidden_size if cfg.tie_word_embeddings else 0)
         w = make_workload(args.requests, tuple(args.prompt_range), tuple(args.output_range),
@@ -315,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     if match is not None:
         print(f"greedy tokens equal to HF one-at-a-time: {match}/{len(w.prompts)} requests")
     doc = {
-        "benchmark": "engine", "quick": args.quick, "params": n_params,
+        "benchmark": "engine", "quick": args.quick, "moe": args.moe, "params": n_params,
         "config": {k: v for k, v in asdict(cfg).items() if k != "layer_types"},
         "layer_types": list(cfg.layer_types),
         "workload": {"requests": args.requests, "prompt_range": list(args.prompt_range),
