@@ -170,3 +170,23 @@ def test_batch_invariant_mode_refuses_moe_naming_why(pair) -> None:
     _, path = pair
     with pytest.raises(UnsupportedConfiguration, match="batch-invariant mixture of experts"):
         LLM(path, dtype="float32", num_blocks=64, batch_invariant=True)
+
+
+def test_the_35b_a3b_geometry_builds_on_the_meta_device() -> None:
+    """transformers 5.24's Qwen3.5-MoE defaults are the 35B-A3B's: 40 layers (30 GDN), hidden
+    2048, 256 experts (8 routed + 1 shared) of 512 channels; built without weights it has ~35B
+    parameters, ~3B of them active per token (8 of 256 experts)."""
+    import math
+
+    from pagedhybrid.models.qwen35.model import build
+
+    cfg = Qwen35Config.from_dict({"model_type": "qwen3_5_moe_text", "rope_parameters": {
+        "rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+        "mrope_section": [11, 11, 10], "mrope_interleaved": True}})
+    assert (cfg.num_hidden_layers, len(cfg.linear_attention_layers), cfg.hidden_size) == \
+        (40, 30, 2048)
+    shapes = build(cfg, torch.bfloat16, "meta").expected_shapes()
+    total = sum(math.prod(s) for s in shapes.values())
+    experts = sum(math.prod(s) for n, s in shapes.items() if ".mlp.experts." in n)
+    active = total - experts * (1 - cfg.num_experts_per_tok / cfg.num_experts)
+    assert 34e9 <= total <= 36e9 and 2.5e9 <= active <= 3.6e9, (total, active)
