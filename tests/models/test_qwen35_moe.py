@@ -10,12 +10,14 @@
   one; the engine's greedy outputs equal HF ``generate``;
 * the experts' grouped computation equals a naive per-token loop on random routings, with
   empty experts and with every token on one expert;
-* refusals naming the tensor or field: a checkpoint mixing the layouts, a missing expert,
-  tensor parallelism, the export.
+* refusals naming the tensor or field: a checkpoint mixing the layouts, a missing expert, a TP
+  degree that does not split the experts' channels, the export, batch-invariant mode (the TP=2
+  logits themselves are ``tests/parallel/test_tp_gloo.py``'s, on real gloo ranks).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -160,8 +162,11 @@ def test_bad_moe_checkpoints_and_uses_are_refused(pair, tmp_path) -> None:
     cfg = Qwen35Config.from_dict(json.loads(config))
     with pytest.raises(UnsupportedConfiguration, match="mixture-of-experts"):
         check_model(cfg)
-    with pytest.raises(UnsupportedConfiguration, match="tensor parallelism"):
-        cfg.rank_local(ParallelConfig(tp_rank=0, tp_world_size=2))
+    with pytest.raises(UnsupportedConfiguration, match="moe_intermediate_size=30"):
+        dataclasses.replace(cfg, moe_intermediate_size=30).rank_local(
+            ParallelConfig(tp_rank=0, tp_world_size=4))  # 30 channels on 4 ranks
+    assert cfg.rank_local(ParallelConfig(tp_rank=1, tp_world_size=2)).moe_intermediate_size \
+        == cfg.moe_intermediate_size // 2
 
 
 def test_batch_invariant_mode_refuses_moe_naming_why(pair) -> None:

@@ -24,10 +24,15 @@ import pytest
 import torch
 from tp_worker import tp_worker
 
-from pagedhybrid.models.qwen35.synthetic import random_weights, tiny_byte_config, write_checkpoint
+from pagedhybrid.models.qwen35.synthetic import (
+    random_weights,
+    tiny_byte_config,
+    tiny_moe_config,
+    write_checkpoint,
+)
 from pagedhybrid.parallel.launch import run_gloo
 
-VARIANTS = ("default", "replicated_kv")
+VARIANTS = ("default", "replicated_kv", "moe")
 STEPS = ("prefill", "decode", "dense")
 
 
@@ -36,7 +41,7 @@ def tp_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     root = tmp_path_factory.mktemp("tp2")
     base = tiny_byte_config()
     configs = {"default": base, "replicated_kv": dataclasses.replace(
-        base, num_key_value_heads=1, linear_num_key_heads=1)}
+        base, num_key_value_heads=1, linear_num_key_heads=1), "moe": tiny_moe_config()}
     paths = {}
     for name, cfg in configs.items():
         paths[name] = str(Path(root) / name)

@@ -158,15 +158,13 @@ class Qwen35Config:
         return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR_ATTENTION)
 
     def rank_local(self, parallel: ParallelConfig) -> Qwen35Config:
-        """The config of one tensor-parallel rank: its query / value heads and MLP channels
-        (``/ W``) and the KV / linear key heads they read (``/ W``, or 1 replicated when
-        ``W`` is a multiple of them). Pages, state slots and kernels of the rank are sized by
-        it; a ``W`` that does not split a count raises ``UnsupportedConfiguration`` naming it."""
+        """The config of one tensor-parallel rank: its query / value heads and MLP (or each
+        expert's) channels (``/ W``) and the KV / linear key heads they read (``/ W``, or 1
+        replicated when ``W`` is a multiple of them). Pages, state slots and kernels of the
+        rank are sized by it; a ``W`` that does not split a count raises
+        ``UnsupportedConfiguration`` naming it."""
         if parallel.tp_world_size == 1:
             return self
-        if self.is_moe:
-            raise UnsupportedConfiguration("tensor parallelism of mixture-of-experts Qwen3.5 "
-                                           "models is not served yet; use tp_size 1")
         return dataclasses.replace(
             self,
             num_attention_heads=parallel.local(self.num_attention_heads, "num_attention_heads"),
@@ -177,6 +175,11 @@ class Qwen35Config:
             linear_num_key_heads=parallel.local(self.linear_num_key_heads,
                                                 "linear_num_key_heads", shared=True),
             intermediate_size=parallel.local(self.intermediate_size, "intermediate_size"),
+            **({"moe_intermediate_size": parallel.local(self.moe_intermediate_size,
+                                                         "moe_intermediate_size"),
+                "shared_expert_intermediate_size": parallel.local(
+                    self.shared_expert_intermediate_size, "shared_expert_intermediate_size")}
+               if self.is_moe else {}),
         )
 
     # -- reading ----------------------------------------------------------------------------------

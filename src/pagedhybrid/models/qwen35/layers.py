@@ -31,6 +31,7 @@ Parameter names equal HF's so ``state_dict()`` keys are the checkpoint keys.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -41,6 +42,7 @@ from pagedhybrid.parallel.linear import (
     ReplicatedLinear,
     RowParallelLinear,
     Segment,
+    shard_weight,
 )
 
 
@@ -85,18 +87,25 @@ class MLP(nn.Module):
 
 
 class Experts(nn.Module):
-    """The routed experts' weights, fused (``SparseMoE``)."""
+    """The routed experts' weights, fused (``SparseMoE``). Under tensor parallelism each rank
+    holds ``I / W`` of every expert's channels (its gate rows and up rows of ``gate_up_proj``,
+    its columns of ``down_proj``) and the block's output is all-reduced, as ``MLP``'s."""
 
     pointwise: Pointwise = TORCH_POINTWISE
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, parallel: ParallelConfig | None = None) -> None:
         super().__init__()
-        self.num_experts, self.intermediate = num_experts, intermediate
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden,
-                                                     dtype=dtype), requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate,
-                                                  dtype=dtype), requires_grad=False)
+        parallel = parallel or ParallelConfig()
+        channels = Segment(intermediate, intermediate, "moe_intermediate_size")
+        local = parallel.local(intermediate, "moe_intermediate_size")
+        self.num_experts, self.intermediate = num_experts, local
+        self.gate_up_proj = shard_weight(nn.Parameter(torch.empty(
+            num_experts, 2 * local, hidden, dtype=dtype), requires_grad=False), 1,
+            (channels, channels), parallel)
+        self.down_proj = shard_weight(nn.Parameter(torch.empty(
+            num_experts, hidden, local, dtype=dtype), requires_grad=False), 2, (channels,),
+            parallel)
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor
                 ) -> torch.Tensor:
@@ -128,9 +137,9 @@ class SparseMoE(nn.Module):
                  shared_intermediate: int, dtype: torch.dtype, parallel: ParallelConfig
                  ) -> None:
         super().__init__()
-        self.top_k = top_k
+        self.top_k, self.parallel, self._group = top_k, parallel, None
         self.gate = ReplicatedLinear(hidden, num_experts, dtype)
-        self.experts = Experts(num_experts, hidden, intermediate, dtype)
+        self.experts = Experts(num_experts, hidden, intermediate, dtype, parallel)
         self.shared_expert = MLP(hidden, shared_intermediate, dtype, parallel)
         self.shared_expert_gate = ReplicatedLinear(hidden, 1, dtype)
 
@@ -146,6 +155,10 @@ class SparseMoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         index, weights = self.route(x)
-        routed = self.experts(x, index, weights)
+        routed = self.experts(x, index, weights)  # this rank's channels' partial sums
+        if self.parallel.tp_world_size > 1:
+            if self._group is None:
+                self._group = self.parallel.group()
+            dist.all_reduce(routed, group=self._group)
         shared = self.pointwise.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return (routed + shared).reshape(shape)
