@@ -195,3 +195,24 @@ def test_the_35b_a3b_geometry_builds_on_the_meta_device() -> None:
     experts = sum(math.prod(s) for n, s in shapes.items() if ".mlp.experts." in n)
     active = total - experts * (1 - cfg.num_experts_per_tok / cfg.num_experts)
     assert 34e9 <= total <= 36e9 and 2.5e9 <= active <= 3.6e9, (total, active)
+
+
+def test_prefix_cache_chunked_prefill_and_drafts_keep_hf_greedy(pair) -> None:
+    """The engine's machinery is model-agnostic: with a prefix-cache hit, prefill chunked
+    into small pieces and n-gram drafts verified, the MoE model's greedy tokens still equal
+    HF ``generate``."""
+    m, path = pair
+    llm = LLM(path, dtype="float32", num_blocks=64, max_num_batched_tokens=24,
+              state_checkpoint_interval=16,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    prompt = [7, 8, 9, 10] * 12  # repeats: the n-gram drafter finds drafts
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    first = llm.generate([prompt], params, use_progress=False)[0]
+    again = llm.generate([[*prompt, 11]], params, use_progress=False)[0]
+    assert again.num_cached_tokens > 0
+    for p, o in ((prompt, first), ([*prompt, 11], again)):
+        with torch.no_grad():
+            want = m.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+        assert list(o.token_ids) == want
+    assert llm.engine.stats.spec.drafts > 0

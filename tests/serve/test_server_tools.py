@@ -112,6 +112,20 @@ def test_one_call_then_the_tool_result_goes_back_through_the_template(server: Se
     assert answer.choices[0].finish_reason in ("stop", "length")
 
 
+def test_each_of_n_choices_is_parsed_alone(server: Server) -> None:
+    r = client(server).chat.completions.create(
+        model=server.model, messages=ASK, tools=[VERSE], tool_choice="required",
+        parallel_tool_calls=False, n=3, seed=11, temperature=1.0, max_tokens=200)
+    assert len(r.choices) == 3
+    ids = set()
+    for ch in r.choices:
+        assert ch.finish_reason == "tool_calls" and len(ch.message.tool_calls) == 1
+        call = ch.message.tool_calls[0]
+        jsonschema.validate(json.loads(call.function.arguments), VERSE["function"]["parameters"])
+        ids.add(call.id)
+    assert len(ids) == 3  # every call its own id
+
+
 BAD = [  # (fields, param)
     ({"tools": [VERSE], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice"),
