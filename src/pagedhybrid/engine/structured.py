@@ -244,13 +244,28 @@ def allowed_tokens(matchers: Sequence[Any], vocab: int, eos: Sequence[int] = (),
     the tokens ``matchers[i]`` allows now, every token in the other rows; where a matcher
     allows its EOS (``eos[0]``), the other EOS ids too. Each matcher fills its row of one
     int32 bitmask (llguidance's layout: bit ``t % 32`` of word ``t // 32`` allows token
-    ``t``), unpacked by numpy in one pass (after a forward, every distinct torch op pays for
-    cold code)."""
+    ``t``) in one llguidance call, unpacked by numpy in one pass (after a forward, every
+    distinct torch op pays for cold code)."""
+    import llguidance.numpy
+
     n = len(matchers) if rows is None else rows
     bits = np.full((n, (vocab + 31) // 32), -1, dtype=np.int32)
-    for m, r in zip(matchers, range(len(matchers)) if at is None else at, strict=True):
-        _fill(m, bits[r])
+    at = list(range(len(matchers)) if at is None else at)
+    if matchers:
+        bits[at] = 0
+        llguidance.numpy.fill_next_token_bitmask_par(_executor(), list(zip(matchers, at,
+                                                                           strict=True)), bits)
     return _unpack(bits, vocab, eos)
+
+
+@functools.cache
+def _executor() -> Any:
+    """llguidance's executor of the batch mask call: one thread (a second gains nothing on two
+    cores beside the step's own threads); the one call for every matcher saves ~30 us of
+    Python per matcher over computing them one by one."""
+    import llguidance
+
+    return llguidance.LLExecutor(1)
 
 
 def draft_masks(matcher: Any, drafts: Sequence[int], vocab: int, eos: Sequence[int] = ()
