@@ -49,7 +49,7 @@ from pagedhybrid.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOu
 from pagedhybrid.engine.speculative import DraftBudget, Drafter, NgramDrafter, draftable
 from pagedhybrid.engine.states import CheckpointPool, StatePool
 from pagedhybrid.engine.stats import EngineStats
-from pagedhybrid.engine.structured import GrammarCompiler
+from pagedhybrid.engine.structured import GrammarCompiler, matcher_token
 from pagedhybrid.errors import ContractViolation
 from pagedhybrid.kernels.backend import Selection
 from pagedhybrid.models.qwen35 import PagedHybridCache, Qwen35ForCausalLM
@@ -215,7 +215,7 @@ class Engine:
             try:
                 req.matcher = req.grammar.result()
             except Exception as exc:
-                why = f"{exc.rule}" if isinstance(exc, ContractViolation) else \
+                why = exc.rule if isinstance(exc, ContractViolation) else \
                     f"did not compile: {type(exc).__name__}: {exc}"
                 self.scheduler.finish(req, "error", f"structured_outputs {why}")
                 self.scheduler.failed.append(req)
@@ -330,11 +330,10 @@ class Engine:
             self.stats.spec.drafter_failures += 1
             for req in todo:
                 req.draft_ids = ()
-        eos = self.eos_token_ids
         for req in todo:  # a grammar's requests: drafts up to the first one it would refuse
             if req.matcher is not None and req.draft_ids:
                 req.draft_ids = tuple(req.draft_ids[:req.matcher.validate_tokens(
-                    [eos[0] if t in eos else t for t in req.draft_ids])])
+                    [matcher_token(t, self.eos_token_ids) for t in req.draft_ids])])
         if todo and spec.adaptive and spec.method != "mtp":  # (MtpDrafter trims its chain)
             self.draft_budget.trim([r for r in todo if r.draft_ids], len(running))
 

@@ -210,6 +210,8 @@ class ModelRunner:
                  eos_token_ids: Sequence[int] = ()) -> None:
         self.model, self.config, self.stats = model, config, stats
         self.eos_token_ids = tuple(eos_token_ids)
+        # the EOS ids inside the logits' vocabulary (the grammars' and min_tokens' EOS)
+        self._eos = [t for t in self.eos_token_ids if 0 <= t < model.config.vocab_size]
         self._noise = torch.empty(0)  # the random rows' exponential draws, reused every step
         self._last: StepBatch | None = None  # the last step (its successor reuses its tensors)
         spec = config.speculative
@@ -333,7 +335,7 @@ class ModelRunner:
             sampled, failed = self._sample(rows, reqs)
         if step.verify:
             seqs = [scheduled.sequences[i] for i, _ in step.verify]
-            eos = [t for t in self.eos_token_ids if 0 <= t < logits.shape[1]]
+            eos = self._eos
             masks = [None if s.request.matcher is None else draft_masks(
                 s.request.matcher, s.drafts, logits.shape[1], eos) for s in seqs]
             for s, kept in zip(seqs, verify(logits, [s.request for s in seqs],
@@ -376,8 +378,7 @@ class ModelRunner:
         all finite, or whose sampling raises, fails alone: on a raise the rows are sampled one
         by one from the generator states they had before the failed batch, so a seeded request
         draws the same noise either way."""
-        vocab = rows.shape[1]
-        eos = [t for t in self.eos_token_ids if 0 <= t < vocab]
+        vocab, eos = rows.shape[1], self._eos
         banned = [([*r.params.stop_token_ids, *(() if r.params.ignore_eos else eos)]
                    if r.num_output_tokens < r.params.min_tokens else [])
                   + (bad_word_bans(r.bad_word_ids, r.output_token_ids) if r.bad_word_ids

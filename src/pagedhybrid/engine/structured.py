@@ -154,11 +154,7 @@ class Grammars:
         ``structured_outputs`` when llguidance refuses it)."""
         import llguidance
 
-        try:
-            text = spec.grammar_text()
-        except Exception as exc:  # llguidance's grammar builders raise on malformed input
-            raise ContractViolation(OP, "structured_outputs", f"is not a usable {spec.kind} "
-                                    f"({type(exc).__name__}: {exc})") from None
+        text = _grammar_text(spec)
         base = self._compiled.get(text)
         if base is None:
             base = llguidance.LLMatcher(self.tokenizer, text)
@@ -175,15 +171,20 @@ def check(spec: StructuredOutputs) -> None:
     """llguidance's check of ``spec``'s grammar, which needs no tokenizer (a millisecond or two
     per distinct grammar, remembered): ``ContractViolation`` naming ``structured_outputs``
     when it refuses it."""
-    try:
-        text = spec.grammar_text()
-    except Exception as exc:  # llguidance's grammar builders raise on malformed input
-        raise ContractViolation(OP, "structured_outputs", f"is not a usable {spec.kind} "
-                                f"({type(exc).__name__}: {exc})") from None
-    error = _grammar_error(text)
+    error = _grammar_error(_grammar_text(spec))
     if error:
         raise ContractViolation(OP, "structured_outputs",
                                 f"is not a usable {spec.kind}: {error.strip()}")
+
+
+def _grammar_text(spec: StructuredOutputs) -> str:
+    """``spec.grammar_text()``; what llguidance's grammar builders raise on malformed input is
+    a ``ContractViolation`` naming ``structured_outputs``."""
+    try:
+        return spec.grammar_text()
+    except Exception as exc:
+        raise ContractViolation(OP, "structured_outputs", f"is not a usable {spec.kind} "
+                                f"({type(exc).__name__}: {exc})") from None
 
 
 @functools.lru_cache(maxsize=1024)
@@ -281,7 +282,7 @@ def draft_masks(matcher: Any, drafts: Sequence[int], vocab: int, eos: Sequence[i
         if row:
             d = drafts[row - 1]
             if matcher.is_stopped() or matcher.try_consume_tokens(
-                    [eos[0] if eos and d in eos else d]) != 1:
+                    [matcher_token(d, eos)]) != 1:
                 break
             taken += 1
         _fill(matcher, bits[row])
@@ -303,6 +304,11 @@ def _unpack(bits: np.ndarray, vocab: int, eos: Sequence[int]) -> torch.Tensor:
     return torch.from_numpy(allowed.view(np.bool_))
 
 
+def matcher_token(token: int, eos: Sequence[int]) -> int:
+    """``token`` as a matcher reads it: any EOS id is the matcher's own EOS (``eos[0]``)."""
+    return eos[0] if eos and token in eos else token
+
+
 def consume(matcher: Any, token: int, eos: Sequence[int]) -> bool:
-    """Advance ``matcher`` by a sampled token (any EOS id is the matcher's own EOS)."""
-    return bool(matcher.consume_token(eos[0] if eos and token in eos else token))
+    """Advance ``matcher`` by a sampled token."""
+    return bool(matcher.consume_token(matcher_token(token, eos)))
