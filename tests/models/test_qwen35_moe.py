@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file, save_file
 
 from pagedhybrid.engine import LLM, SamplingParams
@@ -31,8 +32,6 @@ from pagedhybrid.models.qwen35 import PackedBatch, PagedHybridCache, Qwen35Confi
 from pagedhybrid.models.qwen35.errors import CheckpointError
 from pagedhybrid.models.qwen35.layers import Experts
 from pagedhybrid.models.qwen35.synthetic import random_weights, tiny_moe_config, write_checkpoint
-
-transformers = pytest.importorskip("transformers")
 
 
 def hf_model(seed: int, zero_router: bool = False):

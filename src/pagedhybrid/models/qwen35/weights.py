@@ -285,14 +285,15 @@ FUSED_EXPERTS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
 def experts_layout(model_dir: str | Path, mtp: bool = False) -> str:
     """``per_expert`` or ``fused`` (module docstring; ``fused`` when there are no experts)."""
     seen: dict[str, str] = {}
-    for stored, name, file in iter_checkpoint(model_dir, mtp):
+    for stored, path in checkpoint_files(model_dir).items():  # the names alone, no file mapped
+        name = canonical_name(stored, mtp) or ""
         kind = "per_expert" if EXPERT_RE.match(name) else \
             "fused" if name.endswith(FUSED_EXPERTS) else None
         if kind is None:
             continue
         seen.setdefault(kind, stored)
         if len(seen) == 2:
-            raise CheckpointError(str(file.path), stored, "mixes the fused and the per-expert "
+            raise CheckpointError(str(path), stored, "mixes the fused and the per-expert "
                                   f"layouts of the experts (also {seen['per_expert']!r} / "
                                   f"{seen['fused']!r}); a checkpoint holds one")
     return next(iter(seen), "fused")
