@@ -25,7 +25,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagedhybrid.engine import LLM, Engine, SamplingParams, load_engine
-from pagedhybrid.engine.chat import ChatParser, Tools, constraint, template_message, thinking
+from pagedhybrid.engine.chat import Tools, constraint, template_message, thinking
+from pagedhybrid.engine.chat_parser import ChatParser
 from pagedhybrid.engine.request import InvalidRequest
 from pagedhybrid.engine.structured import Grammars, StructuredOutputs, allowed_tokens
 from pagedhybrid.errors import ContractViolation

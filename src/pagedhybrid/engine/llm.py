@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from pagedhybrid import dtypes
-from pagedhybrid.engine.chat import ChatParser, Tools, constraint, template_message, thinking
+from pagedhybrid.engine.chat import Tools, constraint, template_message, thinking
+from pagedhybrid.engine.chat_parser import ChatParser
 from pagedhybrid.engine.config import EngineConfig
 from pagedhybrid.engine.engine import Engine
 from pagedhybrid.engine.request import InvalidRequest, RequestOutput

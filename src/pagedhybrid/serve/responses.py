@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedhybrid.engine import RequestOutput
-from pagedhybrid.engine.chat import ChatParser, Tools
+from pagedhybrid.engine.chat import Tools
+from pagedhybrid.engine.chat_parser import ChatParser
 from pagedhybrid.engine.sampling import Logprob
 from pagedhybrid.engine.structured import StructuredOutputs
 
