@@ -64,6 +64,7 @@ class ParallelConfig:
     tp_rank: int = 0
     tp_world_size: int = 1
     process_group: Any = field(default=None, compare=False, repr=False)
+    _checked: Any = field(default=None, init=False, compare=False, repr=False)  # group()
 
     def __post_init__(self) -> None:
         if self.tp_world_size < 1 or not 0 <= self.tp_rank < self.tp_world_size:
@@ -98,6 +99,15 @@ class ParallelConfig:
                                     f"must have tp_world_size = {w} ranks with this rank at "
                                     f"tp_rank = {self.tp_rank}", f"size {size}, rank {rank}")
         return group
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed in place over the TP group (nothing at world size 1); the group is
+        checked on the first call only."""
+        if self.tp_world_size > 1:
+            if self._checked is None:
+                object.__setattr__(self, "_checked", self.group())
+            dist.all_reduce(t, group=self._checked)
+        return t
 
 
 @dataclass(frozen=True)
@@ -196,12 +206,7 @@ class RowParallelLinear(ReplicatedLinear):
         super().__init__(loader.local_size(), out_features, dtype)
         shard_weight(self.weight, 1, (segment,), parallel)
         self.parallel = parallel
-        self._group: Any = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = super().forward(x)  # [T, out] partial sum of this rank's input slice
-        if self.parallel.tp_world_size > 1:
-            if self._group is None:
-                self._group = self.parallel.group()
-            dist.all_reduce(y, group=self._group)
-        return y
+        # [T, out] partial sum of this rank's input slice, summed over the ranks
+        return self.parallel.all_reduce(super().forward(x))

@@ -31,7 +31,6 @@ Parameter names equal HF's so ``state_dict()`` keys are the checkpoint keys.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -99,7 +98,7 @@ class Experts(nn.Module):
         parallel = parallel or ParallelConfig()
         channels = Segment(intermediate, intermediate, "moe_intermediate_size")
         local = parallel.local(intermediate, "moe_intermediate_size")
-        self.num_experts, self.intermediate = num_experts, local
+        self.num_experts = num_experts
         self.gate_up_proj = shard_weight(nn.Parameter(torch.empty(
             num_experts, 2 * local, hidden, dtype=dtype), requires_grad=False), 1,
             (channels, channels), parallel)
@@ -137,7 +136,7 @@ class SparseMoE(nn.Module):
                  shared_intermediate: int, dtype: torch.dtype, parallel: ParallelConfig
                  ) -> None:
         super().__init__()
-        self.top_k, self.parallel, self._group = top_k, parallel, None
+        self.top_k, self.parallel = top_k, parallel
         self.gate = ReplicatedLinear(hidden, num_experts, dtype)
         self.experts = Experts(num_experts, hidden, intermediate, dtype, parallel)
         self.shared_expert = MLP(hidden, shared_intermediate, dtype, parallel)
@@ -155,10 +154,6 @@ class SparseMoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         index, weights = self.route(x)
-        routed = self.experts(x, index, weights)  # this rank's channels' partial sums
-        if self.parallel.tp_world_size > 1:
-            if self._group is None:
-                self._group = self.parallel.group()
-            dist.all_reduce(routed, group=self._group)
+        routed = self.parallel.all_reduce(self.experts(x, index, weights))  # ranks' channels
         shared = self.pointwise.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return (routed + shared).reshape(shape)
