@@ -524,6 +524,65 @@ def _run_linear(a: Args) -> None:
     library().linear_invariant(a["x"], a["w"], a["out"])
 
 
+def _moe() -> Args:
+    gen = torch.Generator().manual_seed(8)
+    return {"x": torch.randn(5, 12, generator=gen),
+            "index": torch.tensor([[0, 3], [1, 2], [3, 0], [2, 2], [1, 0]]),
+            "weights": torch.rand(5, 2, generator=gen),
+            "gate_up": torch.randn(4, 10, 12, generator=gen),
+            "down": torch.randn(4, 12, 5, generator=gen),
+            "sg": torch.randn(6, 12, generator=gen), "su": torch.randn(6, 12, generator=gen),
+            "sd": torch.randn(12, 6, generator=gen), "gate": torch.randn(1, 12, generator=gen),
+            "out": torch.zeros(5, 12), "invariant": False}
+
+
+def _run_moe(a: Args) -> None:
+    shared = [a[n] for n in ("sg", "su", "sd", "gate")]
+    library().moe_experts(a["x"], a["index"], a["weights"], a["gate_up"], a["down"], *shared,
+                          a["out"], a["invariant"])
+
+
+def _index(t: int, j: int, e: int) -> Callable[[Args], None]:
+    def mutate(a: Args) -> None:
+        a["index"] = a["index"].clone()
+        a["index"][t, j] = e
+
+    return mutate
+
+
+MOE: list[Corruption] = [
+    ("x dtype", _set("x", lambda a: a["x"].double()),
+     r"x: dtype must be float32, bfloat16 or float16 \(got Double\)"),
+    ("gate_up dims", _set("gate_up", lambda a: a["gate_up"][0]), r"gate_up: must be \[E, 2I, H\]"),
+    ("gate_up odd rows", _set("gate_up", lambda a: torch.randn(4, 9, 12)),
+     r"gate_up: must be \[E >= 1, 2I \(even, >= 2\), H\]"),
+    ("gate_up dtype under bf16 x", lambda a: a.update(x=a["x"].bfloat16(),
+                                                      out=a["out"].bfloat16()),
+     r"gate_up: dtype must be x's \(BFloat16\)"),
+    ("down experts", _set("down", lambda a: torch.randn(3, 12, 5)),
+     r"down: size\(0\) must equal the number of experts E of gate_up = 4"),
+    ("down channels", _set("down", lambda a: torch.randn(4, 12, 6)),
+     r"down: size\(2\) must equal the intermediate size I of gate_up = 5"),
+    ("index above E", _index(3, 1, 4), r"index: index\[3, 1\] = 4 is outside the experts"),
+    ("index negative", _index(0, 0, -1), r"index: index\[0, 0\] = -1 is outside"),
+    ("index dtype", _set("index", lambda a: a["index"].int()), r"index: must be Long"),
+    ("top-k above E", _set("index", lambda a: torch.zeros(5, 5, dtype=torch.int64)),
+     r"index: top-k \(size\(1\)\) must be in \[1, min\(E, 64\)\] \(got 5, E = 4\)"),
+    ("weights columns", _set("weights", lambda a: torch.rand(5, 3)),
+     r"weights: size\(1\) must equal the top-k of index = 2"),
+    ("weights dtype", _set("weights", lambda a: a["weights"].double()), r"weights: must be Float"),
+    ("shared partly given", _set("sd", lambda a: None),
+     r"shared_\*: the shared expert needs all four weights or none \(got 3\)"),
+    ("shared down shape", _set("sd", lambda a: torch.randn(12, 7)),
+     r"shared_down_proj: size\(1\) must equal shared_gate_proj's rows = 6"),
+    ("shared gate rows", _set("gate", lambda a: torch.randn(2, 12)),
+     r"shared_gate: size\(0\) must equal 1 = 1"),
+    ("out rows", _set("out", lambda a: torch.zeros(4, 12)),
+     r"out: size\(0\) must equal the rows T of x = 5"),
+    ("x not contiguous", _set("x", lambda a: torch.randn(12, 5).t()), r"x: must be contiguous"),
+]
+
+
 def _pointwise() -> Args:
     return {"x": torch.randn(4, 7, generator=torch.Generator().manual_seed(4)),
             "out": torch.zeros(4, 7)}
@@ -591,6 +650,7 @@ OPS: dict[str, tuple[Callable[[], Args], Callable[[Args], None], list[Corruption
     "causal_conv_varlen": (lambda: _conv(True), _run_conv, CONV_VARLEN, "pool"),
     "linear_invariant": (_linear, _run_linear, LINEAR, "out"),
     "linear": (_linear, lambda a: library().linear(a["x"], a["w"], a["out"]), LINEAR, "out"),
+    "moe_experts": (_moe, _run_moe, MOE, "out"),
     "silu_invariant": (_pointwise, lambda a: library().silu_invariant(a["x"], a["out"]),
                        POINTWISE, "out"),
     "sigmoid_invariant": (_pointwise, lambda a: library().sigmoid_invariant(a["x"], a["out"]),

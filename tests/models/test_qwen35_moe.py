@@ -8,11 +8,14 @@
 * logits equal HF's (fp32) for several seeds, also when the router ties every expert (a zero
   router: softmax uniform, top-k picks by index in both); the packed forward equals the dense
   one; the engine's greedy outputs equal HF ``generate``;
+* fidelity against HF float64 within 3x HF fp32's own distance to it, dense and packed, for
+  routers from one-hot (sharp) to near-uniform (flat), with exact and near ties;
 * the experts' grouped computation equals a naive per-token loop on random routings, with
   empty experts and with every token on one expert;
 * refusals naming the tensor or field: a checkpoint mixing the layouts, a missing expert, a TP
-  degree that does not split the experts' channels, the export, batch-invariant mode (the TP=2
-  logits themselves are ``tests/parallel/test_tp_gloo.py``'s, on real gloo ranks).
+  degree that does not split the experts' channels (the TP=2 logits themselves are
+  ``tests/parallel/test_tp_gloo.py``'s, on real gloo ranks);
+* batch-invariant mode serves MoE bitwise (the native kernel's invariant form).
 """
 
 from __future__ import annotations
@@ -76,6 +79,52 @@ def test_logits_equal_hf_and_packed_equals_dense(pair) -> None:
     packed = ours.forward_packed(PackedBatch.from_sequences([x[0].tolist()], [0], [[0, 1, 2]],
                                                             [0]), cache)
     assert (packed - dense).abs().max() <= 1e-4 * max(1.0, ref.abs().max().item())
+
+
+# router draws: name -> (std of the router's rows, how the rows are tied)
+ROUTERS = {
+    "default": (0.08, None),
+    "sharp": (1.5, None),     # low temperature: near one-hot routing, large logit gaps
+    "flat": (1e-3, None),     # high temperature: near-uniform probabilities, gaps ~1e-4
+    "tied": (0.08, 0.0),      # experts in pairs with equal rows: exact ties, broken by index
+    "near_tie": (0.08, 1e-5),  # pairs 1e-5 apart: gaps of ~1e-6, above fp32 rounding
+}
+
+
+@pytest.mark.parametrize("router", sorted(ROUTERS))
+def test_fidelity_within_hf_fp32_noise_of_float64(router: str, tmp_path) -> None:
+    """As the dense model's fidelity test: HF float64 is the truth, HF fp32's distance to it
+    is the budget; our dense and packed fp32 logits (the native MoE kernel) lie within 3x of
+    it (or 5e-5), for routers from one-hot to flat, with exact and near ties."""
+    std, tie = ROUTERS[router]
+    seed = sorted(ROUTERS).index(router)  # a seed of its own per router
+    m = hf_model(seed)
+    gen = torch.Generator().manual_seed(seed + 50)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.copy_(std * torch.randn(p.shape, generator=gen))
+                if tie is not None:  # expert 2i + 1's row = expert 2i's (+ tie * noise)
+                    p[1::2] = p[0::2] + tie * std * torch.randn(p[0::2].shape, generator=gen)
+    m.save_pretrained(tmp_path)
+    ids = torch.randint(0, 258, (2, 40), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        hf32 = m(input_ids=ids).logits.double()
+        m.set_experts_implementation("eager")  # grouped_mm has no float64
+        hf64 = m.double()(input_ids=ids).logits
+    budget = (hf32 - hf64).abs().max().item()
+    ours = load(tmp_path)
+    assert ours.backend.moe is not None  # the native kernel runs the experts
+    dense = ours.forward_dense(ids)[0].double()
+    cfg = ours.config
+    cache = PagedHybridCache.allocate(cfg, num_pages=8, block_size=16, num_slots=2)
+    batch = PackedBatch.from_sequences([ids[0].tolist(), ids[1].tolist()], [0, 0],
+                                       [[0, 1, 2], [3, 4, 5]], [0, 1])
+    packed = ours.forward_packed(batch, cache).double().view(2, 40, -1)
+    for path, got in (("dense", dense), ("packed", packed)):
+        err = (got - hf64).abs().max().item()
+        print(f"{router:9s} {path:6s} err {err:.2e} hf32 {budget:.2e}")
+        assert err <= max(3 * budget, 5e-5), (path, err, budget)
 
 
 def test_engine_greedy_equals_hf_generate(pair) -> None:
@@ -155,12 +204,9 @@ def test_bad_moe_checkpoints_and_uses_are_refused(pair, tmp_path) -> None:
     with pytest.raises(CheckpointError) as info:
         load(missing)
     assert info.value.what == "model.layers.2.mlp.experts.5.up_proj.weight"
-    from pagedhybrid.export.options import check_model
     from pagedhybrid.parallel.linear import ParallelConfig
 
     cfg = Qwen35Config.from_dict(json.loads(config))
-    with pytest.raises(UnsupportedConfiguration, match="mixture-of-experts"):
-        check_model(cfg)
     with pytest.raises(UnsupportedConfiguration, match="moe_intermediate_size=30"):
         dataclasses.replace(cfg, moe_intermediate_size=30).rank_local(
             ParallelConfig(tp_rank=0, tp_world_size=4))  # 30 channels on 4 ranks
@@ -168,12 +214,29 @@ def test_bad_moe_checkpoints_and_uses_are_refused(pair, tmp_path) -> None:
         == cfg.moe_intermediate_size // 2
 
 
-def test_batch_invariant_mode_refuses_moe_naming_why(pair) -> None:
-    """No bundle declares a batch-invariant MoE yet: the registry refuses it, saying why,
-    rather than serving rows that depend on the batch."""
+def test_batch_invariant_mode_is_bitwise_for_moe(pair) -> None:
+    """The native batch-invariant bundle serves MoE (its experts in the invariant kernel form):
+    every request's tokens and logprobs in a mixed, chunked batch equal the request alone and
+    the training-side recompute (``score``), bitwise -- with the zero router's ties too."""
     _, path = pair
-    with pytest.raises(UnsupportedConfiguration, match="batch-invariant mixture of experts"):
-        LLM(path, dtype="float32", num_blocks=64, batch_invariant=True)
+    prompts = [[(7 * i + j) % 200 + 3 for j in range(5 + 9 * i)] for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
+    batch = LLM(path, dtype="float32", num_blocks=64, batch_invariant=True,
+                max_num_batched_tokens=16)
+    assert batch.engine.model.backend.name == "native_batch_invariant"
+    outs = batch.generate(prompts, params, use_progress=False)
+    solo = LLM(path, dtype="float32", num_blocks=64, batch_invariant=True)
+
+    def lps(o) -> torch.Tensor:
+        return torch.tensor([d[t].logprob for d, t in zip(o.logprobs, o.token_ids,
+                                                          strict=True)])
+
+    for p, o in zip(prompts, outs, strict=True):
+        ref = solo.generate([p], params, use_progress=False)[0]
+        assert list(o.token_ids) == list(ref.token_ids)
+        assert torch.equal(lps(o), lps(ref))
+    scored = batch.engine.score(prompts, [list(o.token_ids) for o in outs])
+    assert all(torch.equal(torch.tensor(s), lps(o)) for s, o in zip(scored, outs, strict=True))
 
 
 def test_the_35b_a3b_geometry_builds_on_the_meta_device() -> None:

@@ -266,6 +266,10 @@ class Engine:
                 outputs.append(self._output(req))
         return outputs
 
+    def reset_stats(self) -> None:
+        """Counters from zero (a benchmark after its warm-up); the runner adds to the same."""
+        self.stats = self.runner.stats = EngineStats()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
 

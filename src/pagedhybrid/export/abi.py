@@ -212,7 +212,7 @@ class PackedAbi:
         o = self.options
         return {
             c.META_ABI: c.ABI_NAME,
-            c.META_MODEL_TYPE: "qwen3_5_text",
+            c.META_MODEL_TYPE: "qwen3_5_moe_text" if self.config.is_moe else "qwen3_5_text",
             c.META_BLOCK_SIZE: str(self.block_size),
             c.META_FULL_LAYERS: ",".join(str(i) for i in self.full_layers),
             c.META_LINEAR_LAYERS: ",".join(str(i) for i in self.linear_layers),
@@ -229,4 +229,15 @@ class PackedAbi:
             c.META_GENAI: c.ONNXRUNTIME_GENAI_PIN,
             c.META_GENAI_COMMIT: c.ONNXRUNTIME_GENAI_COMMIT,
             c.META_WEBGPU_PLUGIN: c.WEBGPU_PLUGIN_PIN,
+            **self.moe_metadata(),
         }
+
+    def moe_metadata(self) -> dict[str, str]:
+        """A mixture-of-experts model's sizes (read back by ``moe.verify_moe``); none if dense."""
+        cfg = self.config
+        if not cfg.is_moe:
+            return {}
+        return {c.META_MOE_EXPERTS: str(cfg.num_experts),
+                c.META_MOE_TOP_K: str(cfg.num_experts_per_tok),
+                c.META_MOE_INTERMEDIATE: str(cfg.moe_intermediate_size),
+                c.META_MOE_SHARED: str(cfg.shared_expert_intermediate_size)}

@@ -9,7 +9,10 @@
    residual add fused into the next norm, ``SkipSimplifiedLayerNormalization``) where the
    mixer is ``full.emit_full_attention`` (PagedAttention on the layer's page buffers) or
    ``linear.emit_gated_delta_net`` (varlen conv + GatedDeltaNet on the per-sequence states);
-   the MLP is ``down(silu(gate(x)) · up(x))`` (gate|up as one MatMul).
+   the MLP is ``down(silu(gate(x)) · up(x))`` (gate|up as one MatMul), or in a
+   mixture-of-experts model (``qwen3_5_moe_text``) ``moe.emit_moe``: one
+   ``com.microsoft.MoE`` for the routed experts plus the gated shared expert
+   (``emit_feed_forward`` picks).
 3. With ``prune_logits`` the rows ``cumulative_sequence_lengths[1:] - 1`` are gathered (as the
    torch model does, before the row-wise final norm); final OffsetRMSNorm; ``lm_head`` (the
    transposed embedding when tied); ``Cast`` to float ->
@@ -31,6 +34,7 @@ from pagedhybrid.export.abi import PackedAbi, TensorSpec
 from pagedhybrid.export.builder import GraphBuilder
 from pagedhybrid.export.full import PagedInputs, emit_full_attention, rope_tables
 from pagedhybrid.export.linear import emit_gated_delta_net
+from pagedhybrid.export.moe import emit_moe
 from pagedhybrid.export.options import ExportOptions, check_export
 from pagedhybrid.export.weights import WeightSource
 from pagedhybrid.kvquant import KVScales
@@ -50,6 +54,12 @@ def emit_mlp(b: GraphBuilder, i: int, x: ir.Value, layer: str | None = None) -> 
                               f"{p}/gate_up_proj")  # [N, I] x2
     prod = b.op1("Mul", [b.silu(gate, f"{p}/act"), up], f"{p}/Mul")  # [N, I]
     return b.matmul(prod, f"{w}.down_proj.weight", f"{p}/down_proj/MatMul")  # [N, hidden]
+
+
+def emit_feed_forward(b: GraphBuilder, config: Qwen35Config, i: int, x: ir.Value,
+                      layer: str | None = None) -> ir.Value:
+    """Layer ``i``'s feed-forward: the MoE block of a mixture-of-experts model, else the MLP."""
+    return emit_moe(b, config, i, x, layer) if config.is_moe else emit_mlp(b, i, x, layer)
 
 
 def build_packed_model(config: Qwen35Config, options: ExportOptions, weights: WeightSource,
@@ -95,7 +105,7 @@ def build_packed_model(config: Qwen35Config, options: ExportOptions, weights: We
                 if abi.capacity else None)
         x, h = b.skip_rms_norm(h, out, f"{w}.post_attention_layernorm.weight", eps,
                                f"{p}/post_attention_layernorm")  # h += attention output
-        delta = emit_mlp(b, i, x)  # [N, hidden]
+        delta = emit_feed_forward(b, config, i, x)  # [N, hidden]
         if on_layer is not None:
             on_layer(i + 1, n_layers)
     assert delta is not None

@@ -7,7 +7,8 @@ onnxruntime-genai 0.18.0's Qwen3.5 builder writes (its ``model.mtp`` config sect
   each row, the token after its position): ``Gather(embed_tokens, input_ids)`` ->
   ``pre_fc_norm_embedding``; ``hidden_states`` -> ``pre_fc_norm_hidden``; ``Concat`` -> ``fc``;
   one full-attention decoder layer (``mtp.layers.0``: PagedAttention on the head's own page
-  buffers ``past_key_values.0.key / .value``, activation dtype, never quantized; the MLP) ->
+  buffers ``past_key_values.0.key / .value``, activation dtype, never quantized; the MLP, or
+  a mixture-of-experts model's MoE block) ->
   ``mtp.norm`` = ``hidden_states_out`` (fed back for the next draft of a chain) -> the LM head
   -> ``logits [N, vocab]``. ``mtp.onnx.data`` holds the head's ``mtp.*`` weights and its own
   copy of the embedding (and of an untied LM head): the graphs share no initializer file.
@@ -35,7 +36,7 @@ from pagedhybrid.export import constants as c
 from pagedhybrid.export.abi import PackedAbi, TensorSpec
 from pagedhybrid.export.builder import GraphBuilder
 from pagedhybrid.export.full import PagedInputs, emit_full_attention, rope_tables
-from pagedhybrid.export.graph import emit_lm_head, emit_mlp, named_outputs
+from pagedhybrid.export.graph import emit_feed_forward, emit_lm_head, named_outputs
 from pagedhybrid.export.options import ExportOptions
 from pagedhybrid.export.weights import WeightSource
 from pagedhybrid.models.qwen35.config import Qwen35Config
@@ -67,7 +68,8 @@ def build_mtp_model(config: Qwen35Config, options: ExportOptions, weights: Weigh
                               inp[c.PAST_VALUE % i], None, LAYER)
     x, h = b.skip_rms_norm(h, out, f"{LAYER}.post_attention_layernorm.weight", eps,
                            f"/{LAYER}/post_attention_layernorm")
-    h = b.op1("Add", [h, emit_mlp(b, i, x, LAYER)], f"/{LAYER}/residual_mlp/Add")
+    h = b.op1("Add", [h, emit_feed_forward(b, config, i, x, LAYER)],
+              f"/{LAYER}/residual_mlp/Add")
     hs = b.offset_rms_norm(h, "mtp.norm.weight", eps, "/mtp/norm", output=c.HIDDEN_STATES_OUT)
     emit_lm_head(b, config, embed, hs)
     return b.model(named_outputs(b, abi.mtp_outputs()), abi.metadata_props())

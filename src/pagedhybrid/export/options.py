@@ -17,6 +17,13 @@ serve, before any graph is built:
   registers float16 caches only, and a session with an int8 / float8e4m3fn cache fails at
   initialization (measured with onnxruntime 1.32.0 + onnxruntime-ep-webgpu 0.4.0; the answer is
   ``kernels.onnxruntime.paged_attention.QUANTIZED_CACHE``).
+
+A mixture-of-experts model (``qwen3_5_moe_text``) exports with one ``com.microsoft.MoE`` per
+layer (``export/moe.py``); every MoE config the model serves is expressible (the config already
+refuses, naming the field, what the op cannot compute: ``norm_topk_prob`` false,
+``mlp_only_layers``, ``decoder_sparse_step`` != 1, ``num_experts_per_tok`` outside
+``[1, num_experts]``), and the rules above hold for it as for a dense model (bfloat16 has no CPU
+or WebGPU MoE kernel either: the webgpu/bf16 refusal covers it).
 """
 
 from __future__ import annotations
@@ -166,10 +173,6 @@ def check_model(config: Qwen35Config) -> None:
         raise UnsupportedConfiguration(
             "the model has no full_attention layer: the continuous-batching Engine needs exactly "
             "one paged_kv state group with at least one layer")
-    if config.is_moe:
-        raise UnsupportedConfiguration(
-            f"{config.source_model_type}: the export of mixture-of-experts models "
-            "(com.microsoft.MoE per layer) is not built yet; the engine serves them")
 
 
 def check_export(config: Qwen35Config, options: ExportOptions) -> None:

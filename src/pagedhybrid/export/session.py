@@ -38,7 +38,7 @@ WEBGPU = "webgpu"  # every node the WebGPU EP claims runs there (fp16 MatMul acc
 
 ACCUMULATING = ("MatMul", "Gemm", "SimplifiedLayerNormalization",
                 "SkipSimplifiedLayerNormalization", "GatedRMSNorm", "ReduceSumSquare",
-                c.GATED_DELTA_NET, c.VARLEN_CONV)
+                c.GATED_DELTA_NET, c.VARLEN_CONV, c.MOE)
 OPTION_LIMIT = 8192  # onnxruntime's longest config value
 
 

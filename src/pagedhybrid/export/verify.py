@@ -27,8 +27,8 @@
    state groups carry exactly the partition, ``engine.dynamic_batching`` matches the graph's
    block size with one page budget, provider options name the export's EP,
    ``search.past_present_share_buffer`` is true, head/layer/vocab counts match the graph;
-6. the workflow metadata lists the same three disciplines and layer ids.
-
+6. the workflow metadata lists the same three disciplines and layer ids;
+7. a mixture-of-experts package: one MoE node per layer, its attributes and weights (moe.py).
 Each check yields a ``Finding``; ``VerifyReport.ok`` is false if any failed.
 """
 
@@ -43,6 +43,7 @@ import onnx_ir as ir
 
 from pagedhybrid import dtypes
 from pagedhybrid.export import constants as c
+from pagedhybrid.export.moe import verify_moe
 from pagedhybrid.export.mtp import verify_mtp
 from pagedhybrid.models.qwen35.linear_attention import QK_L2_NORM_EPS
 
@@ -191,10 +192,10 @@ def verify_package(out_dir: str | Path) -> VerifyReport:
     except json.JSONDecodeError as exc:
         chk(False, "genai_config", f"not valid JSON: {exc}")
         return VerifyReport(out, chk.findings)
-    workflow = None
-    if paths[c.WORKFLOW_FILE].is_file():
-        workflow = json.loads(paths[c.WORKFLOW_FILE].read_text(encoding="utf-8"))
+    wf = paths[c.WORKFLOW_FILE]
+    workflow = json.loads(wf.read_text(encoding="utf-8")) if wf.is_file() else None
     _verify(model, genai, workflow, chk)
+    verify_moe(model, genai, chk)
     if dict(model.metadata_props).get(c.META_MTP) == "1" or "mtp" in genai.get("model", {}):
         verify_mtp(out, model, genai, chk)
     return VerifyReport(out, chk.findings)
@@ -305,9 +306,8 @@ def _verify(model: ir.Model, genai: dict[str, Any], workflow: dict[str, Any] | N
     # -- 6. workflow ------------------------------------------------------------------------------
     if workflow is not None:
         found = {s.get("discipline"): s.get("layer_ids") for s in workflow.get("states", [])}
-        want = {c.GROUP_PAGED_KV: full}
-        if linear:
-            want |= {c.GROUP_FIXED_CONV: linear, c.GROUP_FIXED_RECURRENT: linear}
+        want = {c.GROUP_PAGED_KV: full} | ({c.GROUP_FIXED_CONV: linear,
+                                           c.GROUP_FIXED_RECURRENT: linear} if linear else {})
         chk(found == want, "workflow states", f"{found}")
         paged = next((s for s in workflow.get("states", [])
                       if s.get("discipline") == c.GROUP_PAGED_KV), {})

@@ -8,7 +8,12 @@ Both sources hand out ``onnx_ir`` tensors keyed by HF state-dict names (the name
   of a full-attention layer, qkv|z|b|a of a linear layer, gate|up of an MLP);
 * OffsetRMSNorm gains become ``1 + w`` (computed in float32, then cast);
 * ``A_log`` and ``dt_bias`` stay float32 (GatedDeltaNet's gate math is float32); everything
-  else takes the export dtype (float16 / bfloat16).
+  else takes the export dtype (float16 / bfloat16);
+* a mixture of experts' ``experts.gate_up_proj [E, 2I, H]`` (gate rows, then up rows) becomes
+  ``com.microsoft.MoE``'s interleaved ``fc1`` (rows ``g0, u0, g1, u1, ...``: the ``interleave``
+  transform, ``export/moe.py``); ``experts.down_proj [E, H, I]`` is ``fc2`` as it is. A
+  checkpoint with one tensor per expert (``experts.{e}.gate_proj.weight`` ..., as transformers
+  publishes them) is stacked into those layouts tensor by tensor at write time.
 
 ``CheckpointWeights`` validates the checkpoint with the model's own loader
 (``load_state_dict``: every expected tensor present with the right shape, nothing unknown), keeps
@@ -29,10 +34,15 @@ from pagedhybrid import dtypes
 from pagedhybrid.export import constants as c
 from pagedhybrid.models.qwen35.config import Qwen35Config
 from pagedhybrid.models.qwen35.model import build
-from pagedhybrid.models.qwen35.weights import iter_checkpoint, load_state_dict
+from pagedhybrid.models.qwen35.weights import (
+    experts_layout,
+    iter_checkpoint,
+    load_state_dict,
+    per_expert_shapes,
+)
 
 FLOAT32_PARAMS = (".A_log", ".dt_bias")
-TRANSFORMS = ("cast", "transpose", "offset")
+TRANSFORMS = ("cast", "transpose", "offset", "interleave")
 
 
 def expected_shapes(config: Qwen35Config, mtp: bool = False) -> dict[str, tuple[int, ...]]:
@@ -61,11 +71,20 @@ def out_shape(shapes: list[tuple[int, ...]], transform: str) -> tuple[int, ...]:
     return shapes[0]
 
 
+def interleave_gate_up(t: torch.Tensor) -> torch.Tensor:
+    """``[E, 2I, H]`` gate rows then up rows -> rows ``g0, u0, g1, u1, ...`` (MoE's
+    ``swiglu_fusion=1``)."""
+    e, two_i, h = t.shape
+    return t.reshape(e, 2, two_i // 2, h).transpose(1, 2).reshape(e, two_i, h)
+
+
 def _apply(ts: list[torch.Tensor], transform: str, dtype: torch.dtype) -> torch.Tensor:
     if transform == "transpose":
         return torch.cat([t.t().to(dtype) for t in ts], dim=1).contiguous()  # [in, sum(out)]
     if transform == "offset":
         return (1.0 + ts[0].float()).to(dtype).contiguous()  # OffsetRMSNorm gain (1 + w)
+    if transform == "interleave":
+        return interleave_gate_up(ts[0].to(dtype)).contiguous()  # [E, 2I, H] interleaved
     return ts[0].to(dtype).contiguous()
 
 
@@ -76,19 +95,34 @@ class CheckpointWeights:
                  mtp: bool = False) -> None:
         self.io_dtype = io_dtype
         self.shapes = expected_shapes(config, mtp)
+        per_expert = config.is_moe and experts_layout(model_dir, mtp) == "per_expert"
         stored = {name: file.dtype(key) for key, name, file in iter_checkpoint(model_dir, mtp)}
         # Ask the loader for each tensor in its stored dtype: zero-copy views, validated.
         self._raw = load_state_dict(
-            model_dir, self.shapes, lambda n: stored.get(n, torch.float32),
-            optional=frozenset({"lm_head.weight"}), mtp=mtp)
+            model_dir, per_expert_shapes(self.shapes) if per_expert else self.shapes,
+            lambda n: stored.get(n, torch.float32), optional=frozenset({"lm_head.weight"}),
+            mtp=mtp)
+
+    def _read(self, name: str) -> torch.Tensor:
+        """The checkpoint tensor ``name``; a fused experts tensor of a per-expert checkpoint is
+        stacked from its experts' tensors here (``weights.fuse_experts``'s layout)."""
+        if name in self._raw:
+            return self._raw[name]
+        base, kind = name.rsplit(".", 1)  # "<layer>.mlp.experts", gate_up_proj | down_proj
+        n = self.shapes[name][0]
+        if kind == "gate_up_proj":
+            return torch.stack([torch.cat([self._raw[f"{base}.{e}.gate_proj.weight"],
+                                           self._raw[f"{base}.{e}.up_proj.weight"]])
+                                for e in range(n)])  # [E, 2I, H]
+        return torch.stack([self._raw[f"{base}.{e}.down_proj.weight"] for e in range(n)])
 
     def tensor(self, names: Names, transform: str = "cast") -> ir.TensorProtocol:
         """One checkpoint tensor, or several projections transposed and concatenated."""
-        raws = [self._raw[n] for n in _names(names)]
         dtype = param_dtype(_names(names)[0], self.io_dtype)
-        shape = out_shape([tuple(r.shape) for r in raws], transform)
+        shape = out_shape([self.shapes[n] for n in _names(names)], transform)
 
         def make() -> ir.TensorProtocol:
+            raws = [self._read(n) for n in _names(names)]
             return ir.tensor_adapters.TorchTensor(_apply(raws, transform, dtypes.to_torch(dtype)))
 
         return ir.LazyTensor(make, dtypes.ir_dtype(dtype), ir.Shape(shape))

@@ -49,6 +49,7 @@ from pagedhybrid.kernels.cpu import step as cpu_step
 from pagedhybrid.kernels.native import contract as native_contract
 from pagedhybrid.kernels.native import dense as native_dense
 from pagedhybrid.kernels.native import invariant as native_invariant
+from pagedhybrid.kernels.native import moe as native_moe
 from pagedhybrid.kernels.native import norms as native_norms
 from pagedhybrid.kernels.native import step as native_step
 from pagedhybrid.kernels.registry import (
@@ -93,19 +94,20 @@ def _declare() -> KernelRegistry:
             norms=native_norms.NATIVE_NORMS, gdn_decode=native_step.gdn_decode,
             gdn_decode_layer=native_step.gdn_decode_layer,
             attention_decode_layer=native_step.attention_decode_layer,
-            capture=native_step.CAPTURE),
+            capture=native_step.CAPTURE, moe=native_moe.experts),
         Backend(
             "native_batch_invariant", "C++ kernels for every token and projection in "
             "batch-invariant forms (kernels/native/invariant.py)", "native_batch_invariant",
             BundleCapability(native_invariant.DTYPES, native_pages,
                              max_head_dim=NATIVE_MAX_HEAD_DIM, in_place_state=True,
                              paged_in_place=True, state_checkpoints=True, state_capture=True,
-                             batch_invariant=True),
+                             batch_invariant=True, moe_batch_invariant=True),
             native_invariant.attention, native_invariant.causal_conv,
             native_invariant.gated_delta, native_ops, _native_available,
             lambda dtype: native_invariant.linear,
             pointwise=Pointwise(native_invariant.silu, native_invariant.sigmoid),
-            norms=native_norms.NATIVE_NORMS, capture=native_step.CAPTURE),
+            norms=native_norms.NATIVE_NORMS, capture=native_step.CAPTURE,
+            moe=native_moe.invariant_experts),
         Backend(
             "torch", "vectorised torch kernels (kernels/cpu)", "cpu_paged_attention",
             BundleCapability(_TORCH_DTYPES, (*_TORCH_DTYPES, *_QUANT), in_place_state=True,

@@ -12,7 +12,10 @@ A ``Backend`` (a kernel bundle) holds, for one implementation family:
   by default); optionally ``gdn_decode``, the Gated DeltaNet mixer of a decode-only step fused
   into one call, and ``gdn_decode_layer`` / ``attention_decode_layer``, a whole decoder layer of
   either kind (signatures in ``kernels/native/step.py``; each returns None for a step it does not
-  fuse, and the model then runs the layer's ops one by one); ``capture``, the speculative
+  fuse, and the model then runs the layer's ops one by one); ``moe``, a mixture-of-experts
+  block's routed experts (and shared expert) in one call after its router (signature in
+  ``kernels/native/moe.py``; None: the layer groups tokens by expert in torch); ``capture``,
+  the speculative
   verify step's kernels (``kernels.capsule.StateCapture``: the recurrent state's capture and
   replay; None: the bundle cannot verify drafts);
 * the three operator contracts with the signatures of ``pagedhybrid.ops`` (``ops``), each
@@ -31,6 +34,8 @@ context), ``state_checkpoints`` (the linear layers emit intermediate states, whi
 needs), ``state_capture`` (verify steps: compact state updates captured, accepted ones
 replayed -- speculative decoding needs it), ``batch_invariant`` (every row bitwise independent
 of the batch), ``exports_lse``,
+``moe_batch_invariant`` (its ``moe`` keeps each token's arithmetic independent of the tokens
+that picked the same experts; needed with batch invariance on a mixture-of-experts model),
 ``rope_in_op`` (its contract op rotates q/k itself), ``tp_world_sizes`` / ``cp_world_sizes``,
 ``implementation_kind`` and ``platform``. ``gaps(needs)`` lists every reason it falls short.
 
@@ -303,7 +308,8 @@ class BundleCapability:
                 "paged_in_place": self.paged_in_place,
                 "state_checkpoints": self.state_checkpoints,
                 "state_capture": self.state_capture,
-                "batch_invariant": self.batch_invariant, "exports_lse": self.exports_lse,
+                "batch_invariant": self.batch_invariant,
+                "moe_batch_invariant": self.moe_batch_invariant, "exports_lse": self.exports_lse,
                 "rope_in_op": self.rope_in_op,
                 "tp_world_sizes": None if self.tp_world_sizes is None else
                 list(self.tp_world_sizes),
@@ -317,6 +323,9 @@ def _always() -> str | None:
 
 
 LinearFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# (x [T, H], index [T, k], weights [T, k], gate_up [E, 2I, H], down [E, H, I],
+#  shared (gate_proj, up_proj, down_proj, shared_gate) | None) -> [T, H]
+MoeFn = Callable[..., torch.Tensor]
 
 
 def _torch_linear(dtype: torch.dtype) -> LinearFn | None:
@@ -349,6 +358,7 @@ class Backend:
     gdn_decode_layer: Callable[..., torch.Tensor | None] | None = None
     attention_decode_layer: Callable[..., torch.Tensor | None] | None = None
     capture: Any = None  # kernels.capsule.StateCapture (this module imports nothing above it)
+    moe: MoeFn | None = None  # a mixture-of-experts block's experts in one call
 
     @property
     def dtypes(self) -> tuple[torch.dtype, ...]:
@@ -454,5 +464,5 @@ class KernelRegistry:
 
 
 __all__ = ["AUTO", "TORCH_NORMS", "TORCH_POINTWISE", "Backend", "BundleCapability", "ContractOps",
-           "KernelRegistry", "Needs", "Norms", "Pointwise", "Selection", "dtype_name",
+           "KernelRegistry", "MoeFn", "Needs", "Norms", "Pointwise", "Selection", "dtype_name",
            "format_rejections"]

@@ -14,8 +14,12 @@
   weighted and summed; plus the shared expert (an ``MLP``) times ``sigmoid(shared_expert_gate
   (x))``. Experts are stored fused as transformers 5 holds them (``experts.gate_up_proj
   [E, 2I, H]``, ``experts.down_proj [E, H, I]``; per-expert checkpoints are fused on load,
-  ``weights.fuse_experts``). Tokens are grouped by expert with one stable sort per layer, each
-  expert's rows computed together, and added back per token in expert order (HF's order).
+  ``weights.fuse_experts``). Where the bundle has a fused MoE kernel (``moe``, from
+  ``Backend.moe``: the native bundles' ``kernels/native/moe.py``) the routed experts and the
+  shared expert run in it, one call per layer (the shared expert's module when its weights are
+  packed for oneDNN); otherwise (torch, reference) ``Experts`` groups the tokens by expert with
+  one stable sort per layer, computes each expert's rows together and adds them back per token
+  in expert order (HF's order).
 * Projections are ``pagedhybrid.parallel.linear``'s (``ReplicatedLinear``,
   ``ColumnParallelLinear``, ``RowParallelLinear``): bias-free, the product is the kernel
   bundle's (``matmul``, set from ``Backend.linear`` when the model's backend is set; None =
@@ -34,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedhybrid.kernels.registry import TORCH_NORMS, TORCH_POINTWISE, Norms, Pointwise
+from pagedhybrid.kernels.registry import TORCH_NORMS, TORCH_POINTWISE, MoeFn, Norms, Pointwise
 from pagedhybrid.parallel.linear import (
     ColumnParallelLinear,
     ParallelConfig,
@@ -131,6 +135,7 @@ class SparseMoE(nn.Module):
     """Qwen3.5-MoE's feed-forward block (module docstring)."""
 
     pointwise: Pointwise = TORCH_POINTWISE
+    moe: MoeFn | None = None  # the bundle's fused experts (set with the model's backend)
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, intermediate: int,
                  shared_intermediate: int, dtype: torch.dtype, parallel: ParallelConfig
@@ -154,6 +159,19 @@ class SparseMoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         index, weights = self.route(x)
-        routed = self.parallel.all_reduce(self.experts(x, index, weights))  # ranks' channels
+        s = self.shared_expert
+        held = (s.gate_proj.weight, s.up_proj.weight, s.down_proj.weight,
+                self.shared_expert_gate.weight)
+        if self.moe is not None and not any(w.is_mkldnn for w in held):
+            # routed and shared experts in one call; the ranks' partial sums all-reduced once
+            fused = self.moe(x, index, weights, self.experts.gate_up_proj,
+                             self.experts.down_proj, held)
+            return self.parallel.all_reduce(fused).reshape(shape)
+        if self.moe is not None:  # the shared expert's weights are packed: its module runs it
+            routed = self.moe(x, index, weights, self.experts.gate_up_proj,
+                              self.experts.down_proj, None)
+        else:
+            routed = self.experts(x, index, weights)
+        routed = self.parallel.all_reduce(routed)  # the ranks' channels
         shared = self.pointwise.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return (routed + shared).reshape(shape)

@@ -263,7 +263,8 @@ class Qwen35ForCausalLM(nn.Module):
     @backend.setter
     def backend(self, value: Backend) -> None:
         """The kernel bundle of every layer: its step seam, its ``linear_for(dtype)`` for
-        every projection and the LM head, its ``pointwise`` silu / sigmoid and its ``norms``."""
+        every projection and the LM head, its ``pointwise`` silu / sigmoid, its ``norms`` and
+        its ``moe`` (the experts of a mixture-of-experts block)."""
         self._backend = value
         matmul = value.linear_for(self.dtype)
         pack = value.pack_for(self.dtype)
@@ -278,6 +279,8 @@ class Qwen35ForCausalLM(nn.Module):
                 m.pointwise = value.pointwise
             if hasattr(m, "norms"):
                 m.norms = value.norms
+            if hasattr(m, "moe"):
+                m.moe = value.moe
 
     @staticmethod
     def _hold(m: nn.Module, pack: Callable[[torch.Tensor], torch.Tensor] | None) -> None:

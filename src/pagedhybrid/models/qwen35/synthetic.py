@@ -12,6 +12,8 @@ at most one shard (``shard_bytes``, or one larger tensor) plus the float32 draw 
 ``PUBLISHED`` holds the text-model geometry of the published Qwen3.5 checkpoints (0.8B, 2B, 27B;
 sources beside each entry). The 27B is structural only (building it on the meta device is free,
 writing it is not); ``per_layer(config)`` keeps one layer of each type at the full widths.
+``MOE_GEOMETRIES`` holds mixture-of-experts ones (35B-A3B, 122B-A10B, 397B-A17B and a
+2.4T-A95B-like one), structural only.
 
 ``write_qwen35_tokenizer(path)`` writes the published Qwen3.5 tokenizer into a checkpoint folder
 in the HF format the published checkpoints ship (``tokenizer.json`` as byte-level BPE,
@@ -132,6 +134,52 @@ PUBLISHED: dict[str, Qwen35Config] = {
     # values as Qwen/Qwen3.6-27B's; THUDM/slime scripts/models/qwen3.5-27B.sh agrees).
     "27B": Qwen35Config.from_dict(QWEN35_27B_TEXT_CONFIG | {"dtype": "bfloat16"},
                                   source="Qwen3.5-27B"),
+}
+
+
+def _moe_text_config(layers: int, hidden: int, heads: int, kv_heads: int, key_heads: int,
+                     value_heads: int, experts: int, top_k: int, expert_size: int,
+                     shared_size: int) -> dict[str, Any]:
+    """A ``qwen3_5_moe_text`` config: full attention every 4th layer, heads of 256 (partial
+    rotary 0.25, interleaved MRoPE [11, 11, 10], theta 1e7), DeltaNet heads of 128, conv 4,
+    vocabulary 248320 untied."""
+    return {
+        "model_type": "qwen3_5_moe_text", "vocab_size": 248320, "hidden_size": hidden,
+        "num_hidden_layers": layers, "full_attention_interval": 4, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "head_dim": 256, "linear_num_key_heads": key_heads,
+        "linear_num_value_heads": value_heads, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "num_experts": experts,
+        "num_experts_per_tok": top_k, "moe_intermediate_size": expert_size,
+        "shared_expert_intermediate_size": shared_size, "tie_word_embeddings": False,
+        "max_position_embeddings": 262144, "dtype": "bfloat16",
+        "rope_parameters": QWEN35_27B_TEXT_CONFIG["rope_parameters"],
+    }
+
+
+# Mixture-of-experts geometries (structural only: ``--no-weights`` exports, meta-device builds).
+# Kept apart from ``PUBLISHED``, whose entries tests write as random checkpoints.
+MOE_GEOMETRIES: dict[str, Qwen35Config] = {
+    # Qwen/Qwen3.5-35B-A3B: transformers 5.24's Qwen3_5MoeTextConfig defaults (40 layers, hidden
+    # 2048, 16 Q / 2 KV heads, DeltaNet 32 V / 16 QK, 256 experts top-8 of 512 + shared 512).
+    "35B-A3B": Qwen35Config.from_dict(_moe_text_config(40, 2048, 16, 2, 16, 32, 256, 8, 512,
+                                                       512), source="Qwen3.5-35B-A3B"),
+    # Qwen/Qwen3.5-122B-A10B: 48 layers, hidden 3072, 32 Q / 2 KV heads, DeltaNet 64 V / 16 QK,
+    # 256 experts top-8 of 1024 + shared 1024 (a qwen3_5_moe 122B run config and a 122B
+    # fixture in public repositories agree on these; 122.1B parameters, 9.8B active).
+    "122B-A10B": Qwen35Config.from_dict(_moe_text_config(48, 3072, 32, 2, 16, 64, 256, 8, 1024,
+                                                         1024), source="Qwen3.5-122B-A10B"),
+    # Qwen/Qwen3.5-397B-A17B: 60 layers, hidden 4096, 32 Q / 2 KV, DeltaNet 64 V / 16 QK, 512
+    # experts top-10 of 1024 + shared 1024 (NVIDIA's Megatron MIMO config note: 60 layers, 4096,
+    # 32/2 heads, 512 experts top-10; the expert and DeltaNet sizes as quoted from the HF
+    # config.json in two public repositories; one Megatron-bridge test fixture says shared 4096,
+    # the majority 1024). 396.3B parameters, 17.3B active.
+    "397B-A17B": Qwen35Config.from_dict(_moe_text_config(60, 4096, 32, 2, 16, 64, 512, 10, 1024,
+                                                         1024), source="Qwen3.5-397B-A17B"),
+    # Not published: a Qwen3.8-2.4T-A95B-like geometry. 92 layers, 512 experts, top-10 as named;
+    # the rest chosen (hidden 8192, 64 Q / 4 KV heads, DeltaNet 128 V / 32 QK, experts of 2048,
+    # shared 1024) so that the counts land at 2.42T parameters, 95.3B active.
+    "2.4T-A95B": Qwen35Config.from_dict(_moe_text_config(92, 8192, 64, 4, 32, 128, 512, 10,
+                                                         2048, 1024), source="2.4T-A95B-like"),
 }
 
 

@@ -1,0 +1,232 @@
+// The GEMM tiles the native kernels share (linear.cpp's projections, moe.cpp's experts): one
+// thread's product out [rows, cols] = x [rows, K] . w [cols, K]^T, x rows TX and weight rows TW
+// widened to fp32 in registers, fp32 accumulation, out rounded once to TO.
+//
+// gemm_stream -- the dot-product form with one fixed reduction order per output element: kLanes
+// partial sums, lane l accumulating k = l, l + kLanes, ... in ascending order with FMAs (a masked
+// zero-filled load for the K tail), then one fixed horizontal reduction. Rows and weight rows are
+// register-blocked 4 x 4 (2 x 4 for a pair of tail rows, 1 x 8 for a single row; a block only
+// shares loads, each accumulator's arithmetic is its own), so neither the number of rows, a row's position nor the
+// blocking changes a bit of a result: the batch-invariant products use it alone. For one row it
+// streams each weight once (decode), prefetching the next block's rows.
+//
+// gemm_panel -- the packed form for many rows (prefill): up to kPackTaskRows rows against one
+// panel of up to kPanel weight rows, packed K-major into fp32 (kDepth dims at a time) and an
+// outer-product micro-kernel keeping kMicroRows x kPanel accumulators in registers; the K blocks
+// change the summation order, so its results depend on the path taken (not batch-invariant).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <algorithm>
+#include <type_traits>
+#include <vector>
+
+#include "common.h"
+#include "vec.h"
+
+namespace pagedhybrid {
+namespace {  // internal linkage: every CPU form's library has its own copy
+
+constexpr int kBlockRows = 4;  // x rows per register block
+constexpr int kBlockCols = 4;  // weight rows per register block
+
+// x rows TX, weight rows TW (both widened to fp32 in registers by load()), out TO.
+template <typename TX, typename TW, typename TO, int R, int C>
+inline void block(const TX* x, const TW* w, int64_t k, int64_t ldx, int64_t ldw, TO* out,
+                  int64_t ldo) {
+  VF acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = zero();
+  int64_t e = 0;
+  for (; e + kLanes <= k; e += kLanes) {
+    if constexpr (R == 1) {
+      // decode streams each weight once: fetch the next block's rows (same offset) into L2
+      // while this block computes (short 2-8 KiB rows start too many streams for the hardware
+      // prefetcher to ramp up on); past the matrix's end a prefetch is a no-op
+      for (int c = 0; c < C; ++c)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (C + c) * ldw + e), _MM_HINT_T1);
+    }
+    VF wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = load(w + c * ldw + e);
+    for (int r = 0; r < R; ++r) {
+      const VF xv = load(x + r * ldx + e);
+      for (int c = 0; c < C; ++c) acc[r][c] = fma(xv, wv[c], acc[r][c]);
+    }
+  }
+  if (e < k) {
+    const int n = static_cast<int>(k - e);
+    VF wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = load_first(w + c * ldw + e, n);
+    for (int r = 0; r < R; ++r) {
+      const VF xv = load_first(x + r * ldx + e, n);
+      for (int c = 0; c < C; ++c) acc[r][c] = fma(xv, wv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) out[r * ldo + c] = from_float<TO>(reduce_add(acc[r][c]));
+}
+
+// A single row blocks 8 weight rows (8 independent FMA chains keep both FMA ports busy); more
+// rows share each weight load kBlockCols at a time. Each accumulator's arithmetic is its own
+// either way, so the blocking changes no bit of the result.
+template <typename TX, typename TW, typename TO, int R>
+inline void row_block(const TX* x, const TW* w, int64_t cols, int64_t k, int64_t ldx, TO* out,
+                      int64_t ldo) {
+  constexpr int kCols = R == 1 ? 2 * kBlockCols : kBlockCols;
+  int64_t c = 0;
+  for (; c + kCols <= cols; c += kCols)
+    block<TX, TW, TO, R, kCols>(x, w + c * k, k, ldx, k, out + c, ldo);
+  if constexpr (kCols != kBlockCols) {
+    for (; c + kBlockCols <= cols; c += kBlockCols)
+      block<TX, TW, TO, R, kBlockCols>(x, w + c * k, k, ldx, k, out + c, ldo);
+  }
+  for (; c < cols; ++c) block<TX, TW, TO, R, 1>(x, w + c * k, k, ldx, k, out + c, ldo);
+}
+
+// out[r * ldo + c] = x row r . w row c, for r < rows, c < cols (x rows ldx apart, w rows k apart)
+template <typename TX, typename TW, typename TO>
+inline void gemm_stream(const TX* x, int64_t ldx, int64_t rows, const TW* w, int64_t cols,
+                        int64_t k, TO* out, int64_t ldo) {
+  int64_t r = 0;
+  for (; r + kBlockRows <= rows; r += kBlockRows)
+    row_block<TX, TW, TO, kBlockRows>(x + r * ldx, w, cols, k, ldx, out + r * ldo, ldo);
+  if (r + 2 <= rows) {  // two rows share each weight load (an expert's few rows at decode)
+    row_block<TX, TW, TO, 2>(x + r * ldx, w, cols, k, ldx, out + r * ldo, ldo);
+    r += 2;
+  }
+  for (; r < rows; ++r) row_block<TX, TW, TO, 1>(x + r * ldx, w, cols, k, ldx, out + r * ldo, ldo);
+}
+
+constexpr int64_t kWidenRows = 16;  // rows from which gemm_fixed widens bf16/fp16 weights first
+
+// gemm_stream; with bf16 / fp16 weights and at least kWidenRows rows the weight rows are widened
+// into a per-thread fp32 panel once (exactly) and reused by every row block: the same bits
+template <typename TX, typename TW, typename TO>
+inline void gemm_fixed(const TX* x, int64_t ldx, int64_t rows, const TW* w, int64_t cols,
+                       int64_t k, TO* out, int64_t ldo) {
+  if constexpr (!std::is_same_v<TW, float>) {
+    if (rows >= kWidenRows) {
+      thread_local std::vector<float> panel;
+      panel.resize(static_cast<size_t>(cols * k));
+      for (int64_t i = 0; i < cols * k; i += kLanes) {
+        const int rest = static_cast<int>(std::min<int64_t>(kLanes, cols * k - i));
+        if (rest == kLanes) {
+          store(panel.data() + i, load(w + i));
+        } else {
+          store_first(panel.data() + i, load_first(w + i, rest), rest);
+        }
+      }
+      gemm_stream<TX, float, TO>(x, ldx, rows, panel.data(), cols, k, out, ldo);
+      return;
+    }
+  }
+  gemm_stream<TX, TW, TO>(x, ldx, rows, w, cols, k, out, ldo);
+}
+
+constexpr int kPanelVecs = 2;
+constexpr int kPanel = kPanelVecs * kLanes;  // output columns (weight rows) per panel
+#if defined(__AVX512F__)
+constexpr int kMicroRows = 12;  // 24 accumulators + 2 weight vectors + 1 broadcast of 32 zmm
+#else
+constexpr int kMicroRows = 6;  // 12 accumulators + 2 weight vectors + 1 broadcast of 16 ymm
+#endif
+constexpr int64_t kPackRows = 16;      // rows from which the packed form runs
+constexpr int64_t kPackTaskRows = 96;  // rows per task (a multiple of 12 and of 6)
+constexpr int64_t kDepth = 256;        // K dims per packed panel block (32 KiB: L1)
+
+// panel[e][c] = w[c][e0 + e] for e < kc, c < cols (zero columns past cols), in fp32
+template <typename TW>
+void pack_panel(const TW* w, int64_t k, int64_t e0, int kc, int cols, float* panel) {
+  for (int cb = 0; cb < kPanelVecs; ++cb) {
+    for (int e = 0; e < kc; e += kLanes) {
+      const int n = std::min(kLanes, kc - e);
+      VF rows[kLanes];
+      for (int j = 0; j < kLanes; ++j) {
+        const int c = cb * kLanes + j;
+        const TW* src = w + c * k + e0 + e;
+        rows[j] = c >= cols ? zero() : n == kLanes ? load(src) : load_first(src, n);
+      }
+      transpose(rows);  // rows[i] = dim e + i of the kLanes columns
+      for (int i = 0; i < n; ++i) store(panel + (e + i) * kPanel + cb * kLanes, rows[i]);
+    }
+  }
+}
+
+// tile[r][:] (+)= x[r][0:kc] . panel for R rows (tile rows of kPanel fp32)
+template <typename TX, int R>
+inline void micro(const TX* x, int64_t ldx, const float* panel, int kc, bool first,
+                  float* tile) {
+  VF acc[R][kPanelVecs];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kPanelVecs; ++v)
+      acc[r][v] = first ? zero() : load(tile + r * kPanel + v * kLanes);
+  for (int e = 0; e < kc; ++e) {
+    VF wv[kPanelVecs];
+    for (int v = 0; v < kPanelVecs; ++v) wv[v] = load(panel + e * kPanel + v * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const VF xb = bcast(to_float(x[r * ldx + e]));
+      for (int v = 0; v < kPanelVecs; ++v) acc[r][v] = fma(xb, wv[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kPanelVecs; ++v) store(tile + r * kPanel + v * kLanes, acc[r][v]);
+}
+
+template <typename TX>
+inline void micro_rows(int rows, const TX* x, int64_t ldx, const float* panel, int kc,
+                       bool first, float* tile) {
+  switch (rows) {
+#define PH_CASE(N) \
+  case N:          \
+    return micro<TX, N>(x, ldx, panel, kc, first, tile);
+    PH_CASE(1) PH_CASE(2) PH_CASE(3) PH_CASE(4) PH_CASE(5) PH_CASE(6)
+#if defined(__AVX512F__)
+    PH_CASE(7) PH_CASE(8) PH_CASE(9) PH_CASE(10) PH_CASE(11) PH_CASE(12)
+#endif
+#undef PH_CASE
+    default:
+      break;
+  }
+}
+
+// out[r * ldo + c] = x row r . w row c for r < rows <= kPackTaskRows, c < cols <= kPanel: the
+// panel packed kDepth dims at a time, the micro-kernel over kMicroRows rows at a time, summed
+// into an fp32 tile rounded to TO once
+template <typename TX, typename TW, typename TO>
+inline void gemm_panel(const TX* x, int64_t ldx, int64_t rows, const TW* w, int cols, int64_t k,
+                       TO* out, int64_t ldo) {
+  thread_local std::vector<float> panel, tile;
+  panel.resize(static_cast<size_t>(kDepth * kPanel));
+  tile.resize(static_cast<size_t>(kPackTaskRows * kPanel));
+  for (int64_t e0 = 0; e0 < k; e0 += kDepth) {
+    const int kc = static_cast<int>(std::min<int64_t>(kDepth, k - e0));
+    pack_panel<TW>(w, k, e0, kc, cols, panel.data());
+    for (int64_t r = 0; r < rows; r += kMicroRows)
+      micro_rows<TX>(static_cast<int>(std::min<int64_t>(kMicroRows, rows - r)),
+                     x + r * ldx + e0, ldx, panel.data(), kc, e0 == 0,
+                     tile.data() + r * kPanel);
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int c = 0; c < cols; ++c) out[r * ldo + c] = from_float<TO>(tile[r * kPanel + c]);
+}
+
+// f(x tag, w tag) for the dtype pairs check_linear allows (out is x's dtype)
+template <class F>
+void by_dtypes(const at::Tensor& x, const at::Tensor& w, const F& f) {
+  const auto xt = x.scalar_type(), wt = w.scalar_type();
+  if (xt == at::kBFloat16) {
+    f(c10::BFloat16{}, c10::BFloat16{});
+  } else if (xt == at::kHalf) {
+    f(c10::Half{}, c10::Half{});
+  } else if (wt == at::kBFloat16) {
+    f(float{}, c10::BFloat16{});
+  } else if (wt == at::kHalf) {
+    f(float{}, c10::Half{});
+  } else {
+    f(float{}, float{});
+  }
+}
+
+}  // namespace
+}  // namespace pagedhybrid
