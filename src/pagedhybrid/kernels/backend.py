@@ -17,6 +17,9 @@ Bundles, in priority order (``REGISTRY``):
 
 The other three capture a verify step's compact state updates and replay the accepted ones
 (``Backend.capture``, ``kernels/capsule.py``): the native bundles in C++, torch in torch.
+The native bundles run a mixture-of-experts block's experts in one C++ call (``Backend.moe``,
+``kernels/native/moe.py``; the batch-invariant bundle its invariant form, so it declares
+``moe_batch_invariant``); torch and reference group tokens by expert in torch.
 
 All of them update state rows in their pools and read / write KV pages of the activation dtype
 or quantized (int8 / fp8 e4m3). None exports attention-domain LSE; none runs context
