@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from pagedhybrid.kernels.native import moe, status
-from pagedhybrid.models.qwen35.layers import Experts
+from pagedhybrid.models.qwen35.layers import Experts, route
 
 GEOMETRIES = {  # hidden, experts, intermediate, top-k, shared intermediate
     "bench-154M": (512, 64, 160, 8, 256),
@@ -56,13 +56,6 @@ def cpu_name() -> str:
         if line.startswith("model name"):
             return line.split(":", 1)[1].strip()
     return platform.processor() or "?"
-
-
-def route(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' router after its projection: fp32 softmax, top-k, renormalised."""
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    top, index = torch.topk(probs, k, dim=-1)
-    return index, (top / top.sum(dim=-1, keepdim=True)).to(logits.dtype)
 
 
 def ort_session(gate_up: torch.Tensor, down: torch.Tensor, k: int, folder: Path) -> Any:

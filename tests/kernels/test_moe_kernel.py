@@ -1,6 +1,8 @@
-"""The native mixture-of-experts kernel (``kernels/native/moe.py``, ``csrc/moe.cpp``).
+"""The mixture-of-experts experts: the native kernel (``kernels/native/moe.py``,
+``csrc/moe.cpp``) and the torch grouping (``layers.Experts``, the torch / reference bundles').
 
-* both forms equal a naive per-token, per-expert loop (float64) on random routings, with most
+* the torch grouping equals a naive per-token, per-expert loop (float64) on the same routings;
+* both kernel forms equal a naive per-token, per-expert loop (float64) on random routings, with most
   experts empty, with every token on one expert (the packed many-row path) and with the shared
   expert fused in; in bf16 both equal the torch grouping (transformers' roundings) closely;
 * the invariant form is bitwise batch-invariant: a token's row is the same alone, among other
@@ -60,6 +62,19 @@ def naive(x, index, w, gate_up, down, shared=None) -> torch.Tensor:
             gp, up, dp, sg = (s.double() for s in shared)
             out[t] += torch.sigmoid(sg @ x[t]) * (dp @ (F.silu(gp @ x[t]) * (up @ x[t])))
     return out
+
+
+@pytest.mark.parametrize("kind,k", [("random", 4), ("one expert", 1), ("few experts", 2)])
+def test_torch_grouping_equals_a_naive_loop(kind: str, k: int) -> None:
+    gate_up, down, _ = weights()
+    ex = Experts(E, H, INTER, torch.float32)
+    with torch.no_grad():
+        ex.gate_up_proj.copy_(gate_up)
+        ex.down_proj.copy_(down)
+    x = torch.randn(37, H, generator=torch.Generator().manual_seed(37))
+    index, w = routing(kind, 37, k)
+    got = ex(x, index, w)
+    assert torch.allclose(got.double(), naive(x, index, w, gate_up, down), atol=1e-5)
 
 
 @pytest.mark.parametrize("invariant", [False, True])

@@ -10,8 +10,8 @@
   one; the engine's greedy outputs equal HF ``generate``;
 * fidelity against HF float64 within 3x HF fp32's own distance to it, dense and packed, for
   routers from one-hot (sharp) to near-uniform (flat), with exact and near ties;
-* the experts' grouped computation equals a naive per-token loop on random routings, with
-  empty experts and with every token on one expert;
+* (the experts' computation against a naive per-token loop, for the torch grouping and the
+  native kernel alike, is ``tests/kernels/test_moe_kernel.py``'s);
 * refusals naming the tensor or field: a checkpoint mixing the layouts, a missing expert, a TP
   degree that does not split the experts' channels (the TP=2 logits themselves are
   ``tests/parallel/test_tp_gloo.py``'s, on real gloo ranks);
@@ -33,7 +33,6 @@ from pagedhybrid.engine import LLM, SamplingParams
 from pagedhybrid.errors import UnsupportedConfiguration
 from pagedhybrid.models.qwen35 import PackedBatch, PagedHybridCache, Qwen35Config, load
 from pagedhybrid.models.qwen35.errors import CheckpointError
-from pagedhybrid.models.qwen35.layers import Experts
 from pagedhybrid.models.qwen35.synthetic import random_weights, tiny_moe_config, write_checkpoint
 
 
@@ -152,36 +151,6 @@ def test_the_fused_layout_loads_here_and_in_hf(tmp_path) -> None:
         ref = hf(input_ids=x).logits[0]
         got = ours.forward_dense(x)[0]
     assert (got - ref).abs().max() <= 1e-4 * max(1.0, ref.abs().max().item())
-
-
-def naive(experts: Experts, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor
-          ) -> torch.Tensor:
-    out = torch.zeros_like(x)
-    for t in range(x.shape[0]):
-        for j in range(index.shape[1]):
-            e = int(index[t, j])
-            g, u = (experts.gate_up_proj[e] @ x[t]).chunk(2)
-            out[t] += weights[t, j] * (experts.down_proj[e] @ (torch.nn.functional.silu(g) * u))
-    return out
-
-
-@pytest.mark.parametrize("routing", ["random", "one expert", "few experts"])
-def test_grouped_experts_equal_a_naive_loop(routing: str) -> None:
-    gen = torch.Generator().manual_seed(7)
-    ex = Experts(16, 32, 24, torch.float32)
-    with torch.no_grad():
-        ex.gate_up_proj.copy_(torch.randn(16, 48, 32, generator=gen) / 6)
-        ex.down_proj.copy_(torch.randn(16, 32, 24, generator=gen) / 5)
-    x = torch.randn(37, 32, generator=gen)
-    if routing == "random":
-        index = torch.stack([torch.randperm(16, generator=gen)[:4] for _ in range(37)])
-    elif routing == "one expert":
-        index = torch.full((37, 1), 11)
-    else:  # most experts empty
-        index = torch.stack([torch.tensor([2, 9])[torch.randperm(2, generator=gen)]
-                             for _ in range(37)])
-    weights = torch.rand(index.shape, generator=gen)
-    assert torch.allclose(ex(x, index, weights), naive(ex, x, index, weights), atol=1e-5)
 
 
 def test_bad_moe_checkpoints_and_uses_are_refused(pair, tmp_path) -> None:

@@ -36,6 +36,7 @@ from pagedhybrid.models.qwen35.config import Qwen35Config
 from pagedhybrid.models.qwen35.model import build
 from pagedhybrid.models.qwen35.weights import (
     experts_layout,
+    fused_experts,
     iter_checkpoint,
     load_state_dict,
     per_expert_shapes,
@@ -105,16 +106,12 @@ class CheckpointWeights:
 
     def _read(self, name: str) -> torch.Tensor:
         """The checkpoint tensor ``name``; a fused experts tensor of a per-expert checkpoint is
-        stacked from its experts' tensors here (``weights.fuse_experts``'s layout)."""
+        stacked from its experts' tensors here (``weights.fused_experts``)."""
         if name in self._raw:
             return self._raw[name]
         base, kind = name.rsplit(".", 1)  # "<layer>.mlp.experts", gate_up_proj | down_proj
-        n = self.shapes[name][0]
-        if kind == "gate_up_proj":
-            return torch.stack([torch.cat([self._raw[f"{base}.{e}.gate_proj.weight"],
-                                           self._raw[f"{base}.{e}.up_proj.weight"]])
-                                for e in range(n)])  # [E, 2I, H]
-        return torch.stack([self._raw[f"{base}.{e}.down_proj.weight"] for e in range(n)])
+        return fused_experts(kind, lambda e, proj: self._raw[f"{base}.{e}.{proj}.weight"],
+                             self.shapes[name][0])
 
     def tensor(self, names: Names, transform: str = "cast") -> ir.TensorProtocol:
         """One checkpoint tensor, or several projections transposed and concatenated."""

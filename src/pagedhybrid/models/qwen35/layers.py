@@ -149,29 +149,34 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(top-k expert ids ``[T, k]``, their renormalised weights ``[T, k]`` in x's dtype)."""
-        logits = self.gate(x)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        top, index = torch.topk(probs, self.top_k, dim=-1)
-        top = top / top.sum(dim=-1, keepdim=True)
-        return index, top.to(logits.dtype)
+        return route(self.gate(x), self.top_k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         index, weights = self.route(x)
-        s = self.shared_expert
-        held = (s.gate_proj.weight, s.up_proj.weight, s.down_proj.weight,
-                self.shared_expert_gate.weight)
-        if self.moe is not None and not any(w.is_mkldnn for w in held):
-            # routed and shared experts in one call; the ranks' partial sums all-reduced once
-            fused = self.moe(x, index, weights, self.experts.gate_up_proj,
-                             self.experts.down_proj, held)
-            return self.parallel.all_reduce(fused).reshape(shape)
-        if self.moe is not None:  # the shared expert's weights are packed: its module runs it
-            routed = self.moe(x, index, weights, self.experts.gate_up_proj,
-                              self.experts.down_proj, None)
-        else:
+        if self.moe is None:
             routed = self.experts(x, index, weights)
+        else:
+            s = self.shared_expert
+            held = (s.gate_proj.weight, s.up_proj.weight, s.down_proj.weight,
+                    self.shared_expert_gate.weight)
+            # the shared expert in the same call, unless its weights are packed for oneDNN
+            shared = None if any(w.is_mkldnn for w in held) else held
+            routed = self.moe(x, index, weights, self.experts.gate_up_proj,
+                              self.experts.down_proj, shared)
+            if shared is not None:  # routed and shared: the ranks' partial sums reduced once
+                return self.parallel.all_reduce(routed).reshape(shape)
         routed = self.parallel.all_reduce(routed)  # the ranks' channels
-        shared = self.pointwise.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return (routed + shared).reshape(shape)
+        shared_out = self.pointwise.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return (routed + shared_out).reshape(shape)
+
+
+def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router after its projection (transformers' ``Qwen3_5MoeTopKRouter``): softmax of
+    ``logits [T, E]`` in fp32, the ``top_k`` largest, renormalised to sum 1 and cast to the
+    logits' dtype -> (expert ids ``[T, k]``, weights ``[T, k]``)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    top, index = torch.topk(probs, top_k, dim=-1)
+    top = top / top.sum(dim=-1, keepdim=True)
+    return index, top.to(logits.dtype)

@@ -334,8 +334,17 @@ def fuse_experts(stream: Iterable[tuple[str, torch.Tensor]], num_experts: int
         parts[(e, kind)] = tensor
         if len(parts) == 3 * num_experts:
             del held[prefix]
-            yield f"{prefix}.gate_up_proj", torch.stack([
-                torch.cat([parts[(k, "gate_proj")], parts[(k, "up_proj")]])
-                for k in range(num_experts)])
-            yield f"{prefix}.down_proj", torch.stack([parts[(k, "down_proj")]
-                                                      for k in range(num_experts)])
+            for fused in ("gate_up_proj", "down_proj"):
+                yield f"{prefix}.{fused}", fused_experts(
+                    fused, lambda k, proj, got=parts: got[(k, proj)], num_experts)
+
+
+def fused_experts(kind: str, part: Callable[[int, str], torch.Tensor], num_experts: int
+                  ) -> torch.Tensor:
+    """The fused ``experts.<kind>`` from the per-expert tensors ``part(e, proj)`` (``proj``
+    ``gate_proj`` / ``up_proj`` / ``down_proj``): ``gate_up_proj [E, 2I, H]`` (each expert's
+    gate rows, then its up rows) or ``down_proj [E, H, I]``."""
+    if kind == "gate_up_proj":
+        return torch.stack([torch.cat([part(e, "gate_proj"), part(e, "up_proj")])
+                            for e in range(num_experts)])
+    return torch.stack([part(e, "down_proj") for e in range(num_experts)])

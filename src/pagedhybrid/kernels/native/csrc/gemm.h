@@ -211,6 +211,18 @@ inline void gemm_panel(const TX* x, int64_t ldx, int64_t rows, const TW* w, int 
     for (int c = 0; c < cols; ++c) out[r * ldo + c] = from_float<TO>(tile[r * kPanel + c]);
 }
 
+// The dtypes the products take (by_dtypes dispatches them): x float32, bfloat16 or float16; the
+// weights in x's dtype, or bfloat16 / float16 beside float32 x.
+inline void check_x_dtype(const char* op, at::ScalarType xt) {
+  PH_CHECK(xt == at::kFloat || xt == at::kBFloat16 || xt == at::kHalf, op, "x",
+           "dtype must be float32, bfloat16 or float16 (got ", xt, ")");
+}
+inline void check_w_dtype(const char* op, const char* arg, at::ScalarType xt,
+                          at::ScalarType wt) {
+  PH_CHECK(wt == xt || (xt == at::kFloat && (wt == at::kBFloat16 || wt == at::kHalf)), op, arg,
+           "dtype must be x's (", xt, "), or bfloat16 / float16 with float32 x (got ", wt, ")");
+}
+
 // f(x tag, w tag) for the dtype pairs check_linear allows (out is x's dtype)
 template <class F>
 void by_dtypes(const at::Tensor& x, const at::Tensor& w, const F& f) {

@@ -88,14 +88,12 @@ void check_linear(const char* op, const at::Tensor& x, const at::Tensor& w,
   PH_CHECK(x.defined() && x.dim() == 2, op, "x", "must be [M, K] (got shape ",
            x.defined() ? shape_of(x) : std::string("none"), ")");
   const auto xt = x.scalar_type();
-  PH_CHECK(xt == at::kFloat || xt == at::kBFloat16 || xt == at::kHalf, op, "x",
-           "dtype must be float32, bfloat16 or float16 (got ", xt, ")");
+  check_x_dtype(op, xt);
   check_tensor(op, "x", x, 2, xt);
   PH_CHECK(w.defined() && w.dim() == 2, op, "w", "must be [N, K] (got shape ",
            w.defined() ? shape_of(w) : std::string("none"), ")");
   const auto wt = w.scalar_type();
-  PH_CHECK(wt == xt || (xt == at::kFloat && (wt == at::kBFloat16 || wt == at::kHalf)), op, "w",
-           "dtype must be x's (", xt, "), or bfloat16 / float16 with float32 x (got ", wt, ")");
+  check_w_dtype(op, "w", xt, wt);
   check_tensor(op, "w", w, 2, wt);
   check_size(op, "w", w, 1, x.size(1), "the columns K of x");
   check_tensor(op, "out", out, 2, xt);

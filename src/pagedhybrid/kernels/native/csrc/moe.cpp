@@ -57,6 +57,7 @@ struct Task {
   int64_t job;   // expert id, or E for the shared expert
   int64_t r0, rows;
   int64_t c0, cols;
+  bool packed;   // the packed micro-kernel (else the streaming kernel)
 };
 
 // Tasks over (job, row chunk, column tile) for an output of `width` columns.
@@ -72,17 +73,19 @@ std::vector<Task> tasks_for(const std::vector<int64_t>& first, int64_t shared_ro
     const int64_t rstep = packed ? kPackTaskRows : kStreamRows;
     const int64_t cstep = packed ? kPanel : kTileCols;
     for (int64_t c0 = 0; c0 < w; c0 += cstep)
-      for (int64_t r0 = 0; r0 < n; r0 += rstep)
-        tasks.push_back({e, r0, std::min(rstep, n - r0), c0, std::min(cstep, w - c0)});
+      for (int64_t r0 = 0; r0 < n; r0 += rstep) {
+        const int64_t rows = std::min(rstep, n - r0);  // a packed job's last chunk may be short
+        tasks.push_back({e, r0, rows, c0, std::min(cstep, w - c0), packed && rows >= kPackRows});
+      }
   }
   return tasks;
 }
 
-// out [rows, cols] (ldo apart) = x rows . w rows: packed or streaming as the task was cut
+// out [rows, cols] (ldo apart) = x rows . w rows: packed or streaming as the task says
 template <typename TX, typename TW>
 inline void product(const TX* x, int64_t ldx, int64_t rows, const TW* w, int64_t cols,
-                    int64_t k, TX* out, int64_t ldo, bool invariant) {
-  if (!invariant && rows > 0 && cols <= kPanel && rows <= kPackTaskRows && rows >= kPackRows) {
+                    int64_t k, TX* out, int64_t ldo, bool packed) {
+  if (packed) {
     gemm_panel<TX, TW, TX>(x, ldx, rows, w, static_cast<int>(cols), k, out, ldo);
   } else {
     gemm_fixed<TX, TW, TX>(x, ldx, rows, w, cols, k, out, ldo);
@@ -176,9 +179,9 @@ void moe_impl(const at::Tensor& x, const at::Tensor& index, const at::Tensor& we
     g.resize(static_cast<size_t>(tk.rows * tk.cols));
     u.resize(g.size());
     product<TX, TW>(rows, hidden, tk.rows, gw + tk.c0 * hidden, tk.cols, hidden, g.data(),
-                    tk.cols, invariant);
+                    tk.cols, tk.packed);
     product<TX, TW>(rows, hidden, tk.rows, uw + tk.c0 * hidden, tk.cols, hidden, u.data(),
-                    tk.cols, invariant);
+                    tk.cols, tk.packed);
     for (int64_t r = 0; r < tk.rows; ++r)
       swiglu<TX>(g.data() + r * tk.cols, u.data() + r * tk.cols, tk.cols, h + r * width);
   });
@@ -195,7 +198,7 @@ void moe_impl(const at::Tensor& x, const at::Tensor& index, const at::Tensor& we
     const TW* dw = (is_shared ? shared[2].data_ptr<TW>() : dnp + tk.job * hidden * inter) +
                    tk.c0 * width;
     TX* y = (is_shared ? yssp : ysp) + row0 * hidden + tk.c0;
-    product<TX, TW>(h, width, tk.rows, dw, tk.cols, width, y, hidden, invariant);
+    product<TX, TW>(h, width, tk.rows, dw, tk.cols, width, y, hidden, tk.packed);
     for (int64_t r = 0; r < tk.rows; ++r) {
       const float s = is_shared ? gate_of[row0 + r] : to_float(wp[pair_at[row0 + r]]);
       TX* yr = y + r * hidden;
@@ -216,12 +219,8 @@ void moe_impl(const at::Tensor& x, const at::Tensor& index, const at::Tensor& we
       }
       slots[m] = s;
     }
-    TX* o = op + t * hidden;
-    if (n == 0) {
-      std::fill(o, o + hidden, from_float<TX>(0.f));
-    } else {
-      std::copy(ysp + pos_of[slots[0]] * hidden, ysp + (pos_of[slots[0]] + 1) * hidden, o);
-    }
+    TX* o = op + t * hidden;  // k >= 1 (checked): the first expert's row, then the others
+    std::copy(ysp + pos_of[slots[0]] * hidden, ysp + (pos_of[slots[0]] + 1) * hidden, o);
     for (int64_t m = 1; m < n; ++m) {
       const TX* y = ysp + pos_of[slots[m]] * hidden;
       for (int64_t c = 0; c < hidden; ++c) o[c] = from_float<TX>(to_float(o[c]) + to_float(y[c]));
@@ -233,12 +232,6 @@ void moe_impl(const at::Tensor& x, const at::Tensor& index, const at::Tensor& we
   });
 }
 
-void check_weight(const char* arg, const at::Tensor& w, int64_t dims, at::ScalarType wt) {
-  PH_CHECK(w.defined() && w.dim() == dims, kOp, arg, "must have ", dims,
-           " dimensions (got shape ", w.defined() ? shape_of(w) : std::string("none"), ")");
-  check_tensor(kOp, arg, w, dims, wt);
-}
-
 void moe_experts(const at::Tensor& x, const at::Tensor& index, const at::Tensor& weights,
                  const at::Tensor& gate_up, const at::Tensor& down,
                  const c10::optional<at::Tensor>& shared_gate_proj,
@@ -248,22 +241,19 @@ void moe_experts(const at::Tensor& x, const at::Tensor& index, const at::Tensor&
   PH_CHECK(x.defined() && x.dim() == 2, kOp, "x", "must be [T, H] (got shape ",
            x.defined() ? shape_of(x) : std::string("none"), ")");
   const auto xt = x.scalar_type();
-  PH_CHECK(xt == at::kFloat || xt == at::kBFloat16 || xt == at::kHalf, kOp, "x",
-           "dtype must be float32, bfloat16 or float16 (got ", xt, ")");
+  check_x_dtype(kOp, xt);
   check_tensor(kOp, "x", x, 2, xt);
   const int64_t t_rows = x.size(0), hidden = x.size(1);
   PH_CHECK(gate_up.defined() && gate_up.dim() == 3, kOp, "gate_up", "must be [E, 2I, H] (got ",
            gate_up.defined() ? shape_of(gate_up) : std::string("none"), ")");
   const auto wt = gate_up.scalar_type();
-  PH_CHECK(wt == xt || (xt == at::kFloat && (wt == at::kBFloat16 || wt == at::kHalf)), kOp,
-           "gate_up", "dtype must be x's (", xt,
-           "), or bfloat16 / float16 with float32 x (got ", wt, ")");
-  check_weight("gate_up", gate_up, 3, wt);
+  check_w_dtype(kOp, "gate_up", xt, wt);
+  check_tensor(kOp, "gate_up", gate_up, 3, wt);
   const int64_t experts = gate_up.size(0), inter = gate_up.size(1) / 2;
   PH_CHECK(experts >= 1 && gate_up.size(1) % 2 == 0 && inter >= 1, kOp, "gate_up",
            "must be [E >= 1, 2I (even, >= 2), H] (got ", shape_of(gate_up), ")");
   check_size(kOp, "gate_up", gate_up, 2, hidden, "the hidden size H of x");
-  check_weight("down", down, 3, wt);
+  check_tensor(kOp, "down", down, 3, wt);
   check_size(kOp, "down", down, 0, experts, "the number of experts E of gate_up");
   check_size(kOp, "down", down, 1, hidden, "the hidden size H of x");
   check_size(kOp, "down", down, 2, inter, "the intermediate size I of gate_up");
@@ -292,16 +282,16 @@ void moe_experts(const at::Tensor& x, const at::Tensor& index, const at::Tensor&
     shared[1] = *shared_up_proj;
     shared[2] = *shared_down_proj;
     shared[3] = *shared_gate;
-    check_weight("shared_gate_proj", shared[0], 2, wt);
+    check_tensor(kOp, "shared_gate_proj", shared[0], 2, wt);
     const int64_t s_inter = shared[0].size(0);
     check_size(kOp, "shared_gate_proj", shared[0], 1, hidden, "the hidden size H of x");
-    check_weight("shared_up_proj", shared[1], 2, wt);
+    check_tensor(kOp, "shared_up_proj", shared[1], 2, wt);
     check_size(kOp, "shared_up_proj", shared[1], 0, s_inter, "shared_gate_proj's rows");
     check_size(kOp, "shared_up_proj", shared[1], 1, hidden, "the hidden size H of x");
-    check_weight("shared_down_proj", shared[2], 2, wt);
+    check_tensor(kOp, "shared_down_proj", shared[2], 2, wt);
     check_size(kOp, "shared_down_proj", shared[2], 0, hidden, "the hidden size H of x");
     check_size(kOp, "shared_down_proj", shared[2], 1, s_inter, "shared_gate_proj's rows");
-    check_weight("shared_gate", shared[3], 2, wt);
+    check_tensor(kOp, "shared_gate", shared[3], 2, wt);
     check_size(kOp, "shared_gate", shared[3], 0, 1, "1");
     check_size(kOp, "shared_gate", shared[3], 1, hidden, "the hidden size H of x");
   }
