@@ -13,10 +13,20 @@ same history:
   1.32 with the WebGPU plugin EP (lavapipe here), every node the EP takes on WebGPU;
   ``ort_fp16_paged_only`` -- the same package with only PagedAttention on WebGPU.
 
+* ``ort_<format>_paged_only`` -- the package exported with ``--weights <format>`` (each of
+  ``--weights``, default int8:32, int4, int4:128: every projection one MatMulNBits at the
+  webgpu default accuracy level 4, int8 activations per block on the CPU EP), PagedAttention
+  alone on WebGPU; beside it ``torch_<format>_same_tokens``, the engine (float32, the
+  ``reference`` bundle: int8 activations per 32) holding the same codes
+  (``quantization=<format>``), and the package's weight file size (``weights_mb``; fp16: the
+  fp16 package's).
+
 ``--ort-tokens`` limits the text the onnxruntime rows score (lavapipe is slow); those rows then
-quote the torch fp32 perplexity of the same prefix beside them. Writes JSON (``--out``).
+quote the torch fp32 perplexity of the same prefix beside them. ``--ort-only`` skips the
+full-text torch and HF rows. Writes JSON (``--out``).
 
     python benchmarks/perplexity.py [--context 512] [--stride 256] [--ort-tokens 4096]
+        [--weights int8:32,int4,int4:128] [--ort-only]
 """
 
 from __future__ import annotations
@@ -62,38 +72,57 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--stride", type=int, default=256)
     ap.add_argument("--ort-tokens", type=int, default=4096)
+    ap.add_argument("--weights", default="int8:32,int4,int4:128",
+                    help="comma-separated --weights formats of the quantized package rows "
+                    "('' for none)")
+    ap.add_argument("--ort-only", action="store_true",
+                    help="only the onnxruntime rows (and the engine's on the same tokens)")
     ap.add_argument("--out", default="benchmarks/results/perplexity.json")
     a = ap.parse_args()
     torch.set_num_threads(2)
     tok = load_tokenizer(default_model_dir())
     ids = tok.encode(heldout_text_path().read_text(encoding="utf-8"))
     rows: dict[str, dict[str, float | int]] = {}
-    for dtype in ("float32", "bfloat16"):
-        engine = load_engine(None, dtype=dtype, max_model_len=a.context + 1)
-        r = engine_perplexity(engine, ids, a.context, a.stride)
-        rows[f"torch_{'fp32' if dtype == 'float32' else 'bf16'}"] = {
-            "perplexity": r.perplexity, "tokens": r.tokens, "seconds": r.seconds}
-    rows["hf_fp32"] = hf_perplexity(ids, a.context, a.stride)
+    if not a.ort_only:
+        for dtype in ("float32", "bfloat16"):
+            engine = load_engine(None, dtype=dtype, max_model_len=a.context + 1)
+            r = engine_perplexity(engine, ids, a.context, a.stride)
+            rows[f"torch_{'fp32' if dtype == 'float32' else 'bf16'}"] = {
+                "perplexity": r.perplexity, "tokens": r.tokens, "seconds": r.seconds}
+        rows["hf_fp32"] = hf_perplexity(ids, a.context, a.stride)
     short = ids[:a.ort_tokens]
-    ref = engine_perplexity(load_engine(None, max_model_len=a.context + 1), short, a.context,
-                            a.stride)
+    ref = engine_perplexity(load_engine(None, dtype="float32", max_model_len=a.context + 1),
+                            short, a.context, a.stride)
+    formats = [f for f in a.weights.split(",") if f]
     with tempfile.TemporaryDirectory() as tmp:
-        pkg = Path(tmp) / "pkg"
-        export_package(default_model_dir(), pkg, ExportOptions(ep="webgpu", dtype="fp16",
-                                                               block_size=16, num_blocks=64))
-        for placement in ("webgpu", "paged_only"):
-            r = package_perplexity(pkg, default_model_dir(), short, a.context, a.stride,
-                                   placement)
-            rows[f"ort_fp16_{placement}"] = {
-                "perplexity": r.perplexity, "tokens": r.tokens, "seconds": r.seconds,
-                "torch_fp32_same_tokens": ref.perplexity}
-    base = float(rows["hf_fp32"]["perplexity"])
+        for fmt in [None, *formats]:
+            pkg = Path(tmp) / (fmt or "fp16").replace(":", "_")
+            export_package(default_model_dir(), pkg, ExportOptions(
+                ep="webgpu", dtype="fp16", block_size=16, num_blocks=64, weight_format=fmt))
+            size = (pkg / "model.onnx.data").stat().st_size / 2**20
+            same = ref.perplexity if fmt is None else engine_perplexity(load_engine(
+                None, dtype="float32", max_model_len=a.context + 1, quantization=fmt,
+                backend="reference", enable_prefix_caching=False), short, a.context,
+                a.stride).perplexity
+            for placement in ("webgpu", "paged_only") if fmt is None and not a.ort_only \
+                    else ("paged_only",):
+                r = package_perplexity(pkg, default_model_dir(), short, a.context, a.stride,
+                                       placement)
+                rows[f"ort_{fmt or 'fp16'}_{placement}"] = {
+                    "perplexity": r.perplexity, "tokens": r.tokens, "seconds": r.seconds,
+                    "weights_mb": size, "torch_fp32_same_tokens": ref.perplexity,
+                    **({} if fmt is None else {f"torch_{fmt}_same_tokens": same})}
+    base = float(rows["hf_fp32"]["perplexity"]) if "hf_fp32" in rows else ref.perplexity
     print(f"held-out perplexity, {len(ids)} tokens, context {a.context}, stride {a.stride}")
-    print(f"{'backend':22s} {'perplexity':>11s} {'relative':>10s} {'tokens':>7s} {'s':>7s}")
+    print(f"{'backend':26s} {'perplexity':>11s} {'relative':>10s} {'tokens':>7s} {'s':>7s} "
+          f"{'weights MB':>10s} {'engine, same codes':>18s}")
     for name, r in rows.items():
         ppl, same = float(r["perplexity"]), r.get("torch_fp32_same_tokens")
         rel = f"{ppl / float(same) - 1:+.2%}*" if same is not None else f"{ppl / base - 1:+.1e}"
-        print(f"{name:22s} {ppl:11.4f} {rel:>10s} {r['tokens']:7d} {float(r['seconds']):7.1f}")
+        engine = next((float(v) for k, v in r.items() if k.startswith("torch_int")), None)
+        print(f"{name:26s} {ppl:11.4f} {rel:>10s} {r['tokens']:7d} {float(r['seconds']):7.1f} "
+              + (f"{float(r['weights_mb']):10.2f}" if "weights_mb" in r else f"{'':10s}")
+              + (f" {engine:18.4f}" if engine is not None else ""))
     print("* onnxruntime rows: relative to torch fp32 on the same first "
           f"{len(short)} tokens ({ref.perplexity:.4f})")
     out = Path(a.out)

@@ -4,7 +4,8 @@ each layer package imports alone without loading a later layer.
 Layer order (DESIGN.md): errors -> ops -> kernels -> attention -> models -> engine -> serve ->
 export -> cli. Modules DESIGN.md does not name are placed here explicitly: ``dtypes`` and
 ``kvquant`` (element-type tables and the KV quantization rule, on ``errors`` only) sit with
-``errors``; ``parallel`` (context and tensor parallelism over torch.distributed, as DESIGN.md
+``errors``, and so does ``weightquant`` (the weights' int8 / int4 formats, on ``errors``);
+``parallel`` (context and tensor parallelism over torch.distributed, as DESIGN.md
 puts it) with ``attention``; the root package ``pagedhybrid`` re-exports the engine (``engine``);
 the command-line tools ``conformance``, ``calibrate_kv``, ``perplexity`` and ``__main__`` with
 ``cli``.
@@ -43,7 +44,8 @@ EXACT = {
 }
 PREFIX = {
     "pagedhybrid.errors": "errors", "pagedhybrid.dtypes": "errors",
-    "pagedhybrid.kvquant": "errors", "pagedhybrid.ops": "ops", "pagedhybrid.kernels": "kernels",
+    "pagedhybrid.kvquant": "errors", "pagedhybrid.weightquant": "errors",
+    "pagedhybrid.ops": "ops", "pagedhybrid.kernels": "kernels",
     "pagedhybrid.attention": "attention", "pagedhybrid.parallel": "attention",
     "pagedhybrid.models": "models", "pagedhybrid.engine": "engine", "pagedhybrid.serve": "serve",
     "pagedhybrid.export": "export", "pagedhybrid.cli": "cli", "pagedhybrid.conformance": "cli",

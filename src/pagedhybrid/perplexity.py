@@ -204,7 +204,7 @@ def package_perplexity(package: str | Path, model_dir: str | Path, ids: Sequence
                        context: int, stride: int, placement: str = "webgpu",
                        progress: Progress | None = None) -> PerplexityResult:
     """Perplexity of an exported package in onnxruntime (see the module docstring)."""
-    from pagedhybrid.export.session import PackedGraphSession
+    from pagedhybrid.export.session import PackedGraphSession, batch_inputs
     from pagedhybrid.models.qwen35 import PackedBatch, Qwen35Config
 
     package, model_dir = Path(package), Path(model_dir)
@@ -241,13 +241,7 @@ def package_perplexity(package: str | Path, model_dir: str | Path, ids: Sequence
                 for i in session.linear_layers}
         rec = {i: np.ascontiguousarray(np.concatenate([s.rec[i] for s in live]))
                for i in session.linear_layers}
-        out = session.step(input_ids=batch.input_ids.numpy(),
-                           position_ids=batch.position_ids.numpy(),
-                           cu_seqlens=batch.cu_seqlens.numpy(),
-                           past_seqlens=batch.past_seqlens.numpy(),
-                           block_table=batch.block_table.numpy(),
-                           attention_metadata=batch.attention_metadata.numpy(),
-                           conv=conv, recurrent=rec)
+        out = session.step(**batch_inputs(batch), conv=conv, recurrent=rec)
         logp = torch.from_numpy(out.logits).double().log_softmax(dim=-1).numpy()  # [N, V]
         row = 0
         for b, (s, n) in enumerate(zip(live, counts, strict=True)):
@@ -280,6 +274,9 @@ def register_subcommands(subparsers: Any) -> None:
     p.add_argument("--context", type=int, default=512, help="window length in tokens")
     p.add_argument("--stride", type=int, default=None, help="window step (default context/2)")
     p.add_argument("--dtype", default="float32", help="torch backend: float32|bfloat16|float16")
+    p.add_argument("--quantization", default=None, metavar="FORMAT",
+                   help="torch backend: projection weights in int8 / int4 (as the engine's "
+                   "--quantization: int8, int4, int4:128, ... :asym)")
     p.add_argument("--backend", choices=("torch", "onnxruntime"), default="torch")
     p.add_argument("--package", default=None, help="exported package (--backend onnxruntime)")
     p.add_argument("--placement", choices=("webgpu", "paged_only"), default="webgpu",
@@ -320,6 +317,9 @@ def perplexity_main(args: Any) -> int:
             ids = ids[:args.max_tokens]
         stride = args.stride if args.stride is not None else max(1, args.context // 2)
         _check(ids, args.context, stride, cfg.max_position_embeddings)
+        if args.backend == "onnxruntime" and args.quantization:
+            raise PerplexityError("--quantization", "applies to the torch backend (a package "
+                                  "holds its weights as exported: pagedhybrid export --weights)")
         if args.backend == "onnxruntime" and not args.package:
             raise PerplexityError("--package", "is required with --backend onnxruntime")
         bar = Bar(console=Console(stderr=True), transient=True)
@@ -329,7 +329,8 @@ def perplexity_main(args: Any) -> int:
                 bar.update(task, completed=done, total=total)
 
             if args.backend == "torch":
-                engine = load_engine(model_dir, dtype=args.dtype, max_model_len=args.context + 1)
+                engine = load_engine(model_dir, dtype=args.dtype, max_model_len=args.context + 1,
+                                     quantization=args.quantization)
                 result = engine_perplexity(engine, ids, args.context, stride, tick)
             else:
                 result = package_perplexity(args.package, model_dir, ids, args.context, stride,

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import prompt_of
+from engine_helpers import prompt_of, run_all
 
 from pagedhybrid.calibrate_kv import channel_amax, scales_from_amax
 from pagedhybrid.cli import main as cli_main
@@ -49,15 +49,7 @@ def scale_files(tiny_model: Qwen35ForCausalLM, tmp_path_factory: pytest.TempPath
 
 def run(engine: Engine, prompts: list[list[int]], params: SamplingParams = SCORE
         ) -> list[RequestOutput]:
-    outs: dict[str, RequestOutput] = {}
-    ids = [f"r{engine.stats.steps}-{i}" for i in range(len(prompts))]
-    for rid, p in zip(ids, prompts, strict=True):
-        engine.add_request(rid, p, params)
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            outs[o.request_id] = o
-        engine.check_invariants()
-    return [outs[r] for r in ids]
+    return run_all(engine, prompts, params)
 
 
 def prompt_lps(outs: list[RequestOutput]) -> torch.Tensor:

@@ -51,7 +51,7 @@ from pagedhybrid.export.cli import main as cli_main
 from pagedhybrid.export.moe import emit_moe, single_moe_model
 from pagedhybrid.export.options import ExportOptions
 from pagedhybrid.export.package import export_package
-from pagedhybrid.export.session import PackedGraphSession
+from pagedhybrid.export.session import PackedGraphSession, batch_inputs
 from pagedhybrid.export.verify import verify_package
 from pagedhybrid.export.weights import CheckpointWeights
 from pagedhybrid.models.qwen35.config import Qwen35Config
@@ -334,13 +334,7 @@ def test_packed_moe_package_matches_torch(top_k: int, moe_packages: Callable[...
             if done[s] == 0:  # a new sequence starts from zero state
                 for pool in (*conv_b.values(), *rec_b.values()):
                     pool[b] = 0
-        out = graph.step(input_ids=batch.input_ids.numpy(),
-                         position_ids=batch.position_ids.numpy(),
-                         cu_seqlens=batch.cu_seqlens.numpy(),
-                         past_seqlens=batch.past_seqlens.numpy(),
-                         block_table=batch.block_table.numpy(),
-                         attention_metadata=batch.attention_metadata.numpy(),
-                         conv=conv_b, recurrent=rec_b)
+        out = graph.step(**batch_inputs(batch), conv=conv_b, recurrent=rec_b)
         for i in conv:
             conv[i][slots], rec[i][slots] = conv_b[i], rec_b[i]
         assert np.isfinite(out.logits).all()

@@ -357,7 +357,7 @@ def _run_gdn_layer(a: Args) -> None:
              "gated_norm", "out_proj", "post_norm", "gate_proj", "up_proj", "down_proj",
              "key_heads"]
     a["out"] = library().gdn_decode_layer(*[a[n] for n in names], DK ** -0.5, 1e-6, 1e-6, 1e-6,
-                                          True)
+                                          True, a.get("quant", []), 4)
 
 
 _IN_MIXER = r"in pagedhybrid\.gdn_decode_mixer: "
@@ -409,7 +409,7 @@ def _run_attention_layer(a: Args) -> None:
              "seqs", "o_proj", "post_norm", "gate_proj", "up_proj", "down_proj", "heads",
              "kv_heads"]
     a["out"] = library().attention_decode_layer(*[a[n] for n in names], D ** -0.5, 1e-6,
-                                                KV_SPLIT, True)
+                                                KV_SPLIT, True, a.get("quant", []), 4)
 
 
 _IN_ATTENTION = r"in pagedhybrid\.paged_attention: "
@@ -583,6 +583,61 @@ MOE: list[Corruption] = [
 ]
 
 
+def _quant() -> Args:
+    from pagedhybrid.weightquant import WeightFormat, quantize
+
+    gen = torch.Generator().manual_seed(7)
+    q = quantize(torch.randn(6, 80, generator=gen), WeightFormat.parse("int4:32:asym"))
+    return {"x": torch.randn(3, 80, generator=gen), "codes": q.codes, "scales": q.scales,
+            "zeros": q.zeros, "bits": 4, "out": torch.zeros(3, 6), "row0": 1,
+            "rows": torch.zeros(4, 80)}
+
+
+def _run_quant(a: Args) -> None:
+    library().quant_linear(a["x"], a["codes"], a["scales"], a["zeros"], a["bits"], a["out"])
+
+
+def _run_dequant(a: Args) -> None:
+    library().quant_dequantize(a["codes"], a["scales"], a["zeros"], a["bits"], a["row0"],
+                               a["rows"])
+
+
+QUANT_WEIGHT: list[Corruption] = [
+    ("bits", _set("bits", lambda a: 3), r"bits: must be 4 or 8 \(got 3\)"),
+    ("codes dtype", _set("codes", lambda a: a["codes"].to(torch.int8)), r"codes: must be Byte"),
+    ("codes dims", _set("codes", lambda a: a["codes"].flatten(1)),
+     r"codes: must have 3 dimensions"),
+    ("scales dtype", _set("scales", lambda a: a["scales"].float()), r"scales: must be Half"),
+    ("scales blocks", _set("scales", lambda a: a["scales"][:, :2].contiguous()),
+     r"scales: size\(1\) must equal the blocks of codes = 3"),
+    ("zeros rows", _set("zeros", lambda a: a["zeros"][:5].contiguous()),
+     r"zeros: size\(0\) must equal the rows N of codes = 6"),
+]
+QUANT: list[Corruption] = [
+    *QUANT_WEIGHT,
+    ("x dtype", _set("x", lambda a: a["x"].double()),
+     r"x: must be float32, bfloat16 or float16 \(got Double\)"),
+    ("block not a multiple of 32", _set("codes", lambda a: a["codes"].view(6, 6, 8)),
+     r"codes: size\(2\) \* 8 / bits \(the block\) must be a multiple of 32"),
+    ("K beyond the blocks", _set("x", lambda a: torch.randn(3, 97)),
+     r"codes: must hold K = 97 columns in size\(1\) blocks of 32"),
+    ("K a block short", _set("x", lambda a: torch.randn(3, 64)),
+     r"codes: must hold K = 64 columns"),
+    ("out dtype", _set("out", lambda a: a["out"].bfloat16()), r"out: must be Float"),
+    ("out columns", _set("out", lambda a: torch.zeros(3, 5)),
+     r"out: size\(1\) must equal the rows N of codes = 6"),
+    ("x not contiguous", _set("x", lambda a: torch.randn(80, 3).t()), r"x: must be contiguous"),
+]
+DEQUANT: list[Corruption] = [
+    *QUANT_WEIGHT,
+    ("rows past N", _set("row0", lambda a: 3), r"row0: rows \[row0, row0 \+ out.size\(0\)\)"),
+    ("negative row0", _set("row0", lambda a: -1), r"row0: rows"),
+    ("out K", _set("rows", lambda a: torch.zeros(4, 50)),
+     r"out: size\(1\) must be the K the codes hold"),
+    ("out dtype", _set("rows", lambda a: a["rows"].half()), r"out: must be Float"),
+]
+
+
 def _pointwise() -> Args:
     return {"x": torch.randn(4, 7, generator=torch.Generator().manual_seed(4)),
             "out": torch.zeros(4, 7)}
@@ -651,6 +706,8 @@ OPS: dict[str, tuple[Callable[[], Args], Callable[[Args], None], list[Corruption
     "linear_invariant": (_linear, _run_linear, LINEAR, "out"),
     "linear": (_linear, lambda a: library().linear(a["x"], a["w"], a["out"]), LINEAR, "out"),
     "moe_experts": (_moe, _run_moe, MOE, "out"),
+    "quant_linear": (_quant, _run_quant, QUANT, "out"),
+    "quant_dequantize": (_quant, _run_dequant, DEQUANT, "rows"),
     "silu_invariant": (_pointwise, lambda a: library().silu_invariant(a["x"], a["out"]),
                        POINTWISE, "out"),
     "sigmoid_invariant": (_pointwise, lambda a: library().sigmoid_invariant(a["x"], a["out"]),
@@ -719,7 +776,7 @@ def test_every_exported_op_is_covered() -> None:
     defs = set()
     for path in CSRC.glob("*.cpp"):
         defs |= set(re.findall(r'm\.def\(\s*"(\w+)\(', path.read_text()))
-    info = {"cpu_form", "bf16_dot", "vector_lanes", "num_threads"}  # no arguments
+    info = {"cpu_form", "bf16_dot", "int8_dot", "vector_lanes", "num_threads"}  # no arguments
     assert defs - info - {"set_num_threads"} == set(OPS), defs
 
 

@@ -29,7 +29,7 @@ from pagedhybrid.kernels.native import step as native_step
 from pagedhybrid.kernels.step import StepMetadata
 
 HERE = native.runnable_forms()
-LANES = {"avx512_bf16": 16, "avx512": 16, "avx2": 8}
+LANES = {"avx512_bf16": 16, "avx512_vnni": 16, "avx512": 16, "avx2": 8}
 
 
 @contextmanager
@@ -57,13 +57,17 @@ def test_every_form_this_cpu_runs_is_built_and_says_what_it_is() -> None:
         assert lib.cpu_form() == form
         assert lib.bf16_dot() == (form == "avx512_bf16")
         assert lib.vector_lanes() == LANES[form]
+        assert lib.int8_dot() == ("vpdpbusd" if form in native.VNNI_FORMS else "vpmaddubsw")
     for form in set(native.FORMS) - set(HERE):
         assert "cannot run" in native.form_status(form).reason
 
 
 def test_the_form_comes_from_the_cpu_flags_or_the_environment() -> None:
-    bf16, avx512, avx2 = (native.FORMS[f] for f in ("avx512_bf16", "avx512", "avx2"))
-    assert native.runnable_forms(bf16) == ("avx512_bf16", "avx512", "avx2")
+    bf16, vnni, avx512, avx2 = (native.FORMS[f] for f in ("avx512_bf16", "avx512_vnni",
+                                                          "avx512", "avx2"))
+    assert native.runnable_forms(bf16) == ("avx512_bf16", "avx512_vnni", "avx512", "avx2")
+    assert native.runnable_forms(vnni) == ("avx512_vnni", "avx512", "avx2")
+    assert native.runnable_forms(bf16 - {"avx512_vnni"}) == ("avx512", "avx2")
     assert native.runnable_forms(avx512) == ("avx512", "avx2")
     assert native.runnable_forms(avx2) == ("avx2",)
     assert native.chosen_form("", bf16)[:2] == ("avx512_bf16", False)

@@ -23,6 +23,7 @@ from pagedhybrid.kernels.backend import backend
 from pagedhybrid.kernels.native import dense
 from pagedhybrid.kernels.step import StepMetadata
 from pagedhybrid.models.qwen35 import PackedBatch, PagedHybridCache, load
+from pagedhybrid.weightquant import WeightFormat
 
 TOL = 1e-4
 BLOCK = 16
@@ -297,7 +298,7 @@ def test_large_pools_are_zero_and_cost_nothing_until_used() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("batch", [1, 3, 9])
-@pytest.mark.parametrize("product", ["preferred", "native", "packed"])
+@pytest.mark.parametrize("product", ["preferred", "native", "packed", "int4", "int8:32:asym"])
 def test_fused_decode_layers_equal_the_modules_bit_for_bit(tiny_checkpoint, dtype, batch,
                                                           product):
     """A decode step through the native bundle's fused decoder layers (Gated DeltaNet and full
@@ -305,8 +306,9 @@ def test_fused_decode_layers_equal_the_modules_bit_for_bit(tiny_checkpoint, dtyp
     module by module, to the bit, at batch sizes on both sides of the product's native / torch
     GEMM switch, with the products this CPU form prefers, with the native kernel throughout
     (what a CPU without BF16 dot instructions runs bf16 with) and with every projection weight
-    packed for oneDNN (what a BF16 form holds its large weights as); the fused path is taken
-    (not silently skipped) for every layer."""
+    packed for oneDNN (what a BF16 form holds its large weights as), and with int4 / int8
+    weights (``--quantization``: the integer kernel in both); the fused path is taken (not
+    silently skipped) for every layer."""
     native = backend("native")
     if product == "packed" and not _packs(dtype):
         return
@@ -327,6 +329,8 @@ def test_fused_decode_layers_equal_the_modules_bit_for_bit(tiny_checkpoint, dtyp
         return run
 
     model = load(tiny_checkpoint.path, dtype=dtype, backend=native)
+    if product.startswith("int"):
+        model.quantize(WeightFormat.parse(product))
     cfg = model.config
     gen = torch.Generator().manual_seed(batch)
     cache = PagedHybridCache.allocate(cfg, num_pages=4 * batch, block_size=BLOCK,

@@ -58,6 +58,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="one thread while other processes keep the cores busy (default on)")
     g.add_argument("--batch-invariant", action="store_true",
                    help="logits bitwise independent of the batch (rollout == training recompute)")
+    g.add_argument("--quantization", default=None, metavar="FORMAT",
+                   help="projection weights in 8 / 4 bits, quantised at load (round to nearest): "
+                   "int8 (per channel), int4 (= int4:32), int4:128, int8:32, ... with :asym for "
+                   "zero points (default: the model dtype)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3", "fp8"],
                    help="KV page element type (default: the model dtype); int8 / fp8 need "
                    "calibrated scales (pagedhybrid calibrate-kv)")
@@ -115,6 +119,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
             "num_state_checkpoints": args.num_state_checkpoints, "backend": args.backend,
             "kv_cache_dtype": args.kv_cache_dtype, "kv_quant": args.kv_quant,
             "kv_scales": args.kv_scales, "batch_invariant": args.batch_invariant,
+            "quantization": args.quantization,
             "adaptive_threads": args.adaptive_threads,
             "speculative_config": args.speculative_config}
 

@@ -13,6 +13,7 @@ from pagedhybrid.engine.speculative import SpeculativeConfig
 from pagedhybrid.errors import ContractViolation
 from pagedhybrid.kvquant import QUANTS, kv_dtype
 from pagedhybrid.models.qwen35.config import Qwen35Config
+from pagedhybrid.weightquant import WeightFormat
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,11 @@ class EngineConfig:
     declare it is refused at construction, never substituted). ``Engine.score`` /
     ``LLM.score`` then reproduce the sampled tokens' logprobs exactly.
 
+    ``quantization`` (``int8`` | ``int4`` [``:BLOCK``] [``:asym``], ``pagedhybrid.weightquant``;
+    None = the model dtype): every projection weight is quantised at load, round to nearest,
+    and multiplied by the bundle's int8 / int4 kernel (activations quantised per row on the fly);
+    a bundle without one is refused. The model object is quantised in place.
+
     ``adaptive_threads`` (on by default; off in batch-invariant mode): the engine drops to one
     thread while other processes keep the cores busy and returns to its threads when they leave
     room (``engine/contention.py``).
@@ -82,6 +88,7 @@ class EngineConfig:
     kv_quant: str = "per-channel"  # per-channel | per-tensor (quantized pages)
     kv_scales: str | None = None  # scale file; default: kv_scales/ in the checkpoint
     batch_invariant: bool = False
+    quantization: str | None = None  # int8 | int4[:BLOCK][:asym] weights (weightquant)
     adaptive_threads: bool = True  # one thread while other processes keep the cores busy
     speculative_config: SpeculativeConfig | Mapping[str, Any] | None = None
 
@@ -105,6 +112,8 @@ class EngineConfig:
                 raise ContractViolation("EngineConfig", name, "must be None or an int >= 1", v)
         if self.kv_cache_dtype != "auto":
             kv_dtype(self.kv_cache_dtype)  # ContractViolation naming the field
+        if self.quantization is not None:
+            WeightFormat.parse(self.quantization)  # ContractViolation naming the field
         if self.kv_quant not in QUANTS:
             raise ContractViolation("EngineConfig", "kv_quant", f"must be one of {list(QUANTS)}",
                                     self.kv_quant)
@@ -118,6 +127,11 @@ class EngineConfig:
     def speculative(self) -> SpeculativeConfig | None:
         """The speculative-decoding config (None: off)."""
         return self.speculative_config  # type: ignore[return-value]  # (normalised above)
+
+    @property
+    def weight_format(self) -> WeightFormat | None:
+        """The projections' int8 / int4 format (None: the model dtype)."""
+        return None if self.quantization is None else WeightFormat.parse(self.quantization)
 
     @property
     def checkpoint_interval(self) -> int:

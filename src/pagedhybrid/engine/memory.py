@@ -85,13 +85,17 @@ def workspace_bytes(config: Qwen35Config, cfg: EngineConfig) -> int:
 
 
 def weight_bytes(model: torch.nn.Module, packed: bool = True) -> int:
-    """Bytes of the model's parameters, each storage once; ``packed=False`` leaves out the packed
-    weights (opaque oneDNN tensors, ``kernels/native/dense.py``: copies already in private
-    memory, as many bytes as their plain form)."""
+    """Bytes of the model's parameters, each storage once, and of its int8 / int4 projections
+    (codes, scales, zero points; their fp placeholders on the meta device hold nothing);
+    ``packed=False`` leaves out the packed and the quantised weights (opaque oneDNN tensors,
+    ``kernels/native/dense.py``, and codes: already in private memory)."""
     seen: set[int] = set()
     total = 0
+    if packed:
+        total += sum(q.nbytes for m in model.modules()
+                     if (q := getattr(m, "quant", None)) is not None)
     for p in model.parameters():
-        if p.is_mkldnn and not packed:
+        if p.is_meta or (p.is_mkldnn and not packed):
             continue
         key = id(p) if p.is_mkldnn else p.data_ptr()
         if key not in seen:

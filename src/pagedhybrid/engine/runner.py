@@ -58,6 +58,7 @@ from pagedhybrid.engine.structured import allowed_tokens, consume, draft_masks
 from pagedhybrid.errors import ContractViolation
 from pagedhybrid.kernels.backend import Needs, Selection, select
 from pagedhybrid.kernels.native import cpu_form, dense, set_pool_threads
+from pagedhybrid.kernels.native import quant as native_quant
 from pagedhybrid.kernels.step import DecodeInputs, StepMetadata, int_tensor
 from pagedhybrid.kvquant import (
     KVScales,
@@ -224,12 +225,16 @@ class ModelRunner:
         kvd = config.page_dtype(model.dtype)
         # what the engine needs goes into the choice: auto never picks a bundle that cannot
         # serve prefix caching, the KV page dtype or batch invariance, and says why
+        fmt = config.weight_format or model.weight_format
         self.kernels: Selection = select(needs=Needs(
             backend=config.backend, dtype=model.dtype, config=mc,
             prefix_caching=config.enable_prefix_caching, kv_page_dtype=kvd,
             batch_invariant=config.batch_invariant,
-            speculative=config.speculative is not None))
+            speculative=config.speculative is not None,
+            weight_format=None if fmt is None else fmt.name))
         model.backend = self.kernels.backend
+        if config.weight_format is not None:
+            model.quantize(config.weight_format)
         if self.kernels.backend.name not in ("native", "native_batch_invariant") and \
                 config.backend == "auto":
             print(f"pagedhybrid: {self.kernels.reason}", file=sys.stderr)
@@ -270,6 +275,10 @@ class ModelRunner:
         elif mm is not None and self._native and dense.bf16_dot():
             parts[-1] += (f" (timed at start: torch's bf16 GEMM {dense.bf16_gemm_timing():.2f}x"
                           " the widened fp32 GEMM's time at 256 rows)")
+        fmt, qm = self.model.weight_format, self.kernels.backend.quantized_linear
+        if fmt is not None and qm is not None:
+            parts.append(f"{fmt.name} weights: {qm.__module__.rsplit('.', 1)[-1]}.{qm.__name__}"
+                         + (f" ({native_quant.int_dot()})" if self._native else ""))
         return "; ".join(parts)
 
     def _kv_scales(self, kvd: torch.dtype) -> dict[int, KVScales]:

@@ -4,6 +4,8 @@
   ``genai_config.json``, workflow metadata, tokenizer files (``package.py``);
 * ``build_packed_model`` -- the ``onnx_ir`` graph (``graph.py``, ``full.py``, ``linear.py``);
 * ``PackedAbi`` -- the graph ABI derived from the config (``abi.py``);
+* ``--weights int4|int8[:BLOCK][:asym]`` -- every projection one ``com.microsoft.MatMulNBits``
+  with the engine's weightquant codes (``nbits.py``);
 * ``verify_package`` -- the independent ABI check behind ``pagedhybrid verify`` (``verify.py``);
 * ``PackedGraphSession`` -- runs a package in onnxruntime with caches bound in place
   (``session.py``; tests and benchmarks).

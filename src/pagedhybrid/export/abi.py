@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from pagedhybrid.export import constants as c
+from pagedhybrid.export.nbits import weight_metadata
 from pagedhybrid.export.options import ExportOptions
 from pagedhybrid.models.qwen35.config import Qwen35Config
 
@@ -229,6 +230,7 @@ class PackedAbi:
             c.META_GENAI: c.ONNXRUNTIME_GENAI_PIN,
             c.META_GENAI_COMMIT: c.ONNXRUNTIME_GENAI_COMMIT,
             c.META_WEBGPU_PLUGIN: c.WEBGPU_PLUGIN_PIN,
+            **weight_metadata(o.weight_quant),
             **self.moe_metadata(),
         }
 

@@ -5,7 +5,8 @@ Nodes are recorded on an ``onnx_ir.tape.Tape``; each node gets a path-like name
 graph-level name (``present.3.key``) is given. Weights come from a ``WeightSource``; small
 constants are int64/float initializers. Helpers shared by both layer kinds live here:
 ``matmul`` (right operand ``[in, out]``), ``fused_matmul`` (several projections of one input as
-one ``MatMul`` + ``Split``), ``l2_normalize`` (HF's q/k norm with its eps),
+one ``MatMul`` + ``Split``; with ``--weights`` each product is one ``com.microsoft.MatMulNBits``
+instead, ``export/nbits.py``), ``l2_normalize`` (HF's q/k norm with its eps),
 ``offset_rms_norm`` (``SimplifiedLayerNormalization`` with the ``1 + w`` gain, statistics in
 float32) and ``skip_rms_norm`` (the residual add fused in, ``SkipSimplifiedLayerNormalization``),
 ``silu``.
@@ -23,16 +24,27 @@ from onnx_ir import tape
 from pagedhybrid import dtypes
 from pagedhybrid.export import constants as c
 from pagedhybrid.export.abi import TensorSpec
+from pagedhybrid.export.nbits import (
+    CODES,
+    SCALES,
+    ZERO_POINTS,
+    NBitsLayout,
+    NBitsWeights,
+    node_attributes,
+)
 from pagedhybrid.export.weights import WeightSource
 
 
 class GraphBuilder:
-    def __init__(self, weights: WeightSource, io_dtype: str) -> None:
+    def __init__(self, weights: WeightSource, io_dtype: str,
+                 nbits: NBitsWeights | None = None) -> None:
         self.weights = weights
         self.io_dtype = io_dtype
+        self.nbits = nbits  # the projections' 8 / 4-bit format (None: float MatMuls)
         self.tape = tape.Tape()
         self._consts: dict[tuple[str, tuple[Any, ...]], ir.Value] = {}
         self._weights: dict[tuple[str, str], ir.Value] = {}
+        self._nbits: dict[str, tuple[NBitsLayout, list[ir.Value]]] = {}
         self.inputs: dict[str, ir.Value] = {}
 
     # -- values ------------------------------------------------------------------------------
@@ -99,18 +111,51 @@ class GraphBuilder:
         return self.op(op_type, inputs, name, attrs, domain=domain, outputs=[output])[0]
 
     # -- helpers -----------------------------------------------------------------------------
-    def matmul(self, x: ir.Value, weight_name: str, name: str) -> ir.Value:
-        """``x[..., in] @ W^T`` with the checkpoint's ``[out, in]`` weight stored transposed."""
-        return self.op1("MatMul", [x, self.weight(weight_name, "transpose")], name)
+    def matmul(self, x: ir.Value, weight_name: str, name: str, *, quantize: bool = True,
+               sources: Sequence[str] | None = None) -> ir.Value:
+        """``x[..., in] @ W^T`` as the node ``{name}/MatMul`` with the checkpoint's ``[out, in]``
+        weight stored transposed, or -- with ``--weights`` and ``quantize`` -- as
+        ``{name}/MatMulNBits`` (``sources``: the checkpoint tensors whose rows ``W`` is, default
+        ``weight_name`` itself; several are concatenated)."""
+        parts = tuple(sources or (weight_name,))
+        if self.nbits is not None and quantize:
+            return self._matmul_nbits(x, weight_name, parts, f"{name}/{c.MATMUL_NBITS}")
+        w = self.weight(weight_name, "transpose", fused=parts if len(parts) > 1 else None)
+        return self.op1("MatMul", [x, w], f"{name}/MatMul")
 
     def fused_matmul(self, x: ir.Value, fused_name: str, weight_names: Sequence[str],
-                     widths: Sequence[int], name: str) -> list[ir.Value]:
-        """One ``MatMul`` with the projections concatenated along ``out``, split back into
-        ``x @ W_1^T``, ``x @ W_2^T``, ... of the given widths (same math per column)."""
-        w = self.weight(fused_name, "transpose", fused=tuple(weight_names))
-        y = self.op1("MatMul", [x, w], f"{name}/MatMul")  # [N, sum(widths)]
+                     widths: Sequence[int], name: str, *, quantize: bool = True
+                     ) -> list[ir.Value]:
+        """One product (``matmul``) with the projections concatenated along ``out``, split back
+        into ``x @ W_1^T``, ``x @ W_2^T``, ... of the given widths (same math per column)."""
+        y = self.matmul(x, fused_name, name, quantize=quantize,
+                        sources=weight_names)  # [N, sum(widths)]
         return self.op("Split", [y, self.const_i64(list(widths))], f"{name}/Split",
                        {"axis": -1}, outputs=len(widths))
+
+    def _matmul_nbits(self, x: ir.Value, base: str, parts: tuple[str, ...], name: str
+                      ) -> ir.Value:
+        """One ``com.microsoft.MatMulNBits`` over ``parts``' rows (``export/nbits.py``): the
+        initializers ``{base}.codes`` / ``.scales`` (/ ``.zero_points``), the node metadata
+        naming the parts."""
+        assert self.nbits is not None
+        if base not in self._nbits:
+            q = self.weights.quantized(parts, self.nbits.fmt)
+            values = []
+            for suffix, tensor in ((CODES, q.codes), (SCALES, q.scales),
+                                   (ZERO_POINTS, q.zero_points)):
+                if tensor is not None:
+                    tensor.name = base + suffix
+                    values.append(self.tape.initializer(tensor, name=base + suffix))
+            self._nbits[base] = (q.layout, values)
+        lay, values = self._nbits[base]
+        y = self.op1(c.MATMUL_NBITS, [x, *values], name,
+                     node_attributes(self.nbits.fmt, lay, self.nbits.accuracy_level),
+                     domain=c.MS_DOMAIN)  # [N, out]
+        node = y.producer()
+        assert node is not None
+        node.metadata_props[c.META_PROJECTIONS] = ",".join(parts)
+        return y
 
     def offset_rms_norm(self, x: ir.Value, weight_name: str, eps: float, name: str,
                         output: str | None = None) -> ir.Value:

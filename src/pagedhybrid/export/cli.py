@@ -2,9 +2,10 @@
 
 ``pagedhybrid export MODEL_DIR OUT_DIR --ep cuda|webgpu --dtype fp16|bf16 [--block-size 256]
 [--num-blocks N | --gpu-utilization F] [--max-batch-size N] [--max-scheduled-tokens N]
-[--prefill-chunk-size N] [--prune-logits] [--no-weights]`` writes the package with a progress
-bar and prints the operator counts; ``pagedhybrid verify OUT_DIR`` prints the ABI report and
-exits non-zero on any mismatch.
+[--prefill-chunk-size N] [--prune-logits] [--no-weights] [--weights int4|int8[:BLOCK][:asym]
+[--accuracy-level N] [--no-quantize-lm-head]]`` writes the package with a progress bar and
+prints the operator counts; ``pagedhybrid verify OUT_DIR [--checkpoint MODEL_DIR]`` prints the
+ABI report and exits non-zero on any mismatch.
 Unsupported configurations exit with status 2 and the reason.
 """
 
@@ -53,9 +54,21 @@ def register_subcommands(subparsers: Any) -> None:
                    "checkpoint folder; pagedhybrid calibrate-kv writes it)")
     e.add_argument("--no-weights", action="store_true",
                    help="structure only: weights declared as external data, not written")
+    e.add_argument("--weights", default=None, metavar="FORMAT", dest="weight_format",
+                   help="projections in 8 / 4 bits as com.microsoft.MatMulNBits (the engine's "
+                   "--quantization formats): int4 (= int4:32), int4:128, int4:32:asym, int8:32, "
+                   "... (int8 alone: per output channel); fp16 only; the embedding stays fp16")
+    e.add_argument("--accuracy-level", type=int, default=None, metavar="N",
+                   help="MatMulNBits accuracy_level 0-4 (default: onnxruntime-genai's builder's, "
+                   "4 on webgpu = int8 activations per block, 0 on cuda)")
+    e.add_argument("--no-quantize-lm-head", action="store_true",
+                   help="with --weights: keep the LM head in fp16")
     e.set_defaults(func=run_export)
     v = subparsers.add_parser("verify", help="check an exported package against its ABI")
     v.add_argument("out_dir")
+    v.add_argument("--checkpoint", default=None, metavar="MODEL_DIR",
+                   help="the checkpoint exported from: also check a --weights package's codes "
+                   "and scales against it")
     v.add_argument("--quiet", action="store_true", help="print failures and the summary only")
     v.set_defaults(func=run_verify)
 
@@ -68,7 +81,9 @@ def options_from_args(args: argparse.Namespace) -> ExportOptions:
         prefill_chunk_size=args.prefill_chunk_size, prune_logits=args.prune_logits,
         weights=not args.no_weights, kv_cache_dtype=args.kv_cache_dtype,
         kv_quant=args.kv_quant, kv_scales=args.kv_scales,
-        state_update_capacity=args.state_update_capacity, mtp=args.mtp)
+        state_update_capacity=args.state_update_capacity, mtp=args.mtp,
+        weight_format=args.weight_format, accuracy_level=args.accuracy_level,
+        quantize_lm_head=not args.no_quantize_lm_head)
 
 
 def run_export(args: argparse.Namespace) -> int:
@@ -98,7 +113,8 @@ def run_export(args: argparse.Namespace) -> int:
         console.print(f"[red]export failed:[/red] {exc}")
         return 1
     counts = ", ".join(f"{k} x{v}" for k, v in sorted(result.op_counts.items())
-                       if k in ("PagedAttention", "GatedDeltaNet", "VarlenCausalConvWithState"))
+                       if k in ("PagedAttention", "GatedDeltaNet", "VarlenCausalConvWithState",
+                                "MoE", "MatMulNBits"))
     print(f"exported {result.out_dir} in {result.seconds:.1f} s: {', '.join(result.files)}")
     print(f"operators: {counts}")
     return 0
@@ -107,7 +123,7 @@ def run_export(args: argparse.Namespace) -> int:
 def run_verify(args: argparse.Namespace) -> int:
     from pagedhybrid.export.verify import verify_package
 
-    report = verify_package(args.out_dir)
+    report = verify_package(args.out_dir, args.checkpoint)
     if args.quiet:
         for f in report.failures:
             print(f"FAIL {f.check}: {f.detail}")

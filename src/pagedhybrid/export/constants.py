@@ -69,6 +69,9 @@ PAGED_ATTENTION = "PagedAttention"
 VARLEN_CONV = "VarlenCausalConvWithState"
 GATED_DELTA_NET = "GatedDeltaNet"
 MOE = "MoE"  # one per layer of a mixture-of-experts model (export/moe.py)
+MATMUL_NBITS = "MatMulNBits"  # a projection in 8 / 4 bits (--weights; export/nbits.py)
+# a quantized MoE package's router gates (gate | shared_expert_gate), the one float MatMul left
+ROUTER_WEIGHT = ".mlp.gate_and_shared_expert_gate.weight"
 PAGED_ATTENTION_INPUTS = 17
 PAGED_ATTENTION_METADATA_INDEX = 16
 PAGED_ATTENTION_EMPTY = tuple(range(8, 14))
@@ -112,6 +115,12 @@ META_PRUNE_LOGITS = META_PREFIX + "prune_logits"
 META_STATE_UPDATE = META_PREFIX + "state_update_capacity"
 META_MTP = META_PREFIX + "mtp"  # "1": the package has the MTP head graph
 META_WEIGHTS = META_PREFIX + "weights"
+# --weights (export/nbits.py): the format ("none": float projections), MatMulNBits'
+# accuracy_level, and whether the LM head is quantized ("1" / "0")
+META_WEIGHT_FORMAT = META_PREFIX + "weight_format"
+META_ACCURACY_LEVEL = META_PREFIX + "accuracy_level"
+META_QUANTIZED_LM_HEAD = META_PREFIX + "quantized_lm_head"
+META_PROJECTIONS = META_PREFIX + "projections"  # MatMulNBits node metadata: its B's tensors
 # mixture of experts (only in the metadata of a qwen3_5_moe_text export; export/moe.py)
 META_MOE_EXPERTS = META_PREFIX + "moe.num_experts"
 META_MOE_TOP_K = META_PREFIX + "moe.num_experts_per_tok"

@@ -131,4 +131,4 @@ def emit_full_attention(b: GraphBuilder, config: Qwen35Config, i: int, x: ir.Val
         domain=c.MS_DOMAIN, outputs=[None, c.PRESENT_KEY % i, c.PRESENT_VALUE % i],
     )  # [N, H*hd], present key/value
     gated = b.op1("Mul", [attn, b.op1("Sigmoid", [gate], f"{p}/gate/Sigmoid")], f"{p}/gate/Mul")
-    return b.matmul(gated, f"{w}.o_proj.weight", f"{p}/o_proj/MatMul")  # [N, hidden]
+    return b.matmul(gated, f"{w}.o_proj.weight", f"{p}/o_proj")  # [N, hidden]

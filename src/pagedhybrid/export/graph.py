@@ -18,6 +18,9 @@
    transposed embedding when tied); ``Cast`` to float ->
    ``logits``.
 
+With ``--weights`` every projection (the LM head included) is one ``com.microsoft.MatMulNBits``
+(``export/nbits.py``).
+
 Inputs and outputs are exactly ``PackedAbi.inputs()`` / ``.outputs()`` in that order;
 ``metadata_props`` record the ABI (block size, layer partition) and the runtime pins.
 """
@@ -53,7 +56,7 @@ def emit_mlp(b: GraphBuilder, i: int, x: ir.Value, layer: str | None = None) -> 
                               [f"{w}.gate_proj.weight", f"{w}.up_proj.weight"], [inter, inter],
                               f"{p}/gate_up_proj")  # [N, I] x2
     prod = b.op1("Mul", [b.silu(gate, f"{p}/act"), up], f"{p}/Mul")  # [N, I]
-    return b.matmul(prod, f"{w}.down_proj.weight", f"{p}/down_proj/MatMul")  # [N, hidden]
+    return b.matmul(prod, f"{w}.down_proj.weight", f"{p}/down_proj")  # [N, hidden]
 
 
 def emit_feed_forward(b: GraphBuilder, config: Qwen35Config, i: int, x: ir.Value,
@@ -72,7 +75,7 @@ def build_packed_model(config: Qwen35Config, options: ExportOptions, weights: We
             f"--kv-cache-dtype {options.kv_cache_dtype}: the KV scales of every full-attention "
             f"layer {list(config.full_attention_layers)} are needed (pagedhybrid calibrate-kv)")
     abi = PackedAbi(config, options)
-    b = GraphBuilder(weights, options.onnx_dtype)
+    b = GraphBuilder(weights, options.onnx_dtype, options.weight_quant)
     for spec in abi.inputs():
         b.add_input(spec)
     inp = b.inputs
@@ -129,12 +132,17 @@ def build_packed_model(config: Qwen35Config, options: ExportOptions, weights: We
 def emit_lm_head(b: GraphBuilder, config: Qwen35Config, embed: ir.Value, h: ir.Value
                  ) -> ir.Value:
     """``logits`` (float ``[rows, V]``) of the normalised ``h``: the transposed embedding when
-    tied, ``lm_head.weight`` otherwise."""
-    if config.tie_word_embeddings:
+    tied, ``lm_head.weight`` otherwise; with ``--weights`` (unless ``--no-quantize-lm-head``)
+    a MatMulNBits of its own codes (a tied head's quantised from the embedding table, which
+    the ``Gather`` keeps reading in the activation dtype)."""
+    quantize = b.nbits is not None and b.nbits.lm_head
+    if config.tie_word_embeddings and not quantize:
         head = b.op1("Transpose", [embed], "/lm_head/TransposeEmbedding", {"perm": [1, 0]})
         logits = b.op1("MatMul", [h, head], "/lm_head/MatMul")  # [rows, V]
     else:
-        logits = b.matmul(h, "lm_head.weight", "/lm_head/MatMul")  # [rows, V]
+        tied = ["model.embed_tokens.weight"] if config.tie_word_embeddings else None
+        logits = b.matmul(h, "lm_head.weight", "/lm_head", quantize=quantize,
+                          sources=tied)  # [rows, V]
     return b.op1("Cast", [logits], "/lm_head/Cast", {"to": ir.DataType.FLOAT},
                  output=c.LOGITS)
 

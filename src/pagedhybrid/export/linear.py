@@ -96,4 +96,4 @@ def emit_gated_delta_net(b: GraphBuilder, config: Qwen35Config, i: int, x: ir.Va
               {"activation": "silu", "epsilon": float(config.rms_norm_eps)},
               domain=c.MS_DOMAIN)  # [N, Hv, Dv]
     y = b.reshape(y, [0, hv * dv], f"{p}/norm/Reshape")  # [N, Hv*Dv]
-    return b.matmul(y, f"{w}.out_proj.weight", f"{p}/out_proj/MatMul")  # [N, hidden]
+    return b.matmul(y, f"{w}.out_proj.weight", f"{p}/out_proj")  # [N, hidden]

@@ -11,7 +11,9 @@ Per layer ``i`` (``N`` packed tokens, ``E`` experts of ``I`` channels, shared ex
 
 1. ``gate | shared_expert_gate | shared_expert.gate_proj | shared_expert.up_proj`` as one MatMul
    (they all read the normalised ``x``), split into router logits ``[N, E]``, the shared gate's
-   logit ``[N, 1]`` and ``g_s, u_s [N, Is]``;
+   logit ``[N, 1]`` and ``g_s, u_s [N, Is]`` -- with ``--weights`` the router gates
+   ``gate | shared_expert_gate`` stay one float MatMul (the engine does not quantise them) and
+   the shared expert's ``gate_proj | up_proj`` are one MatMulNBits;
 2. ``MoE(x, router logits, fc1 = experts.gate_up_proj interleaved [E, 2I, H], -, fc2 =
    experts.down_proj [E, H, I]; k = num_experts_per_tok, activation_type = swiglu,
    swiglu_fusion = 1, normalize_routing_weights = 1, activation_alpha = 1, activation_beta = 0)``
@@ -102,11 +104,18 @@ def emit_moe(b: GraphBuilder, config: Qwen35Config, i: int, x: ir.Value,
     p = f"/model/layers.{i}/mlp" if layer == f"model.layers.{i}" else f"/{layer}/mlp"
     w = f"{layer}.mlp"
     e, si = config.num_experts, config.shared_expert_intermediate_size
-    logits, shared_logit, gate, up = b.fused_matmul(
-        x, f"{w}.gate_and_shared_expert.weight",
-        [f"{w}.gate.weight", f"{w}.shared_expert_gate.weight",
-         f"{w}.shared_expert.gate_proj.weight", f"{w}.shared_expert.up_proj.weight"],
-        [e, 1, si, si], f"{p}/gate_and_shared_expert")  # [N, E], [N, 1], [N, Is] x2
+    routers = [f"{w}.gate.weight", f"{w}.shared_expert_gate.weight"]
+    shared_in = [f"{w}.shared_expert.gate_proj.weight", f"{w}.shared_expert.up_proj.weight"]
+    if b.nbits is None:  # one float MatMul for all four
+        logits, shared_logit, gate, up = b.fused_matmul(
+            x, f"{w}.gate_and_shared_expert.weight", routers + shared_in, [e, 1, si, si],
+            f"{p}/gate_and_shared_expert")  # [N, E], [N, 1], [N, Is] x2
+    else:  # the router gates stay float (as the engine's), the shared expert's are quantized
+        logits, shared_logit = b.fused_matmul(
+            x, f"{layer}{c.ROUTER_WEIGHT}", routers, [e, 1], f"{p}/gate_and_shared_expert_gate",
+            quantize=False)  # [N, E], [N, 1]
+        gate, up = b.fused_matmul(x, f"{w}.shared_expert.gate_up_proj.weight", shared_in,
+                                  [si, si], f"{p}/shared_expert/gate_up_proj")  # [N, Is] x2
     routed = b.op1(c.MOE, [x, logits, b.weight(f"{w}.experts.gate_up_proj", "interleave"), None,
                            b.weight(f"{w}.experts.down_proj")],
                    f"{p}/experts/{c.MOE}", {"k": config.num_experts_per_tok, **MOE_ATTRS},
@@ -114,7 +123,7 @@ def emit_moe(b: GraphBuilder, config: Qwen35Config, i: int, x: ir.Value,
     prod = b.op1("Mul", [b.silu(gate, f"{p}/shared_expert/act"), up],
                  f"{p}/shared_expert/Mul")  # [N, Is]
     shared = b.matmul(prod, f"{w}.shared_expert.down_proj.weight",
-                      f"{p}/shared_expert/down_proj/MatMul")  # [N, H]
+                      f"{p}/shared_expert/down_proj")  # [N, H]
     gated = b.op1("Mul", [b.op1("Sigmoid", [shared_logit], f"{p}/shared_expert_gate/Sigmoid"),
                           shared], f"{p}/shared_expert_gate/Mul")  # [N, H]
     return b.op1("Add", [routed, gated], f"{p}/Add")  # [N, H]

@@ -37,6 +37,7 @@ from pagedhybrid.export.abi import PackedAbi, TensorSpec
 from pagedhybrid.export.builder import GraphBuilder
 from pagedhybrid.export.full import PagedInputs, emit_full_attention, rope_tables
 from pagedhybrid.export.graph import emit_feed_forward, emit_lm_head, named_outputs
+from pagedhybrid.export.nbits import CODES
 from pagedhybrid.export.options import ExportOptions
 from pagedhybrid.export.weights import WeightSource
 from pagedhybrid.models.qwen35.config import Qwen35Config
@@ -48,7 +49,7 @@ def build_mtp_model(config: Qwen35Config, options: ExportOptions, weights: Weigh
                     ) -> ir.Model:
     """The MTP head graph (module docstring); ``weights`` must hold the ``mtp.*`` tensors."""
     abi = PackedAbi(config, options)
-    b = GraphBuilder(weights, options.onnx_dtype)
+    b = GraphBuilder(weights, options.onnx_dtype, options.weight_quant)
     for spec in abi.mtp_inputs():
         b.add_input(spec)
     inp, eps, i = b.inputs, config.rms_norm_eps, c.MTP_LAYER
@@ -61,7 +62,7 @@ def build_mtp_model(config: Qwen35Config, options: ExportOptions, weights: Weigh
     hn = b.offset_rms_norm(inp[c.HIDDEN_STATES], "mtp.pre_fc_norm_hidden.weight", eps,
                            "/mtp/pre_fc_norm_hidden")
     x = b.op1("Concat", [e, hn], "/mtp/fc/Concat", {"axis": -1})  # [N, 2 hidden]
-    h = b.matmul(x, "mtp.fc.weight", "/mtp/fc/MatMul")  # [N, hidden]
+    h = b.matmul(x, "mtp.fc.weight", "/mtp/fc")  # [N, hidden]
     rope = rope_tables(b, config, inp[c.POSITION_IDS])
     x = b.offset_rms_norm(h, f"{LAYER}.input_layernorm.weight", eps, f"/{LAYER}/input_layernorm")
     out = emit_full_attention(b, config, i, x, rope, paged, inp[c.PAST_KEY % i],
@@ -157,7 +158,8 @@ def verify_mtp(out: Path, main: ir.Model, genai: dict[str, Any],
         chk(ins[3:5] == [c.PAST_KEY % c.MTP_LAYER, c.PAST_VALUE % c.MTP_LAYER],
             "mtp graph nodes", f"PagedAttention pages {ins[3:5]}")
     names = {t.name for t in g.initializers.values()}
-    need = ["mtp.fc.weight.transpose", "mtp.norm.weight.offset",
+    quantized = dict(head.metadata_props).get(c.META_WEIGHT_FORMAT, "none") != "none"
+    need = ["mtp.fc.weight" + (CODES if quantized else ".transpose"), "mtp.norm.weight.offset",
             "mtp.pre_fc_norm_hidden.weight.offset", "mtp.pre_fc_norm_embedding.weight.offset",
             f"{LAYER}.input_layernorm.weight.offset"]
     missing = [n for n in need if n not in names]

@@ -16,7 +16,12 @@ serve, before any graph is built:
 * quantized KV pages (``kv_cache_dtype`` int8 | fp8): CUDA only -- ORT's WebGPU PagedAttention
   registers float16 caches only, and a session with an int8 / float8e4m3fn cache fails at
   initialization (measured with onnxruntime 1.32.0 + onnxruntime-ep-webgpu 0.4.0; the answer is
-  ``kernels.onnxruntime.paged_attention.QUANTIZED_CACHE``).
+  ``kernels.onnxruntime.paged_attention.QUANTIZED_CACHE``);
+* projections in 8 / 4 bits (``weight_format``, ``--weights int4|int8[:BLOCK][:asym]``): one
+  ``com.microsoft.MatMulNBits`` per projection, float16 only, per-channel int8 only where every
+  K padded to 32 is a power of two; ``accuracy_level`` defaults to onnxruntime-genai's builder's
+  choice for the EP (``export/nbits.py`` has the rules and what was measured). The embedding
+  table stays in the activation dtype.
 
 A mixture-of-experts model (``qwen3_5_moe_text``) exports with one ``com.microsoft.MoE`` per
 layer (``export/moe.py``); every MoE config the model serves is expressible (the config already
@@ -35,6 +40,12 @@ import torch
 from pagedhybrid import dtypes
 from pagedhybrid.errors import UnsupportedConfiguration
 from pagedhybrid.export import constants as c
+from pagedhybrid.export.nbits import (
+    NBitsWeights,
+    check_weight_options,
+    genai_accuracy_level,
+    parse_format,
+)
 from pagedhybrid.kernels.onnxruntime.paged_attention import QUANTIZED_CACHE
 from pagedhybrid.models.qwen35.config import Qwen35Config
 
@@ -49,7 +60,9 @@ KV_CACHE_DTYPES = {"int8": "int8", "fp8": "float8e4m3fn", "fp8_e4m3": "float8e4m
 
 @dataclass(frozen=True)
 class ExportOptions:
-    """What to export. ``weights=False`` writes the graph with weights declared but absent."""
+    """What to export. ``weights=False`` writes the graph with weights declared but absent;
+    ``weight_format`` (a ``WeightFormat`` spelling, ``--weights``) holds the projections in 8 / 4
+    bits (None: the activation dtype)."""
 
     ep: str = "webgpu"
     dtype: str = "fp16"
@@ -66,10 +79,23 @@ class ExportOptions:
     kv_scales: str | None = None  # scale file; default: kv_scales/ in the checkpoint
     state_update_capacity: int = 0  # compact state updates per linear layer (speculation)
     mtp: bool = False  # also export the checkpoint's MTP head as its own graph (mtp.onnx)
+    weight_format: str | None = None  # int4 | int8 [:BLOCK] [:asym] projections (MatMulNBits)
+    accuracy_level: int | None = None  # MatMulNBits' (None: genai's builder default for the EP)
+    quantize_lm_head: bool = True  # with weight_format: the LM head too (as the engine)
 
     @property
     def onnx_dtype(self) -> str:
         return dtypes.onnx_name(self.dtype)
+
+    @property
+    def weight_quant(self) -> NBitsWeights | None:
+        """The projections' format (None: float MatMuls)."""
+        if self.weight_format is None:
+            return None
+        level = self.accuracy_level
+        return NBitsWeights(parse_format(self.weight_format),
+                            genai_accuracy_level(self.ep) if level is None else level,
+                            self.quantize_lm_head)
 
     @property
     def kv_onnx_dtype(self) -> str:
@@ -161,6 +187,7 @@ def check_options(options: ExportOptions) -> None:
             f"--state-update-capacity {cap}: must be an int in [0, "
             f"{c.MAX_STATE_UPDATE_CAPACITY}] (ONNX Runtime 1.32's GatedDeltaNet / "
             "VarlenCausalConvWithState capture at most 8 tokens per sequence; 0 = off)")
+    check_weight_options(o.weight_format, o.dtype, o.accuracy_level, o.quantize_lm_head)
 
 
 def check_model(config: Qwen35Config) -> None:

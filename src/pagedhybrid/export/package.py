@@ -6,8 +6,11 @@ the workflow metadata and the checkpoint's tokenizer files.
 1. read ``config.json`` (``Qwen35Config``) and reject unsupported configurations
    (``check_export``) before touching weights;
 2. build the graph layer by layer from the checkpoint (lazy, memory-mapped) or, with
-   ``weights=False``, with weights declared but absent;
-3. save it with ``onnx_ir`` (weights as external data, written tensor by tensor) -- with
+   ``weights=False``, with weights declared but absent -- and with ``--mtp`` the head's graph --
+   so that a refusal raised while building (e.g. a per-channel ``--weights int8`` block size)
+   comes before anything is written;
+3. save it with ``onnx_ir`` (weights as external data, written tensor by tensor; with
+   ``--weights`` the projections' codes are quantised as they are written) -- with
    ``--mtp`` also the MTP head graph ``mtp.onnx`` + ``mtp.onnx.data`` (``export/mtp.py``) --
    then the genai config, the workflow metadata and any tokenizer files present in
    ``model_dir``.
@@ -62,16 +65,16 @@ def export_package(model_dir: str | Path, out_dir: str | Path, options: ExportOp
     layer_cb = (lambda done, total: progress("graph", done, total)) if progress else None
     model = build_packed_model(config, options, weights, on_layer=layer_cb,
                                kv_scales=export_scales(model_dir, config, options))
+    head = build_mtp_model(config, options, weights if options.weights else AbsentWeights(
+        config, options.onnx_dtype, c.MTP_WEIGHTS_FILE, mtp=True)) if options.mtp else None
     counts: dict[str, int] = {}
     for node in model.graph:
         counts[node.op_type] = counts.get(node.op_type, 0) + 1
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir.mkdir(parents=True, exist_ok=True)  # (both graphs built: every refusal raised)
     for stale in (c.MODEL_FILE, c.WEIGHTS_FILE, c.MTP_FILE, c.MTP_WEIGHTS_FILE):
         (out_dir / stale).unlink(missing_ok=True)
     files = _save(model, out_dir, c.MODEL_FILE, c.WEIGHTS_FILE, options.weights, progress)
-    if options.mtp:
-        head = build_mtp_model(config, options, weights if options.weights else AbsentWeights(
-            config, options.onnx_dtype, c.MTP_WEIGHTS_FILE, mtp=True))
+    if head is not None:
         files += _save(head, out_dir, c.MTP_FILE, c.MTP_WEIGHTS_FILE, options.weights, progress)
     abi = PackedAbi(config, options)
     _write_json(out_dir / c.GENAI_CONFIG_FILE, make_genai_config(abi))

@@ -5,9 +5,9 @@
 onnxruntime >= 1.32) and allocates the page buffers of every full-attention layer **on the
 device**, bound in place (one OrtValue as ``past_key_values.i.key`` and ``present.i.key``)
 through IOBinding. ``placement="paged_only"`` (the default) keeps the accumulating nodes -- every
-MatMul, norm and reduction -- on the CPU EP (the WebGPU EP's ``forceCpuNodeNames``; its float16
-MatMul accumulates in float32 there), and all other nodes too while their names fit ONNX
-Runtime's 8192-character option value; with
+MatMul (and MatMulNBits), norm and reduction -- on the CPU EP (the WebGPU EP's
+``forceCpuNodeNames``; its float16 MatMul accumulates in float32 there), and all other nodes too
+while their names fit ONNX Runtime's 8192-character option value; with
 ``placement="webgpu"`` the WebGPU EP takes every node it has a kernel for (its float16 MatMul
 accumulates in float16). Fixed states are passed per step in batch order (row ``b`` = ``b``-th
 sequence of ``cumulative_sequence_lengths``) and are also bound in place (one host OrtValue as
@@ -36,7 +36,7 @@ PAGED_ONLY = "paged_only"  # PagedAttention on WebGPU, every other node on the C
 WEBGPU = "webgpu"  # every node the WebGPU EP claims runs there (fp16 MatMul accumulates in fp16)
 
 
-ACCUMULATING = ("MatMul", "Gemm", "SimplifiedLayerNormalization",
+ACCUMULATING = ("MatMul", c.MATMUL_NBITS, "Gemm", "SimplifiedLayerNormalization",
                 "SkipSimplifiedLayerNormalization", "GatedRMSNorm", "ReduceSumSquare",
                 c.GATED_DELTA_NET, c.VARLEN_CONV, c.MOE)
 OPTION_LIMIT = 8192  # onnxruntime's longest config value
@@ -65,6 +65,14 @@ def ep_options(model_path: str | Path, placement: str) -> dict[str, str]:
         names.append(n.name)
         size += len(n.name) + 1
     return {"forceCpuNodeNames": "\n".join(names)}
+
+
+def batch_inputs(batch: Any) -> dict[str, np.ndarray]:
+    """A ``models.qwen35.PackedBatch``'s step inputs as ``PackedGraphSession.step`` takes them
+    (keyword arguments, numpy)."""
+    return {name: getattr(batch, name).numpy() for name in (
+        "input_ids", "position_ids", "cu_seqlens", "past_seqlens", "block_table",
+        "attention_metadata")}
 
 
 class StepOutput(NamedTuple):

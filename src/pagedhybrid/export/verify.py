@@ -28,7 +28,12 @@
    block size with one page budget, provider options name the export's EP,
    ``search.past_present_share_buffer`` is true, head/layer/vocab counts match the graph;
 6. the workflow metadata lists the same three disciplines and layer ids;
-7. a mixture-of-experts package: one MoE node per layer, its attributes and weights (moe.py).
+7. a mixture-of-experts package: one MoE node per layer, its attributes and weights (moe.py);
+8. a ``--weights`` package, in each graph: every MatMulNBits node's attributes and initializers
+   against each other and the package's weight format, no projection left float (nbits.py);
+   with ``checkpoint`` (``pagedhybrid verify --checkpoint MODEL_DIR``, the folder exported
+   from) also K and N against the config's projection shapes and the codes, scales and zero
+   points against ``weightquant.quantize`` of the checkpoint tensors, byte for byte.
 Each check yields a ``Finding``; ``VerifyReport.ok`` is false if any failed.
 """
 
@@ -42,9 +47,13 @@ from typing import Any, NamedTuple
 import onnx_ir as ir
 
 from pagedhybrid import dtypes
+from pagedhybrid.errors import PagedHybridError
 from pagedhybrid.export import constants as c
 from pagedhybrid.export.moe import verify_moe
 from pagedhybrid.export.mtp import verify_mtp
+from pagedhybrid.export.nbits import verify_nbits
+from pagedhybrid.export.weights import CheckpointWeights
+from pagedhybrid.models.qwen35.config import Qwen35Config
 from pagedhybrid.models.qwen35.linear_attention import QK_L2_NORM_EPS
 
 SHARED: dict[str, tuple[str, tuple[int | None, ...]]] = {  # name -> dtype, dims (None = dynamic)
@@ -178,7 +187,7 @@ def _l2_normalized(v: ir.Value | None) -> tuple[ir.Value | None, float | None]:
     return None, None
 
 
-def verify_package(out_dir: str | Path) -> VerifyReport:
+def verify_package(out_dir: str | Path, checkpoint: str | Path | None = None) -> VerifyReport:
     out = Path(out_dir)
     chk = _Checker()
     paths = {name: out / name for name in (c.MODEL_FILE, c.GENAI_CONFIG_FILE, c.WORKFLOW_FILE)}
@@ -196,9 +205,28 @@ def verify_package(out_dir: str | Path) -> VerifyReport:
     workflow = json.loads(wf.read_text(encoding="utf-8")) if wf.is_file() else None
     _verify(model, genai, workflow, chk)
     verify_moe(model, genai, chk)
-    if dict(model.metadata_props).get(c.META_MTP) == "1" or "mtp" in genai.get("model", {}):
+    mtp = dict(model.metadata_props).get(c.META_MTP) == "1" or "mtp" in genai.get("model", {})
+    if mtp:
         verify_mtp(out, model, genai, chk)
+    _verify_weights(out, model, mtp, checkpoint, chk)
     return VerifyReport(out, chk.findings)
+
+
+def _verify_weights(out: Path, model: ir.Model, mtp: bool, checkpoint: str | Path | None,
+                    chk: _Checker) -> None:
+    """Check 8 on the main graph and the MTP head's (the checkpoint's tensors, if given)."""
+    weights = None
+    if checkpoint is not None:
+        try:
+            config = Qwen35Config.from_model_dir(checkpoint)
+            weights = CheckpointWeights(checkpoint, config, "float16", mtp)
+        except PagedHybridError as exc:
+            chk(False, "checkpoint", f"{checkpoint}: {exc}")
+    shapes = weights.shapes if weights is not None else None
+    read = weights.read if weights is not None else None
+    verify_nbits(model, chk, shapes, read)
+    if mtp and (out / c.MTP_FILE).is_file():
+        verify_nbits(ir.load(out / c.MTP_FILE), chk, shapes, read, c.MTP_FILE)
 
 
 def _verify(model: ir.Model, genai: dict[str, Any], workflow: dict[str, Any] | None,

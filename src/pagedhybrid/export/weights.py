@@ -13,7 +13,10 @@ Both sources hand out ``onnx_ir`` tensors keyed by HF state-dict names (the name
   ``com.microsoft.MoE``'s interleaved ``fc1`` (rows ``g0, u0, g1, u1, ...``: the ``interleave``
   transform, ``export/moe.py``); ``experts.down_proj [E, H, I]`` is ``fc2`` as it is. A
   checkpoint with one tensor per expert (``experts.{e}.gate_proj.weight`` ..., as transformers
-  publishes them) is stacked into those layouts tensor by tensor at write time.
+  publishes them) is stacked into those layouts tensor by tensor at write time;
+* with ``--weights`` a projection (or several, fused: rows concatenated) is instead
+  ``com.microsoft.MatMulNBits``' ``B`` / ``scales`` / ``zero_points`` (``quantized``):
+  ``weightquant.quantize`` of the checkpoint tensors as stored, in ``export/nbits.py``'s layout.
 
 ``CheckpointWeights`` validates the checkpoint with the model's own loader
 (``load_state_dict``: every expected tensor present with the right shape, nothing unknown), keeps
@@ -26,12 +29,14 @@ reading or writing a byte: a structural export of a 27B-class config takes secon
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 import onnx_ir as ir
 import torch
 
 from pagedhybrid import dtypes
 from pagedhybrid.export import constants as c
+from pagedhybrid.export.nbits import NBitsLayout, layout, pack_zero_points, quantize_projection
 from pagedhybrid.models.qwen35.config import Qwen35Config
 from pagedhybrid.models.qwen35.model import build
 from pagedhybrid.models.qwen35.weights import (
@@ -41,6 +46,7 @@ from pagedhybrid.models.qwen35.weights import (
     load_state_dict,
     per_expert_shapes,
 )
+from pagedhybrid.weightquant import QuantizedWeight, WeightFormat
 
 FLOAT32_PARAMS = (".A_log", ".dt_bias")
 TRANSFORMS = ("cast", "transpose", "offset", "interleave")
@@ -70,6 +76,24 @@ def out_shape(shapes: list[tuple[int, ...]], transform: str) -> tuple[int, ...]:
     if len(shapes) != 1:
         raise ValueError("only transposed projections can be fused")
     return shapes[0]
+
+
+class NBitsTensors(NamedTuple):
+    """One MatMulNBits projection's initializers (``zero_points`` None: symmetric)."""
+
+    layout: NBitsLayout
+    codes: ir.TensorProtocol
+    scales: ir.TensorProtocol
+    zero_points: ir.TensorProtocol | None
+
+
+def nbits_layout(shapes: dict[str, tuple[int, ...]], names: Names, fmt: WeightFormat
+                 ) -> NBitsLayout:
+    """The MatMulNBits layout of ``names``' rows concatenated (their K must agree)."""
+    parts = [shapes[n] for n in _names(names)]
+    if len({p[1] for p in parts}) != 1:
+        raise ValueError(f"fused projections {_names(names)} read different K")
+    return layout(fmt, sum(p[0] for p in parts), parts[0][1], "|".join(_names(names)))
 
 
 def interleave_gate_up(t: torch.Tensor) -> torch.Tensor:
@@ -104,9 +128,9 @@ class CheckpointWeights:
             lambda n: stored.get(n, torch.float32), optional=frozenset({"lm_head.weight"}),
             mtp=mtp)
 
-    def _read(self, name: str) -> torch.Tensor:
-        """The checkpoint tensor ``name``; a fused experts tensor of a per-expert checkpoint is
-        stacked from its experts' tensors here (``weights.fused_experts``)."""
+    def read(self, name: str) -> torch.Tensor:
+        """The checkpoint tensor ``name`` as stored; a fused experts tensor of a per-expert
+        checkpoint is stacked from its experts' tensors here (``weights.fused_experts``)."""
         if name in self._raw:
             return self._raw[name]
         base, kind = name.rsplit(".", 1)  # "<layer>.mlp.experts", gate_up_proj | down_proj
@@ -119,10 +143,34 @@ class CheckpointWeights:
         shape = out_shape([self.shapes[n] for n in _names(names)], transform)
 
         def make() -> ir.TensorProtocol:
-            raws = [self._read(n) for n in _names(names)]
+            raws = [self.read(n) for n in _names(names)]
             return ir.tensor_adapters.TorchTensor(_apply(raws, transform, dtypes.to_torch(dtype)))
 
         return ir.LazyTensor(make, dtypes.ir_dtype(dtype), ir.Shape(shape))
+
+    def quantized(self, names: Names, fmt: WeightFormat) -> NBitsTensors:
+        """The projection(s) ``names`` in ``fmt``, quantised once when the first of the three
+        initializers is written (they are written one after another)."""
+        lay = nbits_layout(self.shapes, names, fmt)
+        held: list[QuantizedWeight] = []
+
+        def part(k: int) -> ir.LazyTensor:
+            def make() -> ir.TensorProtocol:
+                if not held:
+                    held.append(quantize_projection([self.read(n) for n in _names(names)], fmt,
+                                                    "|".join(_names(names))))
+                q = held[0]
+                t = (q.codes, q.scales, None if q.zeros is None else
+                     pack_zero_points(q.zeros, fmt.bits))[k]
+                if k == 2 or (q.zeros is None and k == 1):
+                    held.clear()  # the last of the three: one projection's codes in memory
+                return ir.tensor_adapters.TorchTensor(t)
+
+            shape = (lay.codes, lay.scales, lay.zero_points)[k]
+            dtype = ir.DataType.FLOAT16 if k == 1 else ir.DataType.UINT8
+            return ir.LazyTensor(make, dtype, ir.Shape(shape))
+
+        return NBitsTensors(lay, part(0), part(1), None if fmt.symmetric else part(2))
 
 
 class AbsentWeights:
@@ -138,6 +186,17 @@ class AbsentWeights:
     def tensor(self, names: Names, transform: str = "cast") -> ir.TensorProtocol:
         dtype = param_dtype(_names(names)[0], self.io_dtype)
         shape = out_shape([self.shapes[n] for n in _names(names)], transform)
+        return self._declare(shape, dtype, "|".join(_names(names)))
+
+    def quantized(self, names: Names, fmt: WeightFormat) -> NBitsTensors:
+        lay = nbits_layout(self.shapes, names, fmt)
+        label = "|".join(_names(names))
+        return NBitsTensors(lay, self._declare(lay.codes, "uint8", label),
+                            self._declare(lay.scales, "float16", label),
+                            None if lay.zero_points is None else
+                            self._declare(lay.zero_points, "uint8", label))
+
+    def _declare(self, shape: tuple[int, ...], dtype: str, name: str) -> ir.TensorProtocol:
         numel = 1
         for s in shape:
             numel *= s
@@ -145,7 +204,7 @@ class AbsentWeights:
         offset = self._offset
         self._offset += (length + 4095) // 4096 * 4096  # onnx_ir's page alignment
         return ir.ExternalTensor(self.file, offset, length, dtypes.ir_dtype(dtype),
-                                 shape=ir.Shape(shape), name="|".join(_names(names)))
+                                 shape=ir.Shape(shape), name=name)
 
 
 WeightSource = CheckpointWeights | AbsentWeights

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from pagedhybrid import ops
+from pagedhybrid import ops, weightquant
 from pagedhybrid.dtypes import to_torch
 from pagedhybrid.errors import UnsupportedConfiguration
 from pagedhybrid.kernels import capsule, cpu, native, step_reference
@@ -54,6 +54,7 @@ from pagedhybrid.kernels.native import dense as native_dense
 from pagedhybrid.kernels.native import invariant as native_invariant
 from pagedhybrid.kernels.native import moe as native_moe
 from pagedhybrid.kernels.native import norms as native_norms
+from pagedhybrid.kernels.native import quant as native_quant
 from pagedhybrid.kernels.native import step as native_step
 from pagedhybrid.kernels.registry import (
     AUTO,
@@ -90,27 +91,29 @@ def _declare() -> KernelRegistry:
             "in-place state updates; torch kernels for long prefill", "native_paged_attention",
             BundleCapability(_DTYPES, native_pages, max_head_dim=NATIVE_MAX_HEAD_DIM,
                              in_place_state=True, paged_in_place=True, state_checkpoints=True,
-                             state_capture=True),
+                             state_capture=True, quantized_weights=True),
             native_step.attention, native_step.causal_conv, native_step.gated_delta,
             native_ops, _native_available, native_dense.preferred_linear,
             native_dense.preferred_pack,
             norms=native_norms.NATIVE_NORMS, gdn_decode=native_step.gdn_decode,
             gdn_decode_layer=native_step.gdn_decode_layer,
             attention_decode_layer=native_step.attention_decode_layer,
-            capture=native_step.CAPTURE, moe=native_moe.experts),
+            capture=native_step.CAPTURE, moe=native_moe.experts,
+            quantized_linear=native_quant.linear),
         Backend(
             "native_batch_invariant", "C++ kernels for every token and projection in "
             "batch-invariant forms (kernels/native/invariant.py)", "native_batch_invariant",
             BundleCapability(native_invariant.DTYPES, native_pages,
                              max_head_dim=NATIVE_MAX_HEAD_DIM, in_place_state=True,
                              paged_in_place=True, state_checkpoints=True, state_capture=True,
-                             batch_invariant=True, moe_batch_invariant=True),
+                             batch_invariant=True, moe_batch_invariant=True,
+                             quantized_weights=True),
             native_invariant.attention, native_invariant.causal_conv,
             native_invariant.gated_delta, native_ops, _native_available,
             lambda dtype: native_invariant.linear,
             pointwise=Pointwise(native_invariant.silu, native_invariant.sigmoid),
             norms=native_norms.NATIVE_NORMS, capture=native_step.CAPTURE,
-            moe=native_moe.invariant_experts),
+            moe=native_moe.invariant_experts, quantized_linear=native_quant.invariant_linear),
         Backend(
             "torch", "vectorised torch kernels (kernels/cpu)", "cpu_paged_attention",
             BundleCapability(_TORCH_DTYPES, (*_TORCH_DTYPES, *_QUANT), in_place_state=True,
@@ -123,9 +126,10 @@ def _declare() -> KernelRegistry:
             "reference", "op references (pagedhybrid.ops), exact, slow",
             "paged_attention_reference",
             BundleCapability(_TORCH_DTYPES, (*_TORCH_DTYPES, *_QUANT), rope_in_op=True,
-                             implementation_kind="reference"),
+                             quantized_weights=True, implementation_kind="reference"),
             step_reference.attention, step_reference.causal_conv, step_reference.gated_delta,
-            ContractOps(ops.paged_attention, ops.varlen_causal_conv, ops.gated_delta_net)),
+            ContractOps(ops.paged_attention, ops.varlen_causal_conv, ops.gated_delta_net),
+            quantized_linear=weightquant.reference_linear),
     ))
 
 

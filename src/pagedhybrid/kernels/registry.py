@@ -14,7 +14,9 @@ A ``Backend`` (a kernel bundle) holds, for one implementation family:
   either kind (signatures in ``kernels/native/step.py``; each returns None for a step it does not
   fuse, and the model then runs the layer's ops one by one); ``moe``, a mixture-of-experts
   block's routed experts (and shared expert) in one call after its router (signature in
-  ``kernels/native/moe.py``; None: the layer groups tokens by expert in torch); ``capture``,
+  ``kernels/native/moe.py``; None: the layer groups tokens by expert in torch);
+  ``quantized_linear``, the product of an int8 / int4 projection weight (``x``, a
+  ``weightquant.QuantizedWeight``; ``kernels/native/quant.py``); ``capture``,
   the speculative
   verify step's kernels (``kernels.capsule.StateCapture``: the recurrent state's capture and
   replay; None: the bundle cannot verify drafts);
@@ -36,6 +38,8 @@ replayed -- speculative decoding needs it), ``batch_invariant`` (every row bitwi
 of the batch), ``exports_lse``,
 ``moe_batch_invariant`` (its ``moe`` keeps each token's arithmetic independent of the tokens
 that picked the same experts; needed with batch invariance on a mixture-of-experts model),
+``quantized_weights`` (its ``quantized_linear`` multiplies int8 / int4 weights held as
+``weightquant.QuantizedWeight``; needed by a model quantised with ``--quantization``),
 ``rope_in_op`` (its contract op rotates q/k itself), ``tp_world_sizes`` / ``cp_world_sizes``,
 ``implementation_kind`` and ``platform``. ``gaps(needs)`` lists every reason it falls short.
 
@@ -186,6 +190,7 @@ class Needs:
     exports_lse: bool = False
     tp_world_size: int = 1
     cp_world_size: int = 1
+    weight_format: str | None = None  # projections in int8 / int4 (weightquant); None: dtype
 
     def __post_init__(self) -> None:
         for name in ("dtype", "kv_page_dtype"):
@@ -219,6 +224,8 @@ class Needs:
     def describe(self) -> str:
         """One line: what was asked for (used in refusals)."""
         parts = [f"dtype {dtype_name(self.dtype)}"]
+        if self.weight_format is not None:
+            parts.append(f"{self.weight_format} weights")
         if self.model_head_dim is not None:
             parts.append(f"head_dim {self.model_head_dim}")
         if self.kv_page_dtype is not None and self.kv_page_dtype != self.dtype:
@@ -249,6 +256,7 @@ class BundleCapability:
     state_capture: bool = False
     batch_invariant: bool = False
     moe_batch_invariant: bool = False  # expert products independent of the other tokens
+    quantized_weights: bool = False  # products of int8 / int4 weights (Backend.quantized_linear)
     exports_lse: bool = False
     rope_in_op: bool = False
     tp_world_sizes: tuple[int, ...] | None = None  # None: any (the step runs on local heads)
@@ -292,6 +300,9 @@ class BundleCapability:
             r.append("batch-invariant mixture of experts is unsupported (each expert's rows are "
                      "one product over the tokens that picked it, so a token's arithmetic "
                      "depends on the others)")
+        if needs.weight_format is not None and not self.quantized_weights:
+            r.append(f"{needs.weight_format} weights are unsupported (no product of int8 / int4 "
+                     "weights; the native bundles have one)")
         if needs.exports_lse and not self.exports_lse:
             r.append("attention-domain LSE export is unsupported")
         if self.tp_world_sizes is not None and needs.tp_world_size not in self.tp_world_sizes:
@@ -309,7 +320,8 @@ class BundleCapability:
                 "state_checkpoints": self.state_checkpoints,
                 "state_capture": self.state_capture,
                 "batch_invariant": self.batch_invariant,
-                "moe_batch_invariant": self.moe_batch_invariant, "exports_lse": self.exports_lse,
+                "moe_batch_invariant": self.moe_batch_invariant,
+                "quantized_weights": self.quantized_weights, "exports_lse": self.exports_lse,
                 "rope_in_op": self.rope_in_op,
                 "tp_world_sizes": None if self.tp_world_sizes is None else
                 list(self.tp_world_sizes),
@@ -326,6 +338,8 @@ LinearFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # (x [T, H], index [T, k], weights [T, k], gate_up [E, 2I, H], down [E, H, I],
 #  shared (gate_proj, up_proj, down_proj, shared_gate) | None) -> [T, H]
 MoeFn = Callable[..., torch.Tensor]
+# (x [..., K], weightquant.QuantizedWeight of [N, K]) -> [..., N] in x's dtype
+QLinearFn = Callable[[torch.Tensor, Any], torch.Tensor]
 
 
 def _torch_linear(dtype: torch.dtype) -> LinearFn | None:
@@ -359,6 +373,13 @@ class Backend:
     attention_decode_layer: Callable[..., torch.Tensor | None] | None = None
     capture: Any = None  # kernels.capsule.StateCapture (this module imports nothing above it)
     moe: MoeFn | None = None  # a mixture-of-experts block's experts in one call
+    quantized_linear: QLinearFn | None = None  # x @ W^T of an int8 / int4 weight
+
+    def __post_init__(self) -> None:
+        if self.capability.quantized_weights != (self.quantized_linear is not None):
+            raise ContractViolation("Backend", "quantized_linear",
+                                    "must be given exactly when the capability declares "
+                                    "quantized_weights", self.name)
 
     @property
     def dtypes(self) -> tuple[torch.dtype, ...]:

@@ -339,6 +339,8 @@ class GdnLayerWeights(NamedTuple):
     l2_eps: float
     gated_eps: float
     rms_eps: float
+    quant: tuple[torch.Tensor, ...] = ()  # int8 / int4 projections (``quant_tensors``)
+    quant_bits: int = 0
 
 
 class AttentionLayerWeights(NamedTuple):
@@ -360,3 +362,17 @@ class AttentionLayerWeights(NamedTuple):
     kv_heads: int
     scale: float
     rms_eps: float
+    quant: tuple[torch.Tensor, ...] = ()  # int8 / int4 projections (``quant_tensors``)
+    quant_bits: int = 0
+
+
+def quant_tensors(projections: Sequence[Any]) -> tuple[tuple[torch.Tensor, ...], int]:
+    """The fused decode layers' view of a layer's int8 / int4 projections (each a
+    ``weightquant.QuantizedWeight``, in the layer's order): (codes, scales, zeros -- an empty
+    uint8 tensor when symmetric -- per projection, the bits). The layer tuples then hold each
+    projection's codes in its weight's place."""
+    out: list[torch.Tensor] = []
+    for q in projections:
+        out += [q.codes, q.scales, q.zeros if q.zeros is not None
+                else torch.empty(0, dtype=torch.uint8)]
+    return tuple(out), projections[0].fmt.bits

@@ -42,9 +42,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedhybrid.errors import ContractViolation, UnsupportedConfiguration
+from pagedhybrid.weightquant import QuantizedWeight, WeightFormat, quantize, reference_linear
 
 OP = "pagedhybrid.parallel.RowParallelLinear"
 Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+QMatmul = Callable[[torch.Tensor, QuantizedWeight], torch.Tensor]
 
 
 class Segment(NamedTuple):
@@ -168,9 +170,17 @@ def shard_weight(param: nn.Parameter, dim: int, segments: Sequence[Segment],
 
 
 class ReplicatedLinear(nn.Module):
-    """``y = x @ W^T``, the whole ``W`` on every rank (weights are loaded, never initialised)."""
+    """``y = x @ W^T``, the whole ``W`` on every rank (weights are loaded, never initialised).
+
+    ``quantize(fmt)`` holds ``W`` (this rank's slice) in 8 or 4 bits instead
+    (``pagedhybrid.weightquant``): ``quant`` then has the codes and scales, ``weight`` becomes a
+    placeholder on the meta device (its shape and dtype, no memory) and the product is the
+    bundle's ``qmatmul`` (``Backend.quantized_linear``; ``weightquant.reference_linear`` when no
+    bundle was set)."""
 
     matmul: Matmul | None = None  # the backend's product (None: F.linear)
+    qmatmul: QMatmul = staticmethod(reference_linear)  # the backend's product of ``quant``
+    quant: QuantizedWeight | None = None
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype) -> None:
         super().__init__()
@@ -179,8 +189,24 @@ class ReplicatedLinear(nn.Module):
                                    requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.qmatmul(x, self.quant)
         mm = self.matmul
         return F.linear(x, self.weight) if mm is None else mm(x, self.weight)
+
+    def quantize(self, fmt: WeightFormat, name: str = "weight") -> None:
+        """Hold the weight in ``fmt`` (class docstring); its CPU memory is released."""
+        w = self.weight
+        if self.quant is not None:
+            if self.quant.fmt != fmt:
+                raise UnsupportedConfiguration(
+                    f"{name} is already held as {self.quant.fmt.name}; load the checkpoint "
+                    f"again to hold it as {fmt.name}")
+            return
+        plain = w.to_dense() if w.is_mkldnn else w
+        self.quant = quantize(plain, fmt, name)
+        self.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"),
+                                   requires_grad=False)
 
 
 class ColumnParallelLinear(ReplicatedLinear):

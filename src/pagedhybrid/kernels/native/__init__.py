@@ -9,6 +9,9 @@ Ops (registered as ``torch.ops.pagedhybrid_<form>.*``; ``library()`` is the chos
 * ``gated_delta_decode`` / ``gated_delta_varlen`` -- the Gated DeltaNet recurrent step in place
   on the state pool; ``causal_conv_decode`` / ``causal_conv_varlen`` -- the varlen causal conv
   update in place on the conv pool;
+* ``quant_linear`` / ``quant_dequantize`` -- products of int8 / int4 weights
+  (``weightquant``'s MatMulNBits layout) with activations quantised per row, and a weight's rows
+  dequantised for the prefill GEMM (``quant.py``);
 * ``linear`` / ``linear_invariant`` -- ``x @ w^T`` with fp32 registers and accumulation (fp32,
   bf16 or fp16 activations and weights widened exactly; ``dense.py``): the fast form, and the
   form with one fixed reduction order per output element (``invariant.py``);
@@ -25,14 +28,19 @@ once per form the CPU can run, fastest first:
 
 * ``avx512_bf16`` -- AVX-512 F/BW/VL/DQ + AVX512-BF16: bf16 pages are multiplied as pairs by
   ``vdpbf16ps``;
-* ``avx512`` -- AVX-512 without BF16 dot instructions (e.g. a Xeon with AVX-512 + VNNI): bf16
+* ``avx512_vnni`` -- AVX-512 + AVX512-VNNI without BF16 dot instructions (a Xeon such as
+  Cascade / Ice Lake): bf16 widened to fp32 in registers, the int8 / int4 weights' dot
+  products by ``vpdpbusd`` (the ``avx512_bf16`` form has it too: every CPU with AVX512-BF16 has
+  VNNI; the others use ``vpmaddubsw`` + ``vpmaddwd``, the same integers);
+* ``avx512`` -- AVX-512 without BF16 or VNNI dot instructions (a Skylake Xeon): bf16
   is widened to fp32 in registers (exact: bf16 is the high half of an fp32);
 * ``avx2`` -- AVX2 + FMA + F16C, 8 lanes, bf16 widened the same way.
 
 Each form is its own library (``_build/<form>/``) registering its ops under its own namespace, so
 all the forms this CPU can run load side by side. ``status()`` picks the form at start: the
 fastest whose instructions the CPU has (``/proc/cpuinfo`` flags), or the one named by the
-environment variable ``PAGEDHYBRID_CPU_FEATURES`` (``avx512_bf16`` | ``avx512`` | ``avx2``;
+environment variable ``PAGEDHYBRID_CPU_FEATURES`` (``avx512_bf16`` | ``avx512_vnni`` | ``avx512``
+| ``avx2``;
 ``auto`` or unset: the fastest) -- to run the fallback forms on a newer CPU. It says which form
 it chose (``NativeStatus.form``, e.g. ``"avx512 (bf16 via fp32 registers)"``; ``cpu_form()``).
 A form the CPU cannot run is refused with the missing flags, never loaded.
@@ -74,15 +82,18 @@ ENV_FORM = "PAGEDHYBRID_CPU_FEATURES"
 
 _AVX512 = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c", "avx2"})
 FORMS: dict[str, frozenset[str]] = {  # form -> the /proc/cpuinfo flags it needs, fastest first
-    "avx512_bf16": _AVX512 | {"avx512_bf16"},
+    "avx512_bf16": _AVX512 | {"avx512_bf16", "avx512_vnni"},
+    "avx512_vnni": _AVX512 | {"avx512_vnni"},
     "avx512": _AVX512,
     "avx2": frozenset({"avx2", "fma", "f16c"}),
 }
 FORM_DESCRIPTIONS = {
-    "avx512_bf16": "avx512_bf16 (bf16 pairs by vdpbf16ps)",
+    "avx512_bf16": "avx512_bf16 (bf16 pairs by vdpbf16ps, int8 by vpdpbusd)",
+    "avx512_vnni": "avx512_vnni (bf16 via fp32 registers, int8 by vpdpbusd)",
     "avx512": "avx512 (bf16 via fp32 registers)",
     "avx2": "avx2 (bf16 via fp32 registers)",
 }
+VNNI_FORMS = ("avx512_bf16", "avx512_vnni")  # int8 dot products by vpdpbusd
 
 
 class NativeStatus(NamedTuple):

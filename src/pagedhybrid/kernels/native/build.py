@@ -1,7 +1,8 @@
 """Build the native CPU kernels ahead of time: ``python -m pagedhybrid.kernels.native.build``.
 
 Builds every CPU form this machine can run (``native.runnable_forms()``: ``avx512_bf16`` when the
-CPU has AVX-512 F/BW/VL/DQ and AVX512-BF16, ``avx512`` with AVX-512 alone, ``avx2`` with AVX2 +
+CPU has AVX-512 F/BW/VL/DQ, AVX512-BF16 and AVX512-VNNI, ``avx512_vnni`` with AVX-512 and VNNI,
+``avx512`` with AVX-512 alone, ``avx2`` with AVX2 +
 FMA + F16C; anything older is refused), the fastest first so that the form ``status()`` picks is
 current soonest. Each form compiles ``csrc/*.cpp`` with ``torch.utils.cpp_extension.load``
 (g++, ninja) with its ISA flags, ``-DPH_FORM_ID=<form>`` and ``-DPH_NS=pagedhybrid_<form>`` into
@@ -21,7 +22,9 @@ from pathlib import Path
 
 _AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-mavx2"]
 ISA_FLAGS = {
-    "avx512_bf16": [*_AVX512, "-mavx512bf16"],  # + bf16 pair dot products (vdpbf16ps)
+    # + bf16 pair dot products (vdpbf16ps) and int8 dot products (vpdpbusd)
+    "avx512_bf16": [*_AVX512, "-mavx512bf16", "-mavx512vnni"],
+    "avx512_vnni": [*_AVX512, "-mavx512vnni"],
     "avx512": _AVX512,
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
 }

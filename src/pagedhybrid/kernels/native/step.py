@@ -36,6 +36,7 @@ import torch
 from pagedhybrid.kernels.capsule import Capsule, StateCapture
 from pagedhybrid.kernels.cpu import step as torch_step
 from pagedhybrid.kernels.native import KV_SPLIT, dense, library
+from pagedhybrid.kernels.native import quant as native_quant
 from pagedhybrid.kernels.step import AttentionLayerWeights, GdnLayerWeights, StepMetadata
 from pagedhybrid.kvquant import KVScales
 
@@ -116,13 +117,16 @@ FUSED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _native_product(h: torch.Tensor, meta: StepMetadata,
-                    matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
-                    ) -> bool | None:
+                    matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+                    quantized: bool = False) -> bool | None:
     """Whether a fused decode layer multiplies with the native kernel (True) or torch's GEMM
-    (False), as ``matmul`` does at this batch; None when it cannot fuse the step (not decodes
-    and verify chunks only, a dtype it does not fuse, another product form)."""
+    (False), as ``matmul`` does at this batch (int8 / int4 weights: as ``quant.linear`` does);
+    None when it cannot fuse the step (not decodes and verify chunks only, a dtype it does not
+    fuse, another product form)."""
     if not meta.decode_or_verify or h.dtype not in FUSED_DTYPES:
         return None
+    if quantized:  # the integer kernel, as quant.linear below its prefill form
+        return True if h.shape[0] < native_quant.DEQUANT_ROWS else None
     return {"native": True, "torch": False}.get(dense.product_form(matmul, h.dtype, h.shape[0]))
 
 
@@ -176,7 +180,7 @@ def gdn_decode_layer(h: torch.Tensor, w: GdnLayerWeights, conv_pool: torch.Tenso
     verify chunks, captured into ``capsule``; their rows unchanged) -- the pools advanced in
     place, chunk-end checkpoints written -- computed as the layer's modules do with ``matmul``;
     None when the step, the dtype or ``matmul``'s form at this batch is not one it fuses."""
-    native = _native_product(h, meta, matmul)
+    native = _native_product(h, meta, matmul, bool(w.quant))
     chunks = _chunks(meta, capsule)
     if native is None or chunks is None:
         return None
@@ -184,7 +188,8 @@ def gdn_decode_layer(h: torch.Tensor, w: GdnLayerWeights, conv_pool: torch.Tenso
         h, w.input_norm, w.in_proj_qkv, w.in_proj_z, w.in_proj_b, w.in_proj_a,
         w.conv.view(w.conv.shape[0], -1), conv_pool, w.a_log, w.dt_bias, pool, meta.state_slots,
         meta.fresh_t, w.gated_norm, w.out_proj, w.post_norm, w.gate_proj, w.up_proj,
-        w.down_proj, w.key_heads, w.scale, w.l2_eps, w.gated_eps, w.rms_eps, native, **chunks)
+        w.down_proj, w.key_heads, w.scale, w.l2_eps, w.gated_eps, w.rms_eps, native, w.quant,
+        w.quant_bits, **chunks)
     _save_chunk_ends(conv_pool, pool, checkpoints, meta)
     return out
 
@@ -199,7 +204,7 @@ def attention_decode_layer(h: torch.Tensor, w: AttentionLayerWeights, cos: torch
     with ``matmul``;
     None when the step, the dtype, the pages (quantized) or ``matmul``'s form at this batch is
     not one it fuses."""
-    native = _native_product(h, meta, matmul)
+    native = _native_product(h, meta, matmul, bool(w.quant))
     if native is None or scales is not None or key_cache.dtype != h.dtype:
         return None
     assert meta.write_slots is not None
@@ -207,7 +212,8 @@ def attention_decode_layer(h: torch.Tensor, w: AttentionLayerWeights, cos: torch
         h, w.input_norm, w.q_proj, w.k_proj, w.v_proj, w.q_norm, w.k_norm, cos, sin, key_cache,
         value_cache, meta.write_slots, meta.block_table, meta.cu_seqlens_t, meta.past_t,
         meta.seq_index(tuple(range(meta.batch))), w.o_proj, w.post_norm, w.gate_proj, w.up_proj,
-        w.down_proj, w.heads, w.kv_heads, w.scale, w.rms_eps, KV_SPLIT, native)
+        w.down_proj, w.heads, w.kv_heads, w.scale, w.rms_eps, KV_SPLIT, native, w.quant,
+        w.quant_bits)
 
 
 def _gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,

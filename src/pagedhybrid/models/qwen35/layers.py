@@ -161,8 +161,9 @@ class SparseMoE(nn.Module):
             s = self.shared_expert
             held = (s.gate_proj.weight, s.up_proj.weight, s.down_proj.weight,
                     self.shared_expert_gate.weight)
-            # the shared expert in the same call, unless its weights are packed for oneDNN
-            shared = None if any(w.is_mkldnn for w in held) else held
+            # the shared expert in the same call, unless its weights are packed for oneDNN or
+            # quantised (its modules run it)
+            shared = None if any(w.is_mkldnn or w.is_meta for w in held) else held
             routed = self.moe(x, index, weights, self.experts.gate_up_proj,
                               self.experts.down_proj, shared)
             if shared is not None:  # routed and shared: the ranks' partial sums reduced once

@@ -58,7 +58,12 @@ from torch import nn
 
 from pagedhybrid.errors import ContractViolation, UnsupportedConfiguration
 from pagedhybrid.kernels.backend import Backend, select
-from pagedhybrid.kernels.step import AttentionLayerWeights, GdnLayerWeights, StepMetadata
+from pagedhybrid.kernels.step import (
+    AttentionLayerWeights,
+    GdnLayerWeights,
+    StepMetadata,
+    quant_tensors,
+)
 from pagedhybrid.kvquant import is_quantized
 from pagedhybrid.models.qwen35.attention import FullAttention
 from pagedhybrid.models.qwen35.config import FULL_ATTENTION, Qwen35Config
@@ -80,6 +85,7 @@ from pagedhybrid.parallel.linear import (
     replicated_weight_loader,
     weight_loader,
 )
+from pagedhybrid.weightquant import WeightFormat
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DENSE_OP = "pagedhybrid.Qwen35.forward_dense"
@@ -143,22 +149,29 @@ class DecoderLayer(nn.Module):
         if cached is not None and cached[0] == _PARAMETER_EPOCH[0]:
             return cached[1]
         mlp = self.mlp
-        tail = (self.post_attention_layernorm.weight, mlp.gate_proj.weight, mlp.up_proj.weight,
-                mlp.down_proj.weight)
-        w: GdnLayerWeights | AttentionLayerWeights
         if self.is_full:
             a = self.self_attn
-            w = AttentionLayerWeights(
-                self.input_layernorm.weight, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight,
-                a.q_norm.weight, a.k_norm.weight, a.o_proj.weight, *tail, a.num_heads,
-                a.num_kv_heads, a.head_dim ** -0.5, self.input_layernorm.eps)
+            projs = [a.q_proj, a.k_proj, a.v_proj, a.o_proj]
         else:
             g = self.linear_attn
+            projs = [g.in_proj_qkv, g.in_proj_z, g.in_proj_b, g.in_proj_a, g.out_proj]
+        projs += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        # int8 / int4 projections: their codes in the weights' places, every tensor in `quant`
+        quant, bits = quant_tensors([p.quant for p in projs]) \
+            if projs[0].quant is not None else ((), 0)
+        held = [p.weight if p.quant is None else p.quant.codes for p in projs]
+        tail = (self.post_attention_layernorm.weight, *held[-3:])
+        w: GdnLayerWeights | AttentionLayerWeights
+        if self.is_full:
+            w = AttentionLayerWeights(
+                self.input_layernorm.weight, *held[:3], a.q_norm.weight, a.k_norm.weight,
+                held[3], *tail, a.num_heads, a.num_kv_heads, a.head_dim ** -0.5,
+                self.input_layernorm.eps, quant, bits)
+        else:
             w = GdnLayerWeights(
-                self.input_layernorm.weight, g.in_proj_qkv.weight, g.in_proj_z.weight,
-                g.in_proj_b.weight, g.in_proj_a.weight, g.conv1d.weight, g.A_log, g.dt_bias,
-                g.norm.weight, g.out_proj.weight, *tail, g.num_k_heads, g.head_k_dim ** -0.5,
-                QK_L2_NORM_EPS, g.norm.eps, self.input_layernorm.eps)
+                self.input_layernorm.weight, *held[:4], g.conv1d.weight, g.A_log, g.dt_bias,
+                g.norm.weight, held[4], *tail, g.num_k_heads, g.head_k_dim ** -0.5,
+                QK_L2_NORM_EPS, g.norm.eps, self.input_layernorm.eps, quant, bits)
         self._weights = (_PARAMETER_EPOCH[0], w)
         return w
 
@@ -268,10 +281,18 @@ class Qwen35ForCausalLM(nn.Module):
         self._backend = value
         matmul = value.linear_for(self.dtype)
         pack = value.pack_for(self.dtype)
+        if self.weight_format is not None and value.quantized_linear is None:
+            raise UnsupportedConfiguration(
+                f"the {value.name} kernels have no product for {self.weight_format.name} "
+                "weights; use a bundle whose capability has quantized_weights")
         for m in self.modules():
             if hasattr(m, "matmul"):
                 m.matmul = matmul
-                if m is self.lm_head and self.config.tie_word_embeddings:
+                if value.quantized_linear is not None:
+                    m.qmatmul = value.quantized_linear
+                if m.quant is not None:
+                    pass  # held in 8 / 4 bits: nothing to pack
+                elif m is self.lm_head and self.config.tie_word_embeddings:
                     self._hold_tied_head(pack)
                 else:
                     self._hold(m, pack)
@@ -312,6 +333,25 @@ class Qwen35ForCausalLM(nn.Module):
         self.lm_head.weight = table if new is table else nn.Parameter(new, requires_grad=False)
 
     # -- weights ----------------------------------------------------------------------------------
+    @property
+    def weight_format(self) -> WeightFormat | None:
+        """The format the projections are held in (None: the model dtype)."""
+        return self.lm_head.quant.fmt if self.lm_head.quant is not None else None
+
+    def quantize(self, fmt: WeightFormat) -> None:
+        """Hold every projection weight -- the LM head and the MTP head's included; not the
+        embedding table, the norms, the convolution, a mixture of experts' router gates and
+        routed experts -- in ``fmt`` (``pagedhybrid.weightquant``), round to nearest from the
+        loaded weights, releasing them (a tied head gets its own codes; the embedding keeps
+        the table). The fused decode layers multiply them with the integer kernel."""
+        routers = {id(r) for block in self.modules() if isinstance(block, SparseMoE)
+                   for r in (block.gate, block.shared_expert_gate)}
+        for name, m in self.named_modules():
+            if isinstance(m, ReplicatedLinear) and id(m) not in routers:
+                m.quantize(fmt, f"{name}.weight")
+        if self._backend is not None:
+            self.backend = self._backend  # the bundle's quantised product
+
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
         """Checkpoint tensor name -> full (unsharded) shape (``lm_head.weight`` absent when
         tied)."""
@@ -395,6 +435,7 @@ class Qwen35ForCausalLM(nn.Module):
         keys, values = {}, {}
         conv = {i: t.clone() for i, t in past.conv.items()}  # advanced in place below
         recurrent = {i: t.clone() for i, t in past.recurrent.items()}
+        backend = self.backend  # chosen before the first op (it sets the layers' norms)
         for layer in self.model.layers:
             i = layer.index
             x = layer.input_layernorm(h)
@@ -403,7 +444,7 @@ class Qwen35ForCausalLM(nn.Module):
                     x.view(b, s, -1), cos, sin, past.keys[i], past.values[i])
                 out = out.reshape(b * s, -1)
             else:
-                out = layer.linear_attn(x, meta, conv[i], recurrent[i], self.backend)
+                out = layer.linear_attn(x, meta, conv[i], recurrent[i], backend)
             h = layer.feed_forward(h + out)
         logits = self.lm_head(self.model.norm(h)).float().view(b, s, -1)  # [B, S, V]
         return logits, DenseCache(past.seq_len + s, keys, values, conv, recurrent)

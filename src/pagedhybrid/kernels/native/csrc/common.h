@@ -2,7 +2,8 @@
 // argument checks that name the op, the argument and the rule, and one parallel region per call.
 //
 // CPU forms. Each form is a separate library compiled for one ISA (vec.h): `avx512_bf16`
-// (AVX-512 + vdpbf16ps), `avx512` (AVX-512 F/BW/VL/DQ; bf16 converted to fp32 in registers),
+// (AVX-512 + vdpbf16ps + vpdpbusd), `avx512_vnni` (AVX-512 + vpdpbusd, bf16 in fp32 registers),
+// `avx512` (AVX-512 F/BW/VL/DQ; bf16 converted to fp32 in registers),
 // `avx2` (AVX2 + FMA + F16C, the same in 8 lanes). The build passes -DPH_FORM_ID=<form> and
 // -DPH_NS=pagedhybrid_<form>, so every form registers its ops under its own namespace
 // (torch.ops.pagedhybrid_<form>.*) and all the forms a CPU can run load side by side in one

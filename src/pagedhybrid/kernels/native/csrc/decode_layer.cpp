@@ -55,12 +55,63 @@ at::Tensor packed_product(const at::Tensor& x, const at::Tensor& w) {
                  c10::string_view(""));
 }
 
-at::Tensor product(const at::Tensor& x, const at::Tensor& w, bool native_linear) {
+// One projection: its weight, or -- a model with int8 / int4 weights (`quant`, 3 tensors per
+// projection in the layer's order: codes, scales, zeros (empty: symmetric); `bits`) -- its codes
+// (which the Python side passes in the weight's argument).
+struct Proj {
+  const at::Tensor& w;
+  const at::Tensor* codes = nullptr;
+  const at::Tensor* scales = nullptr;
+  c10::optional<at::Tensor> zeros;
+  int64_t bits = 0;
+  int64_t rows() const { return codes ? codes->size(0) : w.size(0); }
+};
+
+Proj proj(const at::Tensor& w, at::TensorList quant, int64_t bits, size_t i) {
+  if (quant.empty()) return Proj{w};
+  const at::Tensor& z = quant[3 * i + 2];
+  return Proj{w, &quant[3 * i], &quant[3 * i + 1],
+              z.numel() ? c10::optional<at::Tensor>(z) : c10::nullopt, bits};
+}
+
+// The number of quantised tensors a layer of `projections` needs (none, or 3 per projection).
+void check_quant(const char* op, at::TensorList quant, size_t projections) {
+  PH_CHECK(quant.empty() || quant.size() == 3 * projections, op, "quant",
+           "must be empty or hold codes, scales, zeros for each of the layer's ", projections,
+           " projections (got ", quant.size(), " tensors)");
+}
+
+at::Tensor product(const at::Tensor& x, const Proj& p, bool native_linear) {
+  if (p.codes) {  // int8 / int4 weights: the integer kernel (decode-sized rows)
+    at::Tensor out = at::empty({x.size(0), p.rows()}, x.options());
+    quant_linear(x.is_contiguous() ? x : x.contiguous(), *p.codes, *p.scales, p.zeros, p.bits,
+                 out);
+    return out;
+  }
+  const at::Tensor& w = p.w;
   if (w.is_mkldnn()) return packed_product(x, w);
   if (!native_linear) return at::linear(x, w);
   at::Tensor out = at::empty({x.size(0), w.size(0)}, x.options());
   linear(x, w, out);
   return out;
+}
+
+// x @ p^T for several projections of the same input: int8 / int4 ones in one call (x quantised
+// once, one parallel step over all of their rows), the others one by one.
+std::vector<at::Tensor> products(const at::Tensor& x, std::initializer_list<const Proj*> ps,
+                                 bool native_linear) {
+  std::vector<at::Tensor> outs;
+  if (!(*ps.begin())->codes) {
+    for (const Proj* p : ps) outs.push_back(product(x, *p, native_linear));
+    return outs;
+  }
+  std::vector<QuantWeightRef> ws;
+  for (const Proj* p : ps) {
+    ws.push_back({*p->codes, *p->scales, p->zeros});
+    outs.push_back(at::empty({x.size(0), p->rows()}, x.options()));
+  }
+  quant_linear_many(x.is_contiguous() ? x : x.contiguous(), (*ps.begin())->bits, ws, outs);
+  return outs;
 }
 
 at::Tensor norm(const at::Tensor& x, const at::Tensor& w, double eps) {
@@ -87,27 +138,34 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   return at::cat({out, rest}, -1).to(x.scalar_type());
 }
 
-// A projection weight [rows, cols] in the model dtype.
-void check_weight(const char* op, const char* arg, const at::Tensor& w, at::ScalarType dt,
+// A projection weight [rows, cols] in the model dtype (or its codes holding rows x cols).
+void check_weight(const char* op, const char* arg, const Proj& p, at::ScalarType dt,
                   int64_t rows, const char* rows_are, int64_t cols, const char* cols_are) {
-  check_tensor(op, arg, w, 2, dt);
-  check_size(op, arg, w, 0, rows, rows_are);
-  check_size(op, arg, w, 1, cols, cols_are);
+  if (p.codes) {
+    check_quant_weight(op, std::string(arg) + ".", *p.codes, *p.scales, p.zeros, p.bits, cols);
+    PH_CHECK(p.rows() == rows, op, arg, "codes: size(0) must equal ", rows_are, " = ", rows,
+             " (got shape ", shape_of(*p.codes), ")");
+    return;
+  }
+  check_tensor(op, arg, p.w, 2, dt);
+  check_size(op, arg, p.w, 0, rows, rows_are);
+  check_size(op, arg, p.w, 1, cols, cols_are);
 }
 
 // The weights used after the mixer has written its pages / pools, checked before it runs:
 // out [hidden, in_dim] (out_proj / o_proj), post_norm [hidden], gate / up [I, hidden],
 // down [hidden, I] -- in h's dtype (the norm: float32 or bfloat16).
-void check_tail(const char* op, const at::Tensor& h, const char* out_name, const at::Tensor& out,
-                int64_t in_dim, const at::Tensor& post_norm, const at::Tensor& gate,
-                const at::Tensor& up, const at::Tensor& down) {
+void check_tail(const char* op, const at::Tensor& h, const char* out_name, const Proj& out,
+                int64_t in_dim, const at::Tensor& post_norm, const Proj& gate, const Proj& up,
+                const Proj& down) {
   const int64_t hidden = h.size(1);
   const auto dt = h.scalar_type();
   check_weight(op, out_name, out, dt, hidden, "the hidden size of h", in_dim,
                "the mixer's output width");
   check_norm_weight(op, "post_norm", post_norm, hidden, "the hidden size of h");
-  PH_CHECK(down.dim() == 2, op, "down", "must be [hidden, I] (got shape ", shape_of(down), ")");
-  const int64_t inter = down.size(1);
+  PH_CHECK(down.codes || down.w.dim() == 2, op, "down", "must be [hidden, I] (got shape ",
+           shape_of(down.w), ")");
+  const int64_t inter = down.codes ? gate.rows() : down.w.size(1);
   check_weight(op, "down", down, dt, hidden, "the hidden size of h", inter, "down.size(1)");
   check_weight(op, "gate", gate, dt, inter, "down.size(1)", hidden, "the hidden size of h");
   check_weight(op, "up", up, dt, inter, "down.size(1)", hidden, "the hidden size of h");
@@ -115,12 +173,11 @@ void check_tail(const char* op, const at::Tensor& h, const char* out_name, const
 
 // h2 + (silu(g) * u) @ down^T with g, u = x2 @ gate^T, x2 @ up^T, x2 = rms_norm(h2, post_norm)
 // (layers.py MLP)
-at::Tensor mlp_block(const at::Tensor& h2, const at::Tensor& post_norm, const at::Tensor& gate,
-                     const at::Tensor& up, const at::Tensor& down, double rms_eps,
-                     bool native_linear) {
+at::Tensor mlp_block(const at::Tensor& h2, const at::Tensor& post_norm, const Proj& gate,
+                     const Proj& up, const Proj& down, double rms_eps, bool native_linear) {
   const at::Tensor x2 = norm(h2, post_norm, rms_eps);
-  const at::Tensor m = at::mul(at::silu(product(x2, gate, native_linear)),
-                               product(x2, up, native_linear));
+  const std::vector<at::Tensor> gu = products(x2, {&gate, &up}, native_linear);
+  const at::Tensor m = at::mul(at::silu(gu[0]), gu[1]);
   return at::add(h2, product(m, down, native_linear));
 }
 
@@ -157,9 +214,15 @@ at::Tensor attention_decode_layer(const at::Tensor& h, const at::Tensor& input_n
                                   const at::Tensor& gate_proj, const at::Tensor& up_proj,
                                   const at::Tensor& down_proj, int64_t heads, int64_t kv_heads,
                                   double scale, double rms_eps, int64_t split,
-                                  bool native_linear) {
+                                  bool native_linear, at::TensorList quant, int64_t quant_bits) {
   return naming("attention_decode_layer", [&](const char* op) {
     check_h(op, h);
+    check_quant(op, quant, 7);
+    const Proj q_p = proj(q_proj, quant, quant_bits, 0), k_p = proj(k_proj, quant, quant_bits, 1),
+               v_p = proj(v_proj, quant, quant_bits, 2), o_p = proj(o_proj, quant, quant_bits, 3),
+               gate_p = proj(gate_proj, quant, quant_bits, 4),
+               up_p = proj(up_proj, quant, quant_bits, 5),
+               down_p = proj(down_proj, quant, quant_bits, 6);
     const int64_t n = h.size(0), hidden = h.size(1);
     const auto dt = h.scalar_type();
     PH_CHECK(key_cache.dim() == 4 && key_cache.scalar_type() == dt, op, "key_cache",
@@ -169,11 +232,11 @@ at::Tensor attention_decode_layer(const at::Tensor& h, const at::Tensor& input_n
     PH_CHECK(heads >= 1 && kv_heads == key_cache.size(2) && heads % kv_heads == 0, op, "heads",
              "head ratio: heads (", heads, ") must be a multiple of the pages' KV heads (",
              key_cache.size(2), "), and kv_heads (", kv_heads, ") equal to them");
-    check_weight(op, "q_proj", q_proj, dt, 2 * heads * hd, "2 heads D (query | gate)", hidden,
+    check_weight(op, "q_proj", q_p, dt, 2 * heads * hd, "2 heads D (query | gate)", hidden,
                  "the hidden size of h");
-    check_weight(op, "k_proj", k_proj, dt, kv_heads * hd, "kv_heads D", hidden,
+    check_weight(op, "k_proj", k_p, dt, kv_heads * hd, "kv_heads D", hidden,
                  "the hidden size of h");
-    check_weight(op, "v_proj", v_proj, dt, kv_heads * hd, "kv_heads D", hidden,
+    check_weight(op, "v_proj", v_p, dt, kv_heads * hd, "kv_heads D", hidden,
                  "the hidden size of h");
     PH_CHECK(cos.dim() == 2 && cos.size(0) == n && sin.sizes() == cos.sizes() &&
                  cos.size(1) <= hd && cos.size(1) % 2 == 0, op, "cos",
@@ -181,14 +244,15 @@ at::Tensor attention_decode_layer(const at::Tensor& h, const at::Tensor& input_n
              shape_of(cos), ", ", shape_of(sin), ")");
     check_tensor(op, "write_slots", write_slots, 1, at::kLong);
     check_size(op, "write_slots", write_slots, 0, n, "the token rows of h");
-    check_tail(op, h, "o_proj", o_proj, heads * hd, post_norm, gate_proj, up_proj, down_proj);
+    check_tail(op, h, "o_proj", o_p, heads * hd, post_norm, gate_p, up_p, down_p);
     const at::Tensor x = norm(h, input_norm, rms_eps);
-    const at::Tensor qg = product(x, q_proj, native_linear).view({n, heads, 2 * hd});
+    const std::vector<at::Tensor> qkv = products(x, {&q_p, &k_p, &v_p}, native_linear);
+    const at::Tensor qg = qkv[0].view({n, heads, 2 * hd});
     const at::Tensor gate = qg.narrow(2, hd, hd).reshape({n, heads * hd});
     const at::Tensor q = rope(head_norm(qg.narrow(2, 0, hd), q_norm, rms_eps), cos, sin);
-    const at::Tensor k = rope(head_norm(product(x, k_proj, native_linear).view({n, kv_heads, hd}),
-                                        k_norm, rms_eps), cos, sin);
-    const at::Tensor v = product(x, v_proj, native_linear).view({n, kv_heads, hd});
+    const at::Tensor k = rope(head_norm(qkv[1].view({n, kv_heads, hd}), k_norm, rms_eps), cos,
+                              sin);
+    const at::Tensor v = qkv[2].view({n, kv_heads, hd});
     const at::Tensor qf = q.to(at::kFloat).contiguous();
     at::Tensor attn = at::empty({n, heads, hd}, h.options().dtype(at::kFloat));
     check_paged_attention(qf, key_cache, value_cache, block_table, cu_seqlens, past_lens, seqs,
@@ -203,8 +267,8 @@ at::Tensor attention_decode_layer(const at::Tensor& h, const at::Tensor& input_n
     paged_attention(qf, key_cache, value_cache, block_table, cu_seqlens, past_lens, seqs, attn,
                     scale, split);
     const at::Tensor gated = at::mul(attn.to(dt).reshape({n, -1}), at::sigmoid(gate));
-    const at::Tensor h2 = at::add(h, product(gated, o_proj, native_linear));
-    return mlp_block(h2, post_norm, gate_proj, up_proj, down_proj, rms_eps, native_linear);
+    const at::Tensor h2 = at::add(h, product(gated, o_p, native_linear));
+    return mlp_block(h2, post_norm, gate_p, up_p, down_p, rms_eps, native_linear);
   });
 }
 
@@ -218,8 +282,8 @@ at::Tensor gdn_decode_layer(const at::Tensor& h, const at::Tensor& input_norm,
                             const at::Tensor& post_norm, const at::Tensor& gate_proj,
                             const at::Tensor& up_proj, const at::Tensor& down_proj,
                             int64_t key_heads, double scale, double l2_eps, double gated_eps,
-                            double rms_eps, bool native_linear,
-                            const c10::optional<at::Tensor>& cu_seqlens,
+                            double rms_eps, bool native_linear, at::TensorList quant,
+                            int64_t quant_bits, const c10::optional<at::Tensor>& cu_seqlens,
                             const c10::optional<at::Tensor>& verify,
                             const c10::optional<at::Tensor>& capsule_conv,
                             const c10::optional<at::Tensor>& decay,
@@ -227,30 +291,39 @@ at::Tensor gdn_decode_layer(const at::Tensor& h, const at::Tensor& input_norm,
                             const c10::optional<at::Tensor>& delta) {
   return naming("gdn_decode_layer", [&](const char* op) {
     check_h(op, h);
+    check_quant(op, quant, 8);
+    const Proj qkv_p = proj(in_proj_qkv, quant, quant_bits, 0),
+               z_p = proj(in_proj_z, quant, quant_bits, 1),
+               b_p = proj(in_proj_b, quant, quant_bits, 2),
+               a_p = proj(in_proj_a, quant, quant_bits, 3),
+               out_p = proj(out_proj, quant, quant_bits, 4),
+               gate_p = proj(gate_proj, quant, quant_bits, 5),
+               up_p = proj(up_proj, quant, quant_bits, 6),
+               down_p = proj(down_proj, quant, quant_bits, 7);
     const int64_t hidden = h.size(1);
     const auto dt = h.scalar_type();
     check_tensor(op, "pool", pool, 4, at::kFloat);
     const int64_t hv = pool.size(1), vd = hv * pool.size(2);
     PH_CHECK(conv_weight.dim() == 2, op, "conv_weight", "must be [C, K] (got shape ",
              shape_of(conv_weight), ")");
-    check_weight(op, "in_proj_qkv", in_proj_qkv, dt, conv_weight.size(0),
+    check_weight(op, "in_proj_qkv", qkv_p, dt, conv_weight.size(0),
                  "the channels of conv_weight", hidden, "the hidden size of h");
-    check_weight(op, "in_proj_z", in_proj_z, dt, vd, "Hv Dv of pool", hidden,
+    check_weight(op, "in_proj_z", z_p, dt, vd, "Hv Dv of pool", hidden,
                  "the hidden size of h");
-    check_weight(op, "in_proj_b", in_proj_b, dt, hv, "the value heads of pool", hidden,
+    check_weight(op, "in_proj_b", b_p, dt, hv, "the value heads of pool", hidden,
                  "the hidden size of h");
-    check_weight(op, "in_proj_a", in_proj_a, dt, hv, "the value heads of pool", hidden,
+    check_weight(op, "in_proj_a", a_p, dt, hv, "the value heads of pool", hidden,
                  "the hidden size of h");
-    check_tail(op, h, "out_proj", out_proj, vd, post_norm, gate_proj, up_proj, down_proj);
+    check_tail(op, h, "out_proj", out_p, vd, post_norm, gate_p, up_p, down_p);
     const at::Tensor x = norm(h, input_norm, rms_eps);
     at::Tensor y = at::empty({h.size(0), vd}, h.options());
-    gdn_decode_mixer(product(x, in_proj_qkv, native_linear), product(x, in_proj_z, native_linear),
-                     product(x, in_proj_a, native_linear), product(x, in_proj_b, native_linear),
+    const std::vector<at::Tensor> in = products(x, {&qkv_p, &z_p, &a_p, &b_p}, native_linear);
+    gdn_decode_mixer(in[0], in[1], in[2], in[3],
                      conv_weight, conv_pool, a_log, dt_bias, pool, slots, fresh, gated_norm, y,
                      key_heads, scale, l2_eps, gated_eps, cu_seqlens, verify, capsule_conv, decay,
                      key, delta);
-    const at::Tensor h2 = at::add(h, product(y, out_proj, native_linear));
-    return mlp_block(h2, post_norm, gate_proj, up_proj, down_proj, rms_eps, native_linear);
+    const at::Tensor h2 = at::add(h, product(y, out_p, native_linear));
+    return mlp_block(h2, post_norm, gate_p, up_p, down_p, rms_eps, native_linear);
   });
 }
 
@@ -264,16 +337,17 @@ TORCH_LIBRARY_FRAGMENT(PH_NS, m) {
       "Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor write_slots, Tensor block_table, "
       "Tensor cu_seqlens, Tensor past_lens, Tensor seqs, Tensor o_proj, Tensor post_norm, "
       "Tensor gate_proj, Tensor up_proj, Tensor down_proj, int heads, int kv_heads, "
-      "float scale, float rms_eps, int split, bool native_linear) -> Tensor");
+      "float scale, float rms_eps, int split, bool native_linear, Tensor[] quant, "
+      "int quant_bits) -> Tensor");
   m.def(
       "gdn_decode_layer(Tensor h, Tensor input_norm, Tensor in_proj_qkv, Tensor in_proj_z, "
       "Tensor in_proj_b, Tensor in_proj_a, Tensor conv_weight, Tensor(a!) conv_pool, "
       "Tensor a_log, Tensor dt_bias, Tensor(b!) pool, Tensor slots, Tensor fresh, "
       "Tensor gated_norm, Tensor out_proj, Tensor post_norm, Tensor gate_proj, Tensor up_proj, "
       "Tensor down_proj, int key_heads, float scale, float l2_eps, float gated_eps, "
-      "float rms_eps, bool native_linear, Tensor? cu_seqlens=None, Tensor? verify=None, "
-      "Tensor(c!)? capsule_conv=None, Tensor(d!)? decay=None, Tensor(e!)? key=None, "
-      "Tensor(f!)? delta=None) -> Tensor");
+      "float rms_eps, bool native_linear, Tensor[] quant, int quant_bits, "
+      "Tensor? cu_seqlens=None, Tensor? verify=None, Tensor(c!)? capsule_conv=None, "
+      "Tensor(d!)? decay=None, Tensor(e!)? key=None, Tensor(f!)? delta=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(PH_NS, CPU, m) {

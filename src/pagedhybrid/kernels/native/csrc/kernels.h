@@ -4,12 +4,34 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <string>
+#include <vector>
+
 #define PH_LOCAL __attribute__((visibility("hidden")))
 
 namespace pagedhybrid {
 
 // linear.cpp: out [M, N] = x [M, K] @ w [N, K]^T (the fast form)
 PH_LOCAL void linear(const at::Tensor& x, const at::Tensor& w, at::Tensor out);
+
+// quant.cpp: out [M, N] = x [M, K] @ dequant(codes, scales, zeros)^T (int8 / int4 weights,
+// activations quantised per row; the batch-invariant integer form), and its weight checks with
+// every argument named `name` + "codes" / "scales" / "zeros"
+PH_LOCAL void quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                           const c10::optional<at::Tensor>& zeros, int64_t bits, at::Tensor out);
+// ... and several weights of one format by the same activations in one call (x quantised once,
+// one parallel step): outs[j] [M, N_j] = x @ dequant(ws[j])^T
+struct QuantWeightRef {
+  const at::Tensor& codes;
+  const at::Tensor& scales;
+  const c10::optional<at::Tensor>& zeros;
+};
+PH_LOCAL void quant_linear_many(const at::Tensor& x, int64_t bits,
+                                const std::vector<QuantWeightRef>& ws,
+                                const std::vector<at::Tensor>& outs);
+PH_LOCAL void check_quant_weight(const char* op, const std::string& name,
+                                 const at::Tensor& codes, const at::Tensor& scales,
+                                 const c10::optional<at::Tensor>& zeros, int64_t bits, int64_t k);
 
 // norms.cpp: out = x * rsqrt(mean(x^2) + eps) * (offset ? 1 + w : w), rows of x [R, D]
 PH_LOCAL void rms_norm(const at::Tensor& x, const at::Tensor& w, at::Tensor out, double eps,

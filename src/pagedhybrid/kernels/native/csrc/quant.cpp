@@ -1,0 +1,537 @@
+// Products of int8 / int4 projection weights: out [M, N] = x [M, K] . dequant(w)^T.
+//
+// Weights (checked here) are weightquant.py's QuantizedWeight, com.microsoft.MatMulNBits' layout:
+// codes uint8 [N, nb, block * bits / 8] (K zero-padded to nb * block; 4-bit codes two to a byte,
+// element 2j in the low nibble), scales float16 [N, nb], zeros uint8 [N, nb] or none (symmetric:
+// 2^(bits-1)); value = (code - zero) * scale. They are read in place: no dequantised copy.
+//
+// Activations are quantised per row on the fly into int8 codes with one float scale per
+// kAct = 32 elements (llama.cpp's q8 path): d = max|x| / 127, q = round(x * (1 / d)) (ties to
+// even, 0 where d = 0) -- weightquant.quantize_rows, bit for bit. A 4-bit weight's 32 elements of
+// a sub-block arrive as [low nibbles | high nibbles] = [even | odd] elements, so each activation
+// sub-block is stored in that order too (once per row, not once per weight row). Per sub-block
+// the integer dot product is exact: 4-bit codes (unsigned, 0..15) times the activation codes by
+// vpmaddubsw (pairs <= 2 * 15 * 127, no int16 saturation); 8-bit codes as signed c - 128 with the
+// sign moved onto the activation (|c - 128| <= 128, pairs <= 2 * 128 * 127 < 32767); then pairs
+// summed into int32 lanes (vpmaddwd) -- or, where the CPU has AVX512-VNNI (vpdpbusd), in one
+// instruction with the same integer result. Each sub-block's int32 lanes are scaled by
+// d * scale in fp32 and accumulated in two sets of 8 fp32 lanes (alternate sub-blocks: two
+// independent FMA chains); the zero points enter as one more pass over the row's blocks,
+// sum_b zero_b * scale_b * sum_sub(d * sum(q)) (the activation sums are taken while quantising).
+// Out is the fixed horizontal sum minus that correction, rounded once to x's dtype.
+//
+// Every output element is computed the same way whatever M is and wherever its row sits (rows are
+// register-blocked up to 4 to share the weight loads, nothing else), so the one kernel is also
+// the batch-invariant form. Work: tasks of up to kRowsPerTask rows x kColsPerTask weight rows
+// (the weight rows stay in L1 while the rows stream past them).
+#include <ATen/core/Tensor.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "common.h"
+#include "kernels.h"
+#include "vec.h"
+
+namespace pagedhybrid {
+namespace {
+
+constexpr int kAct = 32;              // activation sub-block (elements per activation scale)
+constexpr int64_t kRowsPerTask = 64;  // rows of x per task
+constexpr int64_t kColsPerTask = 16;  // weight rows per task
+constexpr int kRowBlock = 4;          // rows sharing one weight load
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline float hsum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+inline int32_t hsum(__m256i v) {
+  const __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  const __m128i t = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+  return _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 1)));
+}
+
+// One row of x: k elements (zero-padded to width, a multiple of the weight block) into codes q
+// [width] and scales d [width / kAct]; xsum [width / block] = per weight block
+// sum over its sub-blocks of d * sum(q). With `odd_even` (4-bit weights) each pair of
+// sub-blocks (s, s + 1) is stored as [evens of s | evens of s + 1 | odds of s | odds of s + 1]
+// -- the order in which 32 bytes of 4-bit codes unpack into low and high nibbles -- with
+// pairs[8 i ..] = [d_s x 4 | d_s+1 x 4]; a last unpaired sub-block as [evens | odds].
+template <typename TX>
+void quantize_row(const TX* x, int64_t k, int64_t width, int64_t block, bool odd_even,
+                  float* pairs, int8_t* q, float* d, float* xsum) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  // per 128-bit lane: bytes 0, 2, ..., 14 then 1, 3, ..., 15
+  const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                         0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  float buf[kAct];
+  const int64_t subs_per_block = block / kAct;
+  float block_sum = 0.0f;
+  for (int64_t s = 0; s * kAct < width; ++s) {
+    const int64_t e0 = s * kAct;
+    __m256 v[4];
+    if (e0 + kAct <= k) {
+      for (int i = 0; i < 4; ++i) v[i] = load8(x + e0 + 8 * i);
+    } else {
+      for (int i = 0; i < kAct; ++i) buf[i] = e0 + i < k ? to_float(x[e0 + i]) : 0.0f;
+      for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(buf + 8 * i);
+    }
+    __m256 amax = _mm256_andnot_ps(sign, v[0]);
+    for (int i = 1; i < 4; ++i) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+    const float dv = _mm_cvtss_f32(m4) / 127.0f;
+    const float inv = dv != 0.0f ? 1.0f / dv : 0.0f;
+    const __m256 iv = _mm256_set1_ps(inv);
+    __m256i i[4];
+    for (int j = 0; j < 4; ++j) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], iv));  // nearest-even
+    const __m256i total = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]),
+                                           _mm256_add_epi32(i[2], i[3]));
+    __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]),
+                                        _mm256_packs_epi32(i[2], i[3]));
+    packed = _mm256_permutevar8x32_epi32(packed, order);  // elements back in order
+    if (odd_even) {
+      packed = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(packed, split),
+                                        _MM_SHUFFLE(3, 1, 2, 0));
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + e0), packed);
+    d[s] = dv;
+    block_sum += dv * static_cast<float>(hsum(total));
+    if ((s + 1) % subs_per_block == 0) {
+      xsum[s / subs_per_block] = block_sum;
+      block_sum = 0.0f;
+    }
+  }
+  if (!odd_even) return;
+  for (int64_t i = 0; 2 * i + 1 < width / kAct; ++i) {
+    __m256i* p = reinterpret_cast<__m256i*>(q + 2 * i * kAct);
+    const __m256i s0 = _mm256_loadu_si256(p), s1 = _mm256_loadu_si256(p + 1);
+    _mm256_storeu_si256(p, _mm256_permute2x128_si256(s0, s1, 0x20));
+    _mm256_storeu_si256(p + 1, _mm256_permute2x128_si256(s0, s1, 0x31));
+    _mm256_storeu_ps(pairs + 8 * i, _mm256_set_m128(_mm_set1_ps(d[2 * i + 1]),
+                                                    _mm_set1_ps(d[2 * i])));
+  }
+}
+
+// The int32 lanes of one sub-block's dot product (weight codes w as loaded, activation codes a).
+template <int BITS>
+inline __m256i dot32(__m256i w, __m256i a) {
+  if constexpr (BITS == 8) {  // signed codes c - 128: |w| times a with w's sign
+    a = _mm256_sign_epi8(a, w);
+    w = _mm256_abs_epi8(w);
+  }
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, a);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1));
+#endif
+}
+
+// One sub-block of weight codes as 32 bytes (4-bit: [low | high] nibbles; 8-bit: c - 128).
+template <int BITS>
+inline __m256i load_codes(const uint8_t* p) {
+  if constexpr (BITS == 4) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), mask), _mm_and_si128(b, mask));
+  } else {
+    return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+                            _mm256_set1_epi8(static_cast<char>(0x80)));
+  }
+}
+
+struct Rows {  // the quantised activations
+  const int8_t* q;
+  const float* d;
+  const float* xsum;
+  const float* pairs;  // 4-bit weights: [d_s x 4 | d_s+1 x 4] per pair of sub-blocks
+  int64_t width, subs, blocks;  // per row: codes, sub-block scales, block sums
+};
+
+// sum_b scale_b * zero_b * xsum_b over the nb blocks of one weight row and one activation row
+// (zero_b as the kernel multiplies it: the stored zero point, minus 128 for 8-bit codes):
+// 8 blocks at a time, then the fixed horizontal sum and the tail in order.
+template <int BITS>
+inline float zero_correction(const c10::Half* scales, const uint8_t* zeros, const float* xsum,
+                             int64_t nb) {
+  constexpr int kImplied = BITS == 8 ? 0 : 1 << (BITS - 1);  // symmetric, after the - 128
+  if (!zeros && kImplied == 0) return 0.0f;
+  const __m256 shift = _mm256_set1_ps(BITS == 8 ? 128.0f : 0.0f);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 8 <= nb; b += 8) {
+    const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + b)));
+    const __m256 xs = _mm256_loadu_ps(xsum + b);
+    const __m256 z = zeros ? _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                 _mm_loadl_epi64(reinterpret_cast<const __m128i*>(zeros + b)))),
+                             shift)
+                           : _mm256_set1_ps(static_cast<float>(kImplied));
+    acc = _mm256_fmadd_ps(_mm256_mul_ps(ws, z), xs, acc);
+  }
+  float total = hsum(acc);
+  for (; b < nb; ++b) {
+    const float z = zeros ? static_cast<float>(zeros[b]) - (BITS == 8 ? 128.0f : 0.0f)
+                          : static_cast<float>(kImplied);
+    total += _cvtsh_ss(scales[b].x) * z * xsum[b];
+  }
+  return total;
+}
+
+// R rows (from `r0`) of the activations against one weight row: out[r * ldo]. Two fp32
+// accumulators per row take alternate sub-blocks (two independent FMA chains), summed at the end.
+template <int BITS, int R, typename TO>
+inline void dot_rows(const Rows& x, int64_t r0, const uint8_t* codes, const c10::Half* scales,
+                     const uint8_t* zeros, int64_t block, TO* out, int64_t ldo) {
+  constexpr int kBytes = kAct * BITS / 8;
+  const int64_t subs = block / kAct;
+  __m256 acc[2][R];
+  for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
+  const int8_t* q[R];
+  const float* d[R];
+  for (int r = 0; r < R; ++r) {
+    q[r] = x.q + (r0 + r) * x.width;
+    d[r] = x.d + (r0 + r) * x.subs;
+  }
+  // the sub-blocks in order; ws is the current block's scale (F16C: c10's conversion is bit
+  // arithmetic), `left` the sub-blocks left in that block
+  int64_t b = 0, left = subs;
+  float ws = _cvtsh_ss(scales[0].x);
+  const auto step = [&](int64_t s, __m256 (&into)[R]) {
+    const __m256i w = load_codes<BITS>(codes + s * kBytes);
+    for (int r = 0; r < R; ++r) {
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[r] + s * kAct));
+      into[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32<BITS>(w, a)),
+                                _mm256_set1_ps(ws * d[r][s]), into[r]);
+    }
+    if (--left == 0 && ++b < x.blocks) {
+      left = subs;
+      ws = _cvtsh_ss(scales[b].x);
+    }
+  };
+  const int64_t total = x.subs;
+  int64_t s = 0;
+  for (; s + 2 <= total; s += 2) {
+    step(s, acc[0]);
+    step(s + 1, acc[1]);
+  }
+  if (s < total) step(s, acc[0]);
+  for (int r = 0; r < R; ++r) {
+    const float corr = zero_correction<BITS>(scales, zeros, x.xsum + (r0 + r) * x.blocks,
+                                             x.blocks);
+    out[r * ldo] = from_float<TO>(hsum(_mm256_add_ps(acc[0][r], acc[1][r])) - corr);
+  }
+}
+
+// 4-bit weights, R rows (from `r0`) against one weight row: 32 bytes of codes (two sub-blocks)
+// unpack into [low nibbles | high nibbles] = [evens s | evens s+1] and [odds s | odds s+1], the
+// pair layout quantize_row stored the activations in; int32 lanes 0-3 hold sub-block s's dot
+// product, 4-7 s + 1's, scaled by [scale_s d_s x 4 | scale_s+1 d_s+1 x 4]. Alternate pairs go to
+// two accumulators (two FMA chains), a last unpaired sub-block to the first.
+template <int R, typename TO>
+inline void dot_rows4(const Rows& x, int64_t r0, const uint8_t* codes, const c10::Half* scales,
+                      const uint8_t* zeros, int64_t block, TO* out, int64_t ldo) {
+  const int64_t subs = block / kAct;  // sub-blocks per weight block
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+  __m256 acc[2][R];
+  for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
+  const int8_t* q[R];
+  const float* dp[R];
+  for (int r = 0; r < R; ++r) {
+    q[r] = x.q + (r0 + r) * x.width;
+    dp[r] = x.pairs + (r0 + r) * (x.subs / 2) * 8;
+  }
+  const auto pair = [&](int64_t i, __m256 (&into)[R]) {
+    const int64_t s = 2 * i;
+    __m256 ws;
+    if (subs == 1) {  // the pair spans two blocks: both scales
+      int32_t two;
+      std::memcpy(&two, scales + s, 4);
+      ws = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128(two))),
+                                    spread);
+    } else {  // one block (its sub-blocks come in pairs)
+      ws = _mm256_set1_ps(_cvtsh_ss(scales[s / subs].x));
+    }
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + s * 16));
+    const __m256i lo = _mm256_and_si256(v, mask);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+    for (int r = 0; r < R; ++r) {
+      const __m256i* a = reinterpret_cast<const __m256i*>(q[r] + s * kAct);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+      const __m256i dot = _mm256_dpbusd_epi32(
+          _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, _mm256_loadu_si256(a)), hi,
+          _mm256_loadu_si256(a + 1));
+#else  // int16 pairs <= 2 * 15 * 127, the two halves' sum <= 7620: no saturation
+      const __m256i dot = _mm256_madd_epi16(
+          _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256(a)),
+                           _mm256_maddubs_epi16(hi, _mm256_loadu_si256(a + 1))), ones);
+#endif
+      into[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                                _mm256_mul_ps(ws, _mm256_loadu_ps(dp[r] + 8 * i)), into[r]);
+    }
+  };
+  const int64_t npairs = x.subs / 2;
+  int64_t i = 0;
+  for (; i + 2 <= npairs; i += 2) {
+    pair(i, acc[0]);
+    pair(i + 1, acc[1]);
+  }
+  if (i < npairs) pair(i, acc[0]);
+  if (x.subs % 2) {  // the last sub-block alone, [evens | odds]
+    const int64_t s = x.subs - 1;
+    const float ws = _cvtsh_ss(scales[s / subs].x);
+    const __m256i w = load_codes<4>(codes + s * 16);
+    for (int r = 0; r < R; ++r) {
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[r] + s * kAct));
+      const float ds = x.d[(r0 + r) * x.subs + s];
+      acc[0][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32<4>(w, a)), _mm256_set1_ps(ws * ds),
+                                  acc[0][r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const float corr = zero_correction<4>(scales, zeros, x.xsum + (r0 + r) * x.blocks,
+                                          x.blocks);
+    out[r * ldo] = from_float<TO>(hsum(_mm256_add_ps(acc[0][r], acc[1][r])) - corr);
+  }
+}
+
+// R rows against one weight row in the form for BITS.
+template <int BITS, int R, typename TO>
+inline void rows_dot(const Rows& x, int64_t r0, const uint8_t* codes, const c10::Half* scales,
+                     const uint8_t* zeros, int64_t block, TO* out, int64_t ldo) {
+  if constexpr (BITS == 4) {
+    dot_rows4<R>(x, r0, codes, scales, zeros, block, out, ldo);
+  } else {
+    dot_rows<BITS, R>(x, r0, codes, scales, zeros, block, out, ldo);
+  }
+}
+
+struct Weight {  // one weight's rows, and where its products go
+  const uint8_t* codes;
+  const c10::Half* scales;
+  const uint8_t* zeros;
+  int64_t n;
+  void* out;  // [M, n] in x's dtype
+};
+
+// out_j = x . w_j^T for every weight j (all with the activations' layout): one parallel step,
+// tasks of up to kRowsPerTask rows x kColsPerTask rows of one weight.
+template <int BITS, typename TO>
+void product(const Rows& x, int64_t m, const std::vector<Weight>& ws, int64_t block) {
+  const int64_t row_bytes = x.width * BITS / 8;
+  const int64_t row_tasks = (m + kRowsPerTask - 1) / kRowsPerTask;
+  std::vector<int64_t> first(ws.size() + 1, 0);  // each weight's first task
+  int64_t total_n = 0;
+  for (size_t j = 0; j < ws.size(); ++j) {
+    first[j + 1] = first[j] + row_tasks * ((ws[j].n + kColsPerTask - 1) / kColsPerTask);
+    total_n += ws[j].n;
+  }
+  parallel_items(first.back(), 1, m * total_n * x.width, [&](int64_t item) {
+    const size_t j = std::upper_bound(first.begin(), first.end(), item) - first.begin() - 1;
+    const Weight& w = ws[j];
+    const int64_t task = item - first[j], n = w.n;
+    const int64_t c0 = (task / row_tasks) * kColsPerTask, r0 = (task % row_tasks) * kRowsPerTask;
+    const int64_t c1 = std::min(n, c0 + kColsPerTask), r1 = std::min(m, r0 + kRowsPerTask);
+    TO* out = static_cast<TO*>(w.out);
+    for (int64_t c = c0; c < c1; ++c) {
+      const uint8_t* wc = w.codes + c * row_bytes;
+      const c10::Half* sc = w.scales + c * x.blocks;
+      const uint8_t* zc = w.zeros ? w.zeros + c * x.blocks : nullptr;
+      int64_t r = r0;
+      for (; r + kRowBlock <= r1; r += kRowBlock)
+        rows_dot<BITS, kRowBlock>(x, r, wc, sc, zc, block, out + r * n + c, n);
+      switch (r1 - r) {
+        case 3: rows_dot<BITS, 3>(x, r, wc, sc, zc, block, out + r * n + c, n); break;
+        case 2: rows_dot<BITS, 2>(x, r, wc, sc, zc, block, out + r * n + c, n); break;
+        case 1: rows_dot<BITS, 1>(x, r, wc, sc, zc, block, out + r * n + c, n); break;
+        default: break;
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void check_quant_weight(const char* op, const std::string& name, const at::Tensor& codes,
+                        const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
+                        int64_t bits, int64_t k) {
+  const std::string c = name + "codes", s = name + "scales", z = name + "zeros";
+  PH_CHECK(bits == 4 || bits == 8, op, name + "bits", "must be 4 or 8 (got ", bits, ")");
+  check_tensor(op, c.c_str(), codes, 3, at::kByte);
+  const int64_t n = codes.size(0), nb = codes.size(1), bytes = codes.size(2);
+  const int64_t block = bytes * 8 / bits;
+  PH_CHECK(block >= kAct && block % kAct == 0 && bytes * 8 % bits == 0, op, c,
+           "size(2) * 8 / bits (the block) must be a multiple of ", kAct, " (got shape ",
+           shape_of(codes), ", bits ", bits, ")");
+  PH_CHECK(nb >= 1 && k <= nb * block && k > (nb - 1) * block, op, c, "must hold K = ", k,
+           " columns in size(1) blocks of ", block, " (got shape ", shape_of(codes), ")");
+  check_tensor(op, s.c_str(), scales, 2, at::kHalf);
+  check_size(op, s.c_str(), scales, 0, n, "the rows N of codes");
+  check_size(op, s.c_str(), scales, 1, nb, "the blocks of codes");
+  if (zeros.has_value() && zeros->defined()) {
+    check_tensor(op, z.c_str(), *zeros, 2, at::kByte);
+    check_size(op, z.c_str(), *zeros, 0, n, "the rows N of codes");
+    check_size(op, z.c_str(), *zeros, 1, nb, "the blocks of codes");
+  }
+}
+
+void quant_linear_many(const at::Tensor& x, int64_t bits, const std::vector<QuantWeightRef>& ws,
+                       const std::vector<at::Tensor>& outs) {
+  const char* op = "quant_linear";
+  PH_CHECK(x.defined() && x.dim() == 2, op, "x", "must be [M, K] (got shape ",
+           x.defined() ? shape_of(x) : std::string("none"), ")");
+  const auto xt = x.scalar_type();
+  PH_CHECK(xt == at::kFloat || xt == at::kBFloat16 || xt == at::kHalf, op, "x",
+           "must be float32, bfloat16 or float16 (got ", xt, ")");
+  check_tensor(op, "x", x, 2, xt);
+  PH_CHECK(!ws.empty() && ws.size() == outs.size(), op, "out", "one per weight");
+  for (size_t j = 0; j < ws.size(); ++j) {
+    check_quant_weight(op, "", ws[j].codes, ws[j].scales, ws[j].zeros, bits, x.size(1));
+    PH_CHECK(ws[j].codes.size(1) == ws[0].codes.size(1) &&
+                 ws[j].codes.size(2) == ws[0].codes.size(2), op, "codes",
+             "the weights of one call must share their blocks (got ", shape_of(ws[j].codes),
+             " and ", shape_of(ws[0].codes), ")");
+    check_tensor(op, "out", outs[j], 2, xt);
+    check_size(op, "out", outs[j], 0, x.size(0), "the rows M of x");
+    check_size(op, "out", outs[j], 1, ws[j].codes.size(0), "the rows N of codes");
+  }
+  const int64_t m = x.size(0), k = x.size(1), nb = ws[0].codes.size(1);
+  const int64_t block = ws[0].codes.size(2) * 8 / bits, width = nb * block;
+  if (m == 0) return;
+  std::vector<int8_t> q(m * width);
+  std::vector<float> d(m * (width / kAct)), xsum(m * nb);
+  std::vector<float> pairs(bits == 4 ? m * (width / kAct / 2) * 8 : 0);
+  std::vector<Weight> weights;
+  for (size_t j = 0; j < ws.size(); ++j) {
+    const auto& z = ws[j].zeros;
+    weights.push_back({ws[j].codes.data_ptr<uint8_t>(), ws[j].scales.data_ptr<c10::Half>(),
+                       z.has_value() && z->defined() ? z->data_ptr<uint8_t>() : nullptr,
+                       ws[j].codes.size(0), outs[j].data_ptr()});
+  }
+  const auto run = [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    parallel_items(m, 8, m * width * 8, [&](int64_t r) {
+      quantize_row(xp + r * k, k, width, block, bits == 4,
+                   pairs.data() + r * (width / kAct / 2) * 8, q.data() + r * width,
+                   d.data() + r * (width / kAct), xsum.data() + r * nb);
+    });
+    const Rows rows{q.data(), d.data(), xsum.data(), pairs.data(), width, width / kAct, nb};
+    if (bits == 4) {
+      product<4, scalar_t>(rows, m, weights, block);
+    } else {
+      product<8, scalar_t>(rows, m, weights, block);
+    }
+  };
+  if (xt == at::kFloat) {
+    run(float{});
+  } else if (xt == at::kBFloat16) {
+    run(c10::BFloat16{});
+  } else {
+    run(c10::Half{});
+  }
+}
+
+void quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                  const c10::optional<at::Tensor>& zeros, int64_t bits, at::Tensor out) {
+  PH_CHECK(bits == 4 || bits == 8, "quant_linear", "bits", "must be 4 or 8 (got ", bits, ")");
+  quant_linear_many(x, bits, {QuantWeightRef{codes, scales, zeros}}, {out});
+}
+
+namespace {
+
+// Rows [row0, row0 + R) of the weight as float32 (code - zero) * scale into out [R, K]: the
+// prefill form multiplies a cache-sized chunk of them with the fp32 GEMM (kernels/native/quant.py).
+void quant_dequantize(const at::Tensor& codes, const at::Tensor& scales,
+                      const c10::optional<at::Tensor>& zeros, int64_t bits, int64_t row0,
+                      at::Tensor out) {
+  const char* op = "quant_dequantize";
+  PH_CHECK(bits == 4 || bits == 8, op, "bits", "must be 4 or 8 (got ", bits, ")");
+  check_tensor(op, "codes", codes, 3, at::kByte);
+  check_tensor(op, "out", out, 2, at::kFloat);
+  const int64_t n = codes.size(0), nb = codes.size(1), block = codes.size(2) * 8 / bits;
+  const int64_t rows = out.size(0), k = out.size(1);
+  PH_CHECK(row0 >= 0 && row0 + rows <= n, op, "row0", "rows [row0, row0 + out.size(0)) must lie "
+           "in [0, ", n, ") (got row0 ", row0, ", ", rows, " rows)");
+  PH_CHECK(block >= kAct && block % kAct == 0 && k <= nb * block && k > (nb - 1) * block, op,
+           "out", "size(1) must be the K the codes hold (got shape ", shape_of(out),
+           ", codes ", shape_of(codes), ")");
+  check_tensor(op, "scales", scales, 2, at::kHalf);
+  check_size(op, "scales", scales, 0, n, "the rows N of codes");
+  check_size(op, "scales", scales, 1, nb, "the blocks of codes");
+  const uint8_t* zp = nullptr;
+  if (zeros.has_value() && zeros->defined()) {
+    check_tensor(op, "zeros", *zeros, 2, at::kByte);
+    check_size(op, "zeros", *zeros, 0, n, "the rows N of codes");
+    check_size(op, "zeros", *zeros, 1, nb, "the blocks of codes");
+    zp = zeros->data_ptr<uint8_t>();
+  }
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const c10::Half* sp = scales.data_ptr<c10::Half>();
+  float* op_ = out.data_ptr<float>();
+  const int64_t row_bytes = codes.size(1) * codes.size(2);
+  parallel_items(rows, 4, rows * k * 4, [&](int64_t r) {
+    const int64_t c = row0 + r;
+    float* o = op_ + r * k;
+    for (int64_t b = 0; b < nb; ++b) {
+      const float ws = _cvtsh_ss(sp[c * nb + b].x);
+      const __m256 s = _mm256_set1_ps(ws);
+      const __m256 z = _mm256_set1_ps(zp ? zp[c * nb + b] : (1 << (bits - 1)));
+      const uint8_t* src = cp + c * row_bytes + b * (block * bits / 8);
+      for (int64_t e = 0; e < block && b * block + e < k; e += 8) {
+        __m256i v;
+        if (bits == 4) {  // 8 elements from 4 bytes: low nibble first
+          uint32_t four;
+          std::memcpy(&four, src + e / 2, 4);
+          const __m128i b4 = _mm_cvtsi32_si128(static_cast<int>(four));
+          const __m128i lo = _mm_and_si128(b4, _mm_set1_epi8(0x0F));
+          const __m128i hi = _mm_and_si128(_mm_srli_epi16(b4, 4), _mm_set1_epi8(0x0F));
+          v = _mm256_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi));
+        } else {
+          v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + e)));
+        }
+        const __m256 w = _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(v), z), s);
+        const int64_t left = k - (b * block + e);
+        if (left >= 8) {
+          _mm256_storeu_ps(o + b * block + e, w);
+        } else {
+          float tail[8];
+          _mm256_storeu_ps(tail, w);
+          std::memcpy(o + b * block + e, tail, left * sizeof(float));
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+}  // namespace pagedhybrid
+
+TORCH_LIBRARY_FRAGMENT(PH_NS, m) {
+  m.def("quant_linear(Tensor x, Tensor codes, Tensor scales, Tensor? zeros, int bits, "
+        "Tensor(a!) out) -> ()");
+  m.def("quant_dequantize(Tensor codes, Tensor scales, Tensor? zeros, int bits, int row0, "
+        "Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(PH_NS, CPU, m) {
+  m.impl("quant_linear", &pagedhybrid::quant_linear);
+  m.impl("quant_dequantize", &pagedhybrid::quant_dequantize);
+}

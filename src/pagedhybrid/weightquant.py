@@ -1,0 +1,223 @@
+"""Weights in 8 and 4 bits: the formats, round-to-nearest quantisation, and the one layout.
+
+A ``WeightFormat`` is ``int8`` or ``int4`` with a block size along K (the input features) and
+symmetric or asymmetric (zero points) codes; its spelling (``--quantization``, ``--weights``):
+
+* ``int8`` -- per output channel, symmetric (one scale per row of the weight: llama.cpp's and
+  vLLM's W8A8 CPU choice); ``int8:32`` / ``int8:128`` block-wise (as q8_0 / an ORT int8 package);
+* ``int4`` = ``int4:32`` -- block-wise symmetric (llama.cpp's q4_0, ORT GenAI's default block);
+  ``int4:128``; a trailing ``:asym`` adds a zero point per block (``int4:32:asym``, as q4_1).
+
+Layout (``QuantizedWeight``): exactly ``com.microsoft.MatMulNBits``' ``B`` for a weight
+``[N, K]``: ``codes`` uint8 ``[N, n_blocks, block * bits / 8]`` with K zero-padded to
+``n_blocks * block``; 4-bit codes two to a byte, element ``2j`` in the low nibble and ``2j + 1``
+in the high one; ``scales`` float16 ``[N, n_blocks]``; ``zeros`` uint8 ``[N, n_blocks]`` (one
+unpacked zero point per block; None = symmetric, the implied ``2^(bits-1)``: 8 / 128). The value
+is ``(code - zero) * scale``. The engine's kernels read these bytes and the export writes them
+(the 4-bit zero points packed two to a byte as MatMulNBits wants), so the engine and an ONNX
+package compute from the same codes and scales.
+
+Quantisation (round to nearest, ties to even; the scale rounded to float16 first and the codes
+computed with the rounded scale, so ``dequantize`` is exactly what either runtime multiplies by):
+
+* symmetric int4: ``scale = m / -8`` with ``m`` the block's element of largest magnitude (signed),
+  ``code = clamp(round(w / scale) + 8, 0, 15)`` -- the largest element lands on code 0 exactly,
+  all 16 levels used (llama.cpp's q4_0 rule);
+* symmetric int8: ``scale = max|w| / 127``, ``code = round(w / scale) + 128`` (1..255);
+* asymmetric: the range ``[min(w, 0), max(w, 0)]`` over ``2^bits - 1`` steps, ``zero =
+  clamp(round(-lo / scale), 0, qmax)``, ``code = clamp(round(w / scale) + zero, 0, qmax)``.
+
+A zero block has scale 0 and codes at the zero point. A scale beyond float16 is refused.
+
+Activations (``quantize_rows``): the kernels multiply int8 codes of the activations, quantised
+per row on the fly in sub-blocks of ``ACT_BLOCK`` = 32 (llama.cpp's q8 path): ``d = max|x| / 127``,
+``q = round(x * (1 / d))`` (0 where ``d`` is 0). ``reference_linear`` is that product in float64
+from the same activation codes and the dequantised weights: the kernels' sums are exact integer
+dot products per sub-block, so they differ from it only by fp32 accumulation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from pagedhybrid.errors import ContractViolation
+
+OP = "pagedhybrid.weightquant"
+ACT_BLOCK = 32  # activation sub-block of the kernels (and the smallest weight block)
+BLOCKS = (32, 64, 128, 256)
+BITS = (4, 8)
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """``bits`` 4 | 8; ``block`` elements of K per scale (0: one block per output row, padded
+    K); ``symmetric`` False: a zero point per block."""
+
+    bits: int
+    block: int = 32
+    symmetric: bool = True
+
+    def __post_init__(self) -> None:
+        if self.bits not in BITS:
+            raise ContractViolation(OP, "bits", f"must be one of {list(BITS)}", self.bits)
+        if self.block != 0 and self.block not in BLOCKS:
+            raise ContractViolation(OP, "block", f"must be one of {list(BLOCKS)} or 0 "
+                                    "(per output channel)", self.block)
+
+    @property
+    def name(self) -> str:
+        block = "channel" if self.block == 0 else str(self.block)
+        default = 0 if self.bits == 8 else 32
+        s = f"int{self.bits}" + ("" if self.block == default else f":{block}")
+        return s if self.symmetric else f"int{self.bits}:{block}:asym"
+
+    @property
+    def qmax(self) -> int:
+        return (1 << self.bits) - 1
+
+    def block_for(self, k: int) -> int:
+        """The block size used for ``k`` input features (per channel: ``k`` rounded up to a
+        multiple of ``ACT_BLOCK``)."""
+        return self.block or -(-k // ACT_BLOCK) * ACT_BLOCK
+
+    @classmethod
+    def parse(cls, spec: str, where: str = "quantization") -> WeightFormat:
+        """``int8`` | ``int4`` [``:BLOCK`` | ``:channel``] [``:asym``] (module docstring)."""
+        parts = str(spec).strip().lower().split(":")
+        rule = ("must be int8 or int4, optionally :BLOCK (32, 64, 128, 256; channel = one "
+                "block per output row) and :asym, e.g. int4:128 or int8:32:asym")
+        if parts[0] not in ("int8", "int4") or len(parts) > 3:
+            raise ContractViolation(OP, where, rule, spec)
+        bits = int(parts[0][3:])
+        block = 0 if bits == 8 else 32
+        symmetric = True
+        for p in parts[1:]:
+            if p == "asym":
+                symmetric = False
+            elif p == "channel":
+                block = 0
+            elif p.isdigit() and int(p) in BLOCKS:
+                block = int(p)
+            else:
+                raise ContractViolation(OP, where, rule, spec)
+        return cls(bits, block, symmetric)
+
+
+class QuantizedWeight(NamedTuple):
+    """A ``[N, K]`` weight in a ``WeightFormat`` (module docstring: the MatMulNBits layout)."""
+
+    codes: torch.Tensor  # uint8 [N, n_blocks, block * bits / 8]
+    scales: torch.Tensor  # float16 [N, n_blocks]
+    zeros: torch.Tensor | None  # uint8 [N, n_blocks]; None: symmetric (2^(bits-1))
+    fmt: WeightFormat
+    in_features: int  # K
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape[0], self.in_features
+
+    @property
+    def block(self) -> int:
+        return self.codes.shape[2] * 8 // self.fmt.bits
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.zeros)
+                   if t is not None)
+
+
+def quantize(weight: torch.Tensor, fmt: WeightFormat, name: str = "weight") -> QuantizedWeight:
+    """Round-to-nearest codes and float16 scales of ``weight [N, K]`` (module docstring)."""
+    if weight.dim() != 2:
+        raise ContractViolation(OP, name, "must be a [N, K] projection weight",
+                                tuple(weight.shape))
+    n, k = weight.shape
+    block = fmt.block_for(k)
+    nb = -(-k // block)
+    w = torch.zeros(n, nb * block, dtype=torch.float32)
+    w[:, :k] = weight.detach().float()
+    if not torch.isfinite(w).all():
+        raise ContractViolation(OP, name, "must be finite to quantise")
+    w = w.view(n, nb, block)
+    if fmt.symmetric:
+        if fmt.bits == 4:
+            at = w.abs().argmax(dim=-1, keepdim=True)
+            scale = (w.gather(-1, at).squeeze(-1) / -8.0)
+        else:
+            scale = w.abs().amax(dim=-1) / 127.0
+        zero = torch.full((n, nb), 1 << (fmt.bits - 1), dtype=torch.float32)
+    else:
+        lo = w.amin(dim=-1).clamp(max=0.0)
+        hi = w.amax(dim=-1).clamp(min=0.0)
+        scale = (hi - lo) / fmt.qmax
+    s16 = scale.to(torch.float16)
+    if not torch.isfinite(s16).all():
+        raise ContractViolation(OP, name, "has a block whose scale exceeds float16's range",
+                                f"max |w| {w.abs().max().item():.4g}")
+    s = s16.float()
+    inv = torch.where(s != 0, 1.0 / s, torch.zeros_like(s))
+    if not fmt.symmetric:
+        zero = torch.where(s != 0, torch.round(-lo * inv), torch.zeros_like(s)).clamp(0, fmt.qmax)
+    q = (torch.round(w * inv[..., None]) + zero[..., None]).clamp(0, fmt.qmax).to(torch.uint8)
+    if fmt.bits == 4:
+        q = q[..., 0::2] | (q[..., 1::2] << 4)
+    zeros = None if fmt.symmetric else zero.to(torch.uint8).contiguous()
+    return QuantizedWeight(q.contiguous(), s16.contiguous(), zeros, fmt, k)
+
+
+def unpack_codes(q: QuantizedWeight) -> torch.Tensor:
+    """The codes as uint8 ``[N, n_blocks, block]`` (4-bit ones unpacked)."""
+    if q.fmt.bits == 8:
+        return q.codes
+    c = q.codes
+    return torch.stack((c & 0x0F, c >> 4), dim=-1).flatten(-2)
+
+
+def zero_points(q: QuantizedWeight) -> torch.Tensor:
+    """float32 ``[N, n_blocks]`` zero points (the implied ones of a symmetric format)."""
+    if q.zeros is not None:
+        return q.zeros.float()
+    return torch.full(q.scales.shape, float(1 << (q.fmt.bits - 1)))
+
+
+def dequantize(q: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``(code - zero) * scale`` as ``[N, K]``: what either runtime multiplies by."""
+    codes = unpack_codes(q).float()
+    w = (codes - zero_points(q)[..., None]) * q.scales.float()[..., None]
+    return w.flatten(1)[:, :q.in_features].to(dtype).contiguous()
+
+
+def quantize_rows(x: torch.Tensor, width: int | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' activation codes of ``x [M, K]``: (int8 ``[M, width]``, float32 scales
+    ``[M, width / ACT_BLOCK]``), ``x`` zero-padded to ``width`` (default: K rounded up to
+    ``ACT_BLOCK``)."""
+    m, k = x.shape
+    width = width or -(-k // ACT_BLOCK) * ACT_BLOCK
+    xp = torch.zeros(m, width, dtype=torch.float32)
+    xp[:, :k] = x.float()
+    xb = xp.view(m, width // ACT_BLOCK, ACT_BLOCK)
+    d = xb.abs().amax(dim=-1) / 127.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(xb * inv[..., None]).clamp(-127, 127).to(torch.int8)
+    return q.view(m, width), d
+
+
+def reference_linear(x: torch.Tensor, q: QuantizedWeight) -> torch.Tensor:
+    """``x [..., K] @ dequantize(q)^T`` with ``x`` quantised as the kernels quantise it
+    (``quantize_rows``), in float64, rounded to ``x``'s dtype: the kernels' oracle, and the
+    product of the bundles without a quantised kernel."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    if k != q.in_features:
+        raise ContractViolation(OP, "x", f"last dimension must equal the weight's K = "
+                                f"{q.in_features}", tuple(x.shape))
+    nb, block = q.scales.shape[1], q.block
+    xq, d = quantize_rows(x.reshape(-1, k), nb * block)
+    xd = (xq.double().view(xq.shape[0], -1, ACT_BLOCK) * d.double()[..., None]).flatten(1)
+    w = (unpack_codes(q).double() - zero_points(q).double()[..., None]) \
+        * q.scales.double()[..., None]
+    out = xd @ w.flatten(1).T
+    return out.to(x.dtype).view(*lead, q.codes.shape[0])
