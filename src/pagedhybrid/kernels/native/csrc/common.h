@@ -26,8 +26,11 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
@@ -116,8 +119,9 @@ inline const int32_t* check_cu_seqlens(const char* op, const at::Tensor& cu_t, i
 // shared core), as much as ~250k multiply-adds of a decode-sized projection compute in
 constexpr int64_t kInlineWork = int64_t{1} << 18;
 
-// The helper threads of parallel_items: (torch threads - 1) threads that sleep on a condition
-// variable between calls. A call publishes its job, wakes them and starts on the items itself;
+// The helper threads of parallel_items: (torch threads - 1) threads that watch for the next call
+// for kSpinUs after each one (a decode step's calls follow each other within that), then sleep
+// on a condition variable. A call publishes its job, wakes them and starts on the items itself;
 // a helper that wakes while items are left claims some, one that wakes late finds none and
 // sleeps again. The caller then waits only for items already claimed -- being run by a thread
 // that is running -- never for a helper that has not been scheduled yet (an OpenMP region's
@@ -125,6 +129,7 @@ constexpr int64_t kInlineWork = int64_t{1} << 18;
 // that is a scheduler tick or more, 4-12 ms, for an op that computes in 0.3 ms).
 class Helpers {
  public:
+  static constexpr int kSpinUs = 200;  // how long a helper watches for the next call
   static Helpers& get() {
     static Helpers* pool = new Helpers();  // never destroyed: helpers may sleep at exit
     return *pool;
@@ -169,7 +174,20 @@ class Helpers {
   void loop() {
     uint64_t seen = 0;
     for (;;) {
-      {
+      // the next call of a step usually comes within microseconds (a decode step's products
+      // are ~20-100 us apart): watch for it a while before sleeping, so that it does not wait
+      // for a wake-up (the caller never waits for this thread either way)
+      const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(kSpinUs);
+      bool ready = false;
+      while (!ready && std::chrono::steady_clock::now() < until) {
+        for (int i = 0; i < 64 && !ready; ++i) {
+          ready = job_.load(std::memory_order_acquire) != seen;
+          _mm_pause();
+        }
+      }
+      if (ready) {
+        seen = job_.load(std::memory_order_acquire);
+      } else {
         std::unique_lock<std::mutex> lk(mu_);
         cv_.wait(lk, [&] { return job_.load(std::memory_order_relaxed) != seen; });
         seen = job_.load(std::memory_order_relaxed);
