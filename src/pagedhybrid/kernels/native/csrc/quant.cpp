@@ -241,8 +241,8 @@ inline void dot_rows(const Rows& x, int64_t r0, const uint8_t* codes, const c10:
 // 4-bit weights, R rows (from `r0`) against one weight row: 32 bytes of codes (two sub-blocks)
 // unpack into [low nibbles | high nibbles] = [evens s | evens s+1] and [odds s | odds s+1], the
 // pair layout quantize_row stored the activations in; int32 lanes 0-3 hold sub-block s's dot
-// product, 4-7 s + 1's, scaled by [scale_s d_s x 4 | scale_s+1 d_s+1 x 4]. Alternate pairs go to
-// two accumulators (two FMA chains), a last unpaired sub-block to the first.
+// product, 4-7 s + 1's, scaled by [scale_s d_s x 4 | scale_s+1 d_s+1 x 4]. Even pairs go to one
+// accumulator, odd ones to the other (two FMA chains), a last unpaired sub-block to the first.
 template <int R, typename TO>
 inline void dot_rows4(const Rows& x, int64_t r0, const uint8_t* codes, const c10::Half* scales,
                       const uint8_t* zeros, int64_t block, TO* out, int64_t ldo) {
@@ -258,17 +258,9 @@ inline void dot_rows4(const Rows& x, int64_t r0, const uint8_t* codes, const c10
     q[r] = x.q + (r0 + r) * x.width;
     dp[r] = x.pairs + (r0 + r) * (x.subs / 2) * 8;
   }
-  const auto pair = [&](int64_t i, __m256 (&into)[R]) {
+  // pair i's scales as [scale_s x 4 | scale_s+1 x 4] (`ws`), its codes against R rows
+  const auto pair = [&](int64_t i, __m256 ws, __m256 (&into)[R]) {
     const int64_t s = 2 * i;
-    __m256 ws;
-    if (subs == 1) {  // the pair spans two blocks: both scales
-      int32_t two;
-      std::memcpy(&two, scales + s, 4);
-      ws = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128(two))),
-                                    spread);
-    } else {  // one block (its sub-blocks come in pairs)
-      ws = _mm256_set1_ps(_cvtsh_ss(scales[s / subs].x));
-    }
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + s * 16));
     const __m256i lo = _mm256_and_si256(v, mask);
     const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
@@ -289,14 +281,39 @@ inline void dot_rows4(const Rows& x, int64_t r0, const uint8_t* codes, const c10
   };
   const int64_t npairs = x.subs / 2;
   int64_t i = 0;
-  for (; i + 2 <= npairs; i += 2) {
-    pair(i, acc[0]);
-    pair(i + 1, acc[1]);
+  if (subs == 1) {  // block 32: a pair spans two blocks; 8 scales converted at a time
+    for (; i + 4 <= npairs; i += 4) {
+      const __m256 w8 = _mm256_cvtph_ps(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 2 * i)));
+      for (int j = 0; j < 4; ++j)
+        pair(i + j, _mm256_permutevar8x32_ps(w8, _mm256_add_epi32(spread, _mm256_set1_epi32(2 * j))),
+             acc[j & 1]);
+    }
+    for (; i < npairs; ++i) {  // (i is even here: the tail starts at a multiple of 4)
+      int32_t two;
+      std::memcpy(&two, scales + 2 * i, 4);
+      const __m256 ws = _mm256_permutevar8x32_ps(
+          _mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128(two))), spread);
+      if (i & 1) {
+        pair(i, ws, acc[1]);
+      } else {
+        pair(i, ws, acc[0]);
+      }
+    }
+  } else {  // a block's sub-blocks come in pairs: one scale per pair (the block's)
+    const int shift = x.blocks == 1 ? 0 : __builtin_ctzll(static_cast<uint64_t>(subs));
+    const auto ws = [&](int64_t k) {
+      return _mm256_set1_ps(_cvtsh_ss(scales[x.blocks == 1 ? 0 : (2 * k) >> shift].x));
+    };
+    for (; i + 2 <= npairs; i += 2) {
+      pair(i, ws(i), acc[0]);
+      pair(i + 1, ws(i + 1), acc[1]);
+    }
+    if (i < npairs) pair(i, ws(i), acc[0]);
   }
-  if (i < npairs) pair(i, acc[0]);
   if (x.subs % 2) {  // the last sub-block alone, [evens | odds]
     const int64_t s = x.subs - 1;
-    const float ws = _cvtsh_ss(scales[s / subs].x);
+    const float ws = _cvtsh_ss(scales[x.blocks - 1].x);  // (the last block's)
     const __m256i w = load_codes<4>(codes + s * 16);
     for (int r = 0; r < R; ++r) {
       const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[r] + s * kAct));
