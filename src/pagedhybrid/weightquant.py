@@ -214,10 +214,7 @@ def reference_linear(x: torch.Tensor, q: QuantizedWeight) -> torch.Tensor:
     if k != q.in_features:
         raise ContractViolation(OP, "x", f"last dimension must equal the weight's K = "
                                 f"{q.in_features}", tuple(x.shape))
-    nb, block = q.scales.shape[1], q.block
-    xq, d = quantize_rows(x.reshape(-1, k), nb * block)
+    xq, d = quantize_rows(x.reshape(-1, k))
     xd = (xq.double().view(xq.shape[0], -1, ACT_BLOCK) * d.double()[..., None]).flatten(1)
-    w = (unpack_codes(q).double() - zero_points(q).double()[..., None]) \
-        * q.scales.double()[..., None]
-    out = xd @ w.flatten(1).T
+    out = xd[:, :k] @ dequantize(q, torch.float64).T
     return out.to(x.dtype).view(*lead, q.codes.shape[0])

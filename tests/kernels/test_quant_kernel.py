@@ -30,7 +30,6 @@ from pagedhybrid.weightquant import (
 FORMATS = ["int8", "int8:32", "int8:64:asym", "int4", "int4:64", "int4:128", "int4:32:asym",
            "int4:256:asym", "int4:channel"]
 SHAPES = [(1, 256, 64), (2, 32, 3), (3, 96, 17), (5, 200, 33), (17, 1000, 70), (33, 160, 9)]
-native = pytest.mark.skipif(not status().available, reason="native kernels not built")
 
 
 @pytest.fixture(scope="module", autouse=True)

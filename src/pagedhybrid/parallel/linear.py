@@ -194,19 +194,22 @@ class ReplicatedLinear(nn.Module):
         mm = self.matmul
         return F.linear(x, self.weight) if mm is None else mm(x, self.weight)
 
-    def quantize(self, fmt: WeightFormat, name: str = "weight") -> None:
-        """Hold the weight in ``fmt`` (class docstring); its CPU memory is released."""
+    def quantize(self, fmt: WeightFormat, name: str = "weight") -> torch.Tensor | None:
+        """Hold the weight in ``fmt`` (class docstring); returns the plain weight it no longer
+        holds (None when it already was in ``fmt``), whose mapped file pages the caller may
+        release."""
         w = self.weight
         if self.quant is not None:
             if self.quant.fmt != fmt:
                 raise UnsupportedConfiguration(
                     f"{name} is already held as {self.quant.fmt.name}; load the checkpoint "
                     f"again to hold it as {fmt.name}")
-            return
+            return None
         plain = w.to_dense() if w.is_mkldnn else w
         self.quant = quantize(plain, fmt, name)
         self.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"),
                                    requires_grad=False)
+        return plain
 
 
 class ColumnParallelLinear(ReplicatedLinear):

@@ -342,13 +342,17 @@ class Qwen35ForCausalLM(nn.Module):
         """Hold every projection weight -- the LM head and the MTP head's included; not the
         embedding table, the norms, the convolution, a mixture of experts' router gates and
         routed experts -- in ``fmt`` (``pagedhybrid.weightquant``), round to nearest from the
-        loaded weights, releasing them (a tied head gets its own codes; the embedding keeps
-        the table). The fused decode layers multiply them with the integer kernel."""
+        loaded weights, releasing them and their mapped file pages (a tied head gets its own
+        codes; the embedding keeps the table). The fused decode layers multiply them with the
+        integer kernel."""
         routers = {id(r) for block in self.modules() if isinstance(block, SparseMoE)
                    for r in (block.gate, block.shared_expert_gate)}
+        table = self.model.embed_tokens.weight
         for name, m in self.named_modules():
             if isinstance(m, ReplicatedLinear) and id(m) not in routers:
-                m.quantize(fmt, f"{name}.weight")
+                plain = m.quantize(fmt, f"{name}.weight")
+                if plain is not None and plain is not table:  # (the embedding reads the table)
+                    release_pages(plain)
         if self._backend is not None:
             self.backend = self._backend  # the bundle's quantised product
 

@@ -193,12 +193,13 @@ inline float zero_correction(const c10::Half* scales, const uint8_t* zeros, cons
   return total;
 }
 
-// R rows (from `r0`) of the activations against one weight row: out[r * ldo]. Two fp32
-// accumulators per row take alternate sub-blocks (two independent FMA chains), summed at the end.
-template <int BITS, int R, typename TO>
-inline void dot_rows(const Rows& x, int64_t r0, const uint8_t* codes, const c10::Half* scales,
-                     const uint8_t* zeros, int64_t block, TO* out, int64_t ldo) {
-  constexpr int kBytes = kAct * BITS / 8;
+// 8-bit weights, R rows (from `r0`) of the activations against one weight row: out[r * ldo].
+// Two fp32 accumulators per row take alternate sub-blocks (two independent FMA chains), summed
+// at the end.
+template <int R, typename TO>
+inline void dot_rows8(const Rows& x, int64_t r0, const uint8_t* codes, const c10::Half* scales,
+                      const uint8_t* zeros, int64_t block, TO* out, int64_t ldo) {
+  constexpr int BITS = 8, kBytes = kAct;
   const int64_t subs = block / kAct;
   __m256 acc[2][R];
   for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
@@ -336,7 +337,7 @@ inline void rows_dot(const Rows& x, int64_t r0, const uint8_t* codes, const c10:
   if constexpr (BITS == 4) {
     dot_rows4<R>(x, r0, codes, scales, zeros, block, out, ldo);
   } else {
-    dot_rows<BITS, R>(x, r0, codes, scales, zeros, block, out, ldo);
+    dot_rows8<R>(x, r0, codes, scales, zeros, block, out, ldo);
   }
 }
 
@@ -468,7 +469,6 @@ void quant_linear_many(const at::Tensor& x, int64_t bits, const std::vector<Quan
 
 void quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                   const c10::optional<at::Tensor>& zeros, int64_t bits, at::Tensor out) {
-  PH_CHECK(bits == 4 || bits == 8, "quant_linear", "bits", "must be 4 or 8 (got ", bits, ")");
   quant_linear_many(x, bits, {QuantWeightRef{codes, scales, zeros}}, {out});
 }
 
