@@ -49,6 +49,11 @@ class UnsupportedConfiguration(PagedHybridError, NotImplementedError):
         super().__init__(reason)
 
 
+class EngineDead(PagedHybridError, RuntimeError):
+    """The engine can serve no more requests: a tensor-parallel rank went away (the message
+    names it and how). Not the client's fault: a server answers 503."""
+
+
 class CapacityError(PagedHybridError, RuntimeError):
     """A request that can never fit the configured KV pages or state slots."""
 

@@ -88,7 +88,8 @@ def test_batch_is_the_packed_abi(make_engine: Callable[..., Engine]) -> None:
     engine.step()
     engine.add_request("b", prompt_of(1, 40), GREEDY)
     sched = engine.scheduler.schedule()
-    batch, meta, rows, sampling, sample_rows, spans, _, verify = build_batch(sched, engine.cache)
+    batch, meta, rows, sampling, sample_rows, spans, _, verify, plan = build_batch(
+        sched, engine.cache)
     assert isinstance(batch, PackedBatch)
     assert set(ABI_INPUT_NAMES) <= set(PackedBatch._fields)
     (a, b) = sched.sequences
@@ -107,6 +108,9 @@ def test_batch_is_the_packed_abi(make_engine: Callable[..., Engine]) -> None:
     assert batch.attention_metadata.tolist() == [23, 23, 23]
     assert rows.tolist() == [0] and sampling == [0]  # b's chunk does not reach its last token
     assert sample_rows == [0] and spans == [] and verify == ()  # no prompt logprobs, no drafts
+    # the step object the other tensor-parallel ranks get: plain ints, built from the lists
+    assert plan.write_slots is None and list(plan.token_ids) == batch.input_ids.tolist()
+    assert (list(plan.q_lens), list(plan.starts), list(plan.rows)) == ([1, 23], [5, 0], [0])
     # the step metadata every layer reads: lengths, page slots written, state rows, fresh mask
     assert (meta.q_lens, meta.past_lens, meta.decode, meta.multi) == ((1, 23), (5, 0), (0,), (1,))
     assert meta.fresh == (False, True) and meta.state_slots.tolist() == [a.slot, b.slot]

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pagedhybrid.engine.config import EXECUTORS
 from pagedhybrid.engine.engine import Engine
 from pagedhybrid.engine.llm import DTYPE_SPELLINGS, LLM, Throughput, load_engine
 from pagedhybrid.engine.request import RequestOutput
@@ -73,6 +75,20 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-config", type=json_object, default=None, metavar="JSON",
                    help='speculative decoding as vLLM spells it, e.g. \'{"method": "ngram", '
                    '"num_speculative_tokens": 3, "prompt_lookup_max": 5}\' (default off)')
+    g.add_argument("--kv-events-config", type=json_object, default=None, metavar="JSON",
+                   help='KV-cache events for routers as vLLM spells them, e.g. '
+                   '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", '
+                   '"replay_endpoint": "tcp://*:5558", "topic": "kv@pod@model"}\' (default off)')
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks that split every layer's heads and channels (default 1)")
+    g.add_argument("--distributed-executor-backend", default=None, choices=list(EXECUTORS),
+                   help="how the other tensor-parallel ranks start: mp (local processes, the "
+                   "default), ray (actors on a Ray cluster) or external_launcher (torchrun-style "
+                   "MASTER_ADDR / MASTER_PORT / WORLD_SIZE / RANK: every rank runs the same "
+                   "command, rank 0 serves)")
+    g.add_argument("--ray-address", default=None,
+                   help="the Ray cluster for --distributed-executor-backend ray (default: "
+                   "RAY_ADDRESS, else a local one)")
 
 
 def json_object(text: str) -> dict[str, object]:
@@ -121,7 +137,25 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
             "kv_scales": args.kv_scales, "batch_invariant": args.batch_invariant,
             "quantization": args.quantization,
             "adaptive_threads": args.adaptive_threads,
-            "speculative_config": args.speculative_config}
+            "speculative_config": args.speculative_config,
+            "kv_events_config": args.kv_events_config,
+            "tensor_parallel_size": args.tensor_parallel_size,
+            "distributed_executor_backend": args.distributed_executor_backend,
+            "ray_address": args.ray_address}
+
+
+def worker_rank(args: argparse.Namespace) -> int | None:
+    """Under ``--distributed-executor-backend external_launcher``, a process at ``RANK`` > 0
+    is a tensor-parallel worker of rank 0's engine: it serves that (``distributed.worker_main``)
+    instead of the command, and its exit code is returned; None for rank 0 and otherwise."""
+    if getattr(args, "distributed_executor_backend", None) != "external_launcher" or \
+            int(os.environ.get("RANK", "0")) == 0:
+        return None
+    from pagedhybrid.engine.distributed import worker_main
+
+    env = os.environ
+    return worker_main(env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["RANK"]),
+                       int(env["WORLD_SIZE"]))
 
 
 def _record(out: RequestOutput, prompt: str | None = None) -> dict[str, object]:
@@ -142,6 +176,8 @@ def _record(out: RequestOutput, prompt: str | None = None) -> dict[str, object]:
 
 
 def generate_main(args: argparse.Namespace) -> int:
+    if (code := worker_rank(args)) is not None:
+        return code
     try:
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                 seed=args.seed, max_tokens=args.max_tokens,
@@ -231,6 +267,8 @@ def run_main(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    if (code := worker_rank(args)) is not None:
+        return code
     console = Console(width=max(Console().width, 150))
     kw = _engine_kwargs(args) if hasattr(args, "block_size") else {
         "max_num_seqs": 4, "max_num_batched_tokens": 64, "num_blocks": 8,

@@ -9,11 +9,14 @@ from typing import Any
 
 import torch
 
+from pagedhybrid.engine.kv_events import KVEventsConfig
 from pagedhybrid.engine.speculative import SpeculativeConfig
 from pagedhybrid.errors import ContractViolation
 from pagedhybrid.kvquant import QUANTS, kv_dtype
 from pagedhybrid.models.qwen35.config import Qwen35Config
 from pagedhybrid.weightquant import WeightFormat
+
+EXECUTORS = ("mp", "ray", "external_launcher")  # how the tensor-parallel ranks are started
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,18 @@ class EngineConfig:
     state updates (``engine/speculative.py``); each state slot gets capsules of ``k + 1``
     tokens (``kernels.capsule.capsule_bytes``); with ``"method": "mtp"`` each KV page also
     holds the MTP head's layer (model dtype) and the model is loaded with its ``mtp.*`` head.
+
+    ``kv_events_config`` (vLLM's ``--kv-events-config``: a mapping, JSON text or
+    ``KVEventsConfig``; None = off): every step's stored / removed KV pages are published over
+    ZMQ in vLLM's KV-events format, for external prefix-aware routers (``engine/kv_events.py``).
+
+    ``tensor_parallel_size`` ``W`` > 1 (``engine/distributed.py``): this process is rank 0 -- it
+    schedules and samples -- and ``W - 1`` more ranks each run the model runner on their shard
+    of every step (heads, MLP channels, KV pages and state slots split ``W`` ways), started by
+    ``distributed_executor_backend``: ``mp`` (local worker processes, the default), ``ray``
+    (Ray actors in a placement group, on any node of the cluster at ``ray_address``) or
+    ``external_launcher`` (every rank started by the user, torchrun-style ``MASTER_ADDR``,
+    ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK``). ``load_engine`` / ``LLM`` start the ranks.
     """
 
     block_size: int = 16
@@ -91,10 +106,15 @@ class EngineConfig:
     quantization: str | None = None  # int8 | int4[:BLOCK][:asym] weights (weightquant)
     adaptive_threads: bool = True  # one thread while other processes keep the cores busy
     speculative_config: SpeculativeConfig | Mapping[str, Any] | None = None
+    kv_events_config: KVEventsConfig | Mapping[str, Any] | str | None = None  # vLLM's JSON
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # mp (default) | ray | external_launcher
+    ray_address: str | None = None  # the Ray cluster (None: RAY_ADDRESS, else a local one)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config",
                            SpeculativeConfig.of(self.speculative_config))
+        object.__setattr__(self, "kv_events_config", KVEventsConfig.of(self.kv_events_config))
         given = [n for n in ("num_blocks", "cache_memory_bytes", "cache_memory_fraction")
                  if getattr(self, n) is not None]
         if len(given) > 1:
@@ -117,6 +137,19 @@ class EngineConfig:
         if self.kv_quant not in QUANTS:
             raise ContractViolation("EngineConfig", "kv_quant", f"must be one of {list(QUANTS)}",
                                     self.kv_quant)
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ContractViolation("EngineConfig", "tensor_parallel_size", "must be an int >= 1",
+                                    tp)
+        if self.distributed_executor_backend not in (None, *EXECUTORS):
+            raise ContractViolation("EngineConfig", "distributed_executor_backend",
+                                    f"must be one of {list(EXECUTORS)}",
+                                    self.distributed_executor_backend)
+        spec = self.speculative
+        if tp > 1 and spec is not None and spec.method == "mtp":
+            raise ContractViolation("EngineConfig", "speculative_config.method",
+                                    "'mtp' is not served under tensor_parallel_size > 1 (n-gram "
+                                    "drafts are)", spec.method)
         if self.state_checkpoint_interval is not None and \
                 self.state_checkpoint_interval % self.block_size:
             raise ContractViolation("EngineConfig", "state_checkpoint_interval",
@@ -132,6 +165,11 @@ class EngineConfig:
     def weight_format(self) -> WeightFormat | None:
         """The projections' int8 / int4 format (None: the model dtype)."""
         return None if self.quantization is None else WeightFormat.parse(self.quantization)
+
+    @property
+    def executor(self) -> str:
+        """How the other tensor-parallel ranks are started (``mp`` unless set)."""
+        return self.distributed_executor_backend or "mp"
 
     @property
     def checkpoint_interval(self) -> int:

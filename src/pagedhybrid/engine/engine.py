@@ -34,12 +34,14 @@ import time
 import traceback
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent import futures
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagedhybrid.engine.config import EngineConfig, slot_bytes
 from pagedhybrid.engine.detokenizer import IncrementalDetokenizer
-from pagedhybrid.engine.memory import MemoryPlan, plan_memory, weight_bytes
+from pagedhybrid.engine.kv_events import open_publisher
+from pagedhybrid.engine.memory import MemoryPlan, available_memory, plan_memory, weight_bytes
 from pagedhybrid.engine.mtp import MtpDrafter
 from pagedhybrid.engine.pages import BlockPool
 from pagedhybrid.engine.request import InvalidRequest, Request, RequestOutput, RequestStatus
@@ -50,9 +52,12 @@ from pagedhybrid.engine.speculative import DraftBudget, Drafter, NgramDrafter, d
 from pagedhybrid.engine.states import CheckpointPool, StatePool
 from pagedhybrid.engine.stats import EngineStats
 from pagedhybrid.engine.structured import GrammarCompiler, matcher_token
-from pagedhybrid.errors import ContractViolation
+from pagedhybrid.errors import ContractViolation, EngineDead
 from pagedhybrid.kernels.backend import Selection
 from pagedhybrid.models.qwen35 import PagedHybridCache, Qwen35ForCausalLM
+
+if TYPE_CHECKING:
+    from pagedhybrid.engine.distributed import TensorParallelGroup
 
 GRAMMAR_WAIT_S = 0.05  # a step with only compiling grammars to wait for waits this long at most
 
@@ -61,8 +66,15 @@ class Engine:
     """Continuous-batching engine over a loaded ``Qwen35ForCausalLM``."""
 
     def __init__(self, model: Qwen35ForCausalLM, config: EngineConfig | None = None,
-                 tokenizer: object | None = None) -> None:
+                 tokenizer: object | None = None, peers: TensorParallelGroup | None = None
+                 ) -> None:
         self.config = config or EngineConfig()
+        if self.config.tensor_parallel_size > 1 and (
+                peers is None or peers.world_size != self.config.tensor_parallel_size):
+            raise ContractViolation("EngineConfig", "tensor_parallel_size",
+                                    "> 1 needs its other ranks: build the engine with "
+                                    "load_engine / LLM, which start them",
+                                    self.config.tensor_parallel_size)
         self.tokenizer = tokenizer
         self.stats = EngineStats()
         self.eos_token_ids = tuple(model.config.eos_token_id) or tuple(
@@ -75,14 +87,17 @@ class Engine:
                 "load(..., mtp=True) (load_engine does)", spec.method)
         # the kernels first: the weights are held as they multiply (packed or plain) before the
         # memory is measured and planned
-        self.runner = ModelRunner(model, self.config, self.stats, self.eos_token_ids)
-        self.memory: MemoryPlan = plan_memory(model.config, self.config, model.dtype,
-                                              weight_bytes(model),
-                                              unmapped=weight_bytes(model, packed=False))
+        self.runner = ModelRunner(model, self.config, self.stats, self.eos_token_ids, peers)
+        local = 1 if peers is None else peers.local_ranks  # ranks sharing this machine's memory
+        self.memory: MemoryPlan = plan_memory(
+            model.config, self.config, model.dtype, weight_bytes(model),
+            available=None if local == 1 else available_memory() // local,
+            unmapped=weight_bytes(model, packed=False))
         for warning in self.memory.warnings:
             print(f"pagedhybrid: warning: {warning}", file=sys.stderr)
         self.sizes = self.memory.sizes
         self.runner.allocate(self.sizes)
+        self.kv_events = open_publisher(self.config.kv_events_config)  # None: events off
         self._make_pools()
         self.drafter: Drafter | None = None
         if spec is not None and spec.method == "mtp":
@@ -103,6 +118,21 @@ class Engine:
         return self.runner.model
 
     @property
+    def dead(self) -> str | None:
+        """Why this engine can serve no more (a tensor-parallel rank went away); None while it
+        serves."""
+        peers = self.runner.peers
+        return None if peers is None else peers.dead
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (the engine is dead after) and the KV-events
+        publisher."""
+        if self.runner.peers is not None:
+            self.runner.peers.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
+
+    @property
     def cache(self) -> PagedHybridCache:
         return self.runner.cache
 
@@ -113,7 +143,8 @@ class Engine:
     def _make_pools(self) -> None:
         """Fresh page, slot and checkpoint pools and a scheduler over them."""
         sizes, caching = self.sizes, self.config.enable_prefix_caching
-        self.blocks = BlockPool(sizes.num_blocks, self.config.block_size, caching=caching)
+        self.blocks = BlockPool(sizes.num_blocks, self.config.block_size, caching=caching,
+                                record_events=self.kv_events is not None)
         self.states = StatePool(sizes.num_slots)
         self.checkpoints = CheckpointPool(sizes.num_checkpoints) if caching else None
         self.scheduler = Scheduler(
@@ -166,6 +197,8 @@ class Engine:
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequest(str(request_id), "request_id", "must be a non-empty str",
                                  type(request_id).__name__)
+        if self.dead is not None:
+            raise EngineDead(self.dead)
         if request_id in self.scheduler.requests:
             raise InvalidRequest(request_id, "request_id", "is already in use")
         params = params if params is not None else SamplingParams()
@@ -282,6 +315,9 @@ class Engine:
         outputs, self._pending = self._pending, []
         sched: SchedulerOutput | None = None
         st = self.stats
+        if self.dead is not None:  # nothing can run: every request fails with the reason
+            return outputs + self.fail_requests(list(self.scheduler.requests.values()),
+                                                self.dead)
         try:
             compiling = self.grammars is not None and self._collect_grammars()
             t0 = time.perf_counter()
@@ -310,6 +346,8 @@ class Engine:
         except Exception as exc:  # the engine must outlive a faulty step
             outputs.extend(self._fail_step(sched, exc))
         outputs.extend(self._output(r) for r in self.scheduler.take_failed())
+        if self.kv_events is not None:  # this step's page-index changes, one batch
+            self.kv_events.publish(self.blocks.take_events())
         return outputs
 
     def _draft(self) -> None:
@@ -362,6 +400,8 @@ class Engine:
         """A step raised: fail its requests (all running ones when scheduling itself raised),
         drop the step's checkpoint writes, check the pools; rebuild them if they do not add up
         (every request then fails: nothing else can be trusted)."""
+        if self.dead is not None:  # a tensor-parallel rank is gone: so is every request
+            return self.fail_requests(list(self.scheduler.requests.values()), self.dead)
         why = f"internal error in an engine step: {type(exc).__name__}: {exc}"
         print(f"pagedhybrid: {why}", file=sys.stderr)
         traceback.print_exc(file=sys.stderr)

@@ -98,12 +98,24 @@ def load_engine(model: str | Path | None = None, *, dtype: str | torch.dtype = "
                                 f"(mtp_num_hidden_layers=1 and mtp.* tensors); {model_dir} has "
                                 f"mtp_num_hidden_layers={checkpoint.mtp_num_hidden_layers}",
                                 "mtp")
-    net = load(model_dir, dtype=resolve_dtype(dtype, checkpoint.checkpoint_dtype), mtp=mtp)
+    torch_dtype = resolve_dtype(dtype, checkpoint.checkpoint_dtype)
+    peers = None
+    if cfg.tensor_parallel_size > 1:  # the other ranks start and load while this one loads
+        from pagedhybrid.engine.distributed import start_ranks
+
+        peers = start_ranks(cfg, model_dir, torch_dtype)
     try:
-        tokenizer = load_tokenizer(model_dir, net.config.vocab_size)
-    except UnsupportedConfiguration:
-        tokenizer = None  # token-id prompts still work
-    return Engine(net, cfg, tokenizer)
+        net = load(model_dir, dtype=torch_dtype, mtp=mtp,
+                   parallel=None if peers is None else peers.parallel)
+        try:
+            tokenizer = load_tokenizer(model_dir, net.config.vocab_size)
+        except UnsupportedConfiguration:
+            tokenizer = None  # token-id prompts still work
+        return Engine(net, cfg, tokenizer, peers)
+    except BaseException:
+        if peers is not None:
+            peers.close(0.0)
+        raise
 
 
 class LLM:
@@ -117,6 +129,16 @@ class LLM:
         self.engine = engine if engine is not None else load_engine(model, dtype=dtype, **config)
         self.last_throughput: Throughput | None = None
         self._batch = 0
+
+    def close(self) -> None:
+        """Stop the engine's other tensor-parallel ranks (``with LLM(...) as llm:`` does)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _queue(self, prompts: Prompt | Sequence[Prompt],
                params: SamplingParams | Sequence[SamplingParams] | None) -> list[str]:

@@ -13,10 +13,13 @@ tokens ``[i*block_size, (i+1)*block_size)``). A page is in exactly one of three 
 
 Content hashes (``page_hash``) chain from the first page of a sequence: page ``j``'s hash is
 the hash of (page ``j-1``'s hash, its ``block_size`` token ids, the extra key -- e.g. the model
-or adapter id). Only full pages get a hash, so a shared page is never written (a request writes
-only positions at or after its computed prefix, which lie in its private last pages). A lookup
-walks the chain and verifies each page's own tokens and parent page, so a hash collision can
-never hand a request another prefix's page.
+or adapter id). The hash is a stable, unsigned 64-bit BLAKE2b digest of a fixed byte encoding
+(the same in every process and on every machine), so other processes -- a router indexing the
+KV events of many replicas (``engine/kv_events.py``) -- can use it as the page's name. Only full
+pages get a hash, so a shared page is never written (a request writes only positions at or after
+its computed prefix, which lie in its private last pages). A lookup walks the chain and verifies
+each page's own tokens and parent page, so a hash collision can never hand a request another
+prefix's page.
 
 ``grow(request_id, num_tokens)`` extends a table so it covers ``num_tokens`` tokens, all or
 nothing (free pages first, then LRU evictions of cached ones); ``share`` starts a table with
@@ -25,6 +28,14 @@ once computed; ``release`` drops a table (hashed pages whose count reaches 0 bec
 others free). Pages are never zeroed: stale contents are unreachable because attention reads only
 ``past + new`` positions of a sequence's own table.
 
+Events (``record_events=True``, for ``engine/kv_events.py``): the pool records, in order, each
+page that enters the hash index (``PagesStored``: hashes, parent hash, tokens -- consecutive
+pages of one chain in one event), each hash that leaves it (``PagesRemoved``: LRU evictions)
+and, first of all, ``PagesCleared`` (a new pool holds nothing: a replica that starts or rebuilds
+its pools says so). ``take_events`` hands over what was recorded since its last call, so an
+outside index that applies the events in order holds exactly the pool's hash index. With
+``record_events=False`` nothing is recorded (one ``None`` test per page indexed or evicted).
+
 Invariant (``check_invariants``): free + owned + cached == capacity, the free and cached lists
 hold exactly the unreferenced pages, each page's count equals the number of table entries naming
 it, and the hash table indexes exactly the hashed pages.
@@ -32,35 +43,95 @@ it, and the hash table indexes exactly the hashed pages.
 
 from __future__ import annotations
 
+import sys
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
+from hashlib import blake2b
+from typing import Any, NamedTuple
 
 from pagedhybrid.errors import ContractViolation
+
+_PERSON = b"pagedhybrid.kv1"  # BLAKE2b personalisation: this hash and version, nothing else
+_NO_PARENT = b"\x00"
+_BIG_ENDIAN = sys.byteorder == "big"
 
 
 def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+def _key_state(extra_key: object) -> Any:
+    """BLAKE2b primed with an extra key: the length (4 bytes LE) and UTF-8 of its ``repr``."""
+    raw = repr(extra_key).encode("utf-8")
+    return blake2b(len(raw).to_bytes(4, "little") + raw, digest_size=8, person=_PERSON)
+
+
+def _page_hash(parent: int | None, tokens: Sequence[int], key: Any) -> int:
+    h = key.copy()
+    h.update(_NO_PARENT if parent is None else b"\x01" + parent.to_bytes(8, "little"))
+    ids = array("q", tokens)
+    if _BIG_ENDIAN:
+        ids.byteswap()
+    h.update(ids.tobytes())
+    return int.from_bytes(h.digest(), "little")
+
+
 def page_hash(parent: int | None, tokens: Sequence[int], extra_key: object = None) -> int:
-    """Content hash of one full page chained to its parent page's hash."""
-    return hash((parent, tuple(tokens), extra_key))
+    """Content hash of one full page chained to its parent page's hash.
+
+    An unsigned 64-bit int (``0 <= h < 2**64``, the ``uint64`` of vLLM's KV events), the same in
+    every process and on every machine: the 8-byte BLAKE2b digest (personalisation
+    ``pagedhybrid.kv1``), read little-endian, of the length (4 bytes LE) and UTF-8 bytes of
+    ``repr(extra_key)``, then ``0x00`` (no parent) or ``0x01`` + the parent's hash (8 bytes LE),
+    then the token ids as int64 LE. The extra key must have a stable ``repr``: None, str, int
+    or tuples of those."""
+    return _page_hash(parent, tokens, _key_state(extra_key))
 
 
 def chain_hashes(token_ids: Sequence[int], block_size: int, extra_key: object = None,
                  known: Sequence[int] = ()) -> list[int]:
     """Hashes of every full page of ``token_ids``, extending the ``known`` prefix of them."""
     out = list(known)
-    for j in range(len(out), len(token_ids) // block_size):
-        parent = out[-1] if out else None
-        out.append(page_hash(parent, token_ids[j * block_size:(j + 1) * block_size], extra_key))
+    first, last = len(out), len(token_ids) // block_size
+    if first >= last:
+        return out
+    key = _key_state(extra_key)
+    parent = out[-1] if out else None
+    for j in range(first, last):
+        parent = _page_hash(parent, token_ids[j * block_size:(j + 1) * block_size], key)
+        out.append(parent)
     return out
+
+
+class PagesStored(NamedTuple):
+    """Full pages entered the hash index: consecutive pages of one chain, the first one's parent
+    page hash (None: the chain's first page), their tokens (``block_size`` per page)."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+
+
+class PagesRemoved(NamedTuple):
+    """Page hashes left the hash index (their pages were evicted)."""
+
+    block_hashes: list[int]
+
+
+class PagesCleared(NamedTuple):
+    """The hash index is empty (a new or rebuilt pool)."""
+
+
+PageEvent = PagesStored | PagesRemoved | PagesCleared
 
 
 class BlockPool:
     """Reference counts, block tables and (with ``caching``) content-hashed cached pages."""
 
-    def __init__(self, num_blocks: int, block_size: int, caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, caching: bool = False,
+                 record_events: bool = False) -> None:
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ContractViolation("BlockPool", "num_blocks", "must be an int >= 1", num_blocks)
         if not isinstance(block_size, int) or not _is_pow2(block_size) or block_size < 16:
@@ -80,6 +151,8 @@ class BlockPool:
         self._content: list[tuple[int, tuple[int, ...]] | None] = [None] * num_blocks
         self._by_hash: dict[int, int] = {}
         self.evictions = 0
+        # events since the last take_events (None: not recorded); a new pool starts empty
+        self._events: list[PageEvent] | None = [PagesCleared()] if record_events else None
 
     # -- queries -------------------------------------------------------------------------------
     @property
@@ -153,10 +226,25 @@ class BlockPool:
         self.evictions += 1
         return page
 
+    def take_events(self) -> list[PageEvent]:
+        """The hash index's changes since the last call, in order (``record_events``; else
+        always empty). The caller owns the list."""
+        events = self._events
+        if not events:
+            return []
+        self._events = []
+        return events
+
     def _unhash(self, page: int) -> None:
         h = self._hash[page]
         if h is not None and self._by_hash.get(h) == page:
             del self._by_hash[h]
+            events = self._events
+            if events is not None:  # evictions in a row make one event
+                if events and isinstance(events[-1], PagesRemoved):
+                    events[-1].block_hashes.append(h)
+                else:
+                    events.append(PagesRemoved([h]))
         self._hash[page] = None
         self._content[page] = None
         for rid in [r for r, (_, _, foreign) in self._walked.items() if foreign]:
@@ -199,6 +287,8 @@ class BlockPool:
         # the pages walked before are as they were (the request holds them), so the walk goes on
         # from where the last one ended: O(new pages) a step, not O(context)
         start, parent, foreign = self._walked.get(request_id, (0, -1, False))
+        events = self._events
+        run: PagesStored | None = None  # the event the next page's store may extend
         for j in range(start, min(len(table), num_computed // bs, len(hashes))):
             page, h = table[j], hashes[j]
             content = (parent, tuple(token_ids[j * bs:(j + 1) * bs]))
@@ -207,6 +297,14 @@ class BlockPool:
                 if other is None:
                     self._hash[page], self._content[page] = h, content
                     self._by_hash[h] = page
+                    if events is not None:  # pages stored in a row make one event
+                        if run is not None and run.block_hashes[-1] == hashes[j - 1]:
+                            run.block_hashes.append(h)
+                            run.token_ids.extend(content[1])
+                        else:
+                            run = PagesStored([h], hashes[j - 1] if j else None,
+                                              list(content[1]), bs)
+                            events.append(run)
                 elif self._content[other] == content:
                     page, foreign = other, True  # an equal page already indexed: chain through
                 else:

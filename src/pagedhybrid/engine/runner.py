@@ -40,10 +40,11 @@ engine returned while generating the same tokens.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -69,6 +70,10 @@ from pagedhybrid.kvquant import (
 )
 from pagedhybrid.models.qwen35 import PackedBatch, PagedHybridCache, Qwen35ForCausalLM
 
+if TYPE_CHECKING:
+    from pagedhybrid.engine.distributed import TensorParallelGroup
+
+_NO_ROWS = torch.empty(0, dtype=torch.int64)  # a rank other than 0 computes no logits
 SCORE_TOKENS = 8192  # tokens per scoring forward (whole sequences; a longer one goes alone)
 
 
@@ -82,6 +87,26 @@ class PromptSpan(NamedTuple):
     count: int
 
 
+class StepPlan(NamedTuple):
+    """The step object: everything a tensor-parallel rank needs to run a step's forward, made
+    once by rank 0 from the ``SchedulerOutput`` and sent to the other ranks as it is (plain
+    ints; ``materialize`` turns it into the same batch and metadata on every rank).
+
+    A decode successor (``write_slots`` given) is the last step's metadata advanced one token,
+    writing those flat cache slots; any other step is built from its lists."""
+
+    token_ids: Sequence[int]  # the step's input tokens, packed
+    write_slots: Sequence[int] | None = None  # a decode successor's cache slots, one per sequence
+    q_lens: Sequence[int] = ()
+    starts: Sequence[int] = ()
+    tables: Sequence[Sequence[int]] = ()
+    slots: Sequence[int] = ()
+    checkpoints: Sequence[tuple[int, int, int]] = ()
+    verify: Sequence[int] = ()
+    rows: Sequence[int] | None = None  # token rows whose logits are computed (None: all)
+    restores: Sequence[tuple[int, int]] = ()  # (checkpoint row, state slot) before the forward
+
+
 class StepBatch(NamedTuple):
     """A scheduled step as the model sees it, and what its logits rows are for."""
 
@@ -93,6 +118,7 @@ class StepBatch(NamedTuple):
     prompt_spans: list[PromptSpan]  # prompt-logprob rows
     requests: tuple[Request, ...]  # the step's requests, in batch order
     verify: tuple[tuple[int, int], ...] = ()  # verify chunks: (sequence, first row in ``rows``)
+    plan: StepPlan | None = None  # the step object the other tensor-parallel ranks run
 
 
 class StepResult(NamedTuple):
@@ -101,12 +127,11 @@ class StepResult(NamedTuple):
     prepare_s: float  # batch building and checkpoint restores (host work before the model)
 
 
-def _successor(output: SchedulerOutput, prev: StepBatch | None,
-               inputs: DecodeInputs | None = None) -> StepMetadata | None:
-    """``prev``'s metadata advanced one token (``StepMetadata.advance``) when ``output`` is the
-    next decode step of exactly ``prev``'s requests, in the same order, each sampling its next
-    token with nothing else to do (no restore, no checkpoint, no prompt logprobs: a one-token
-    chunk that samples is past its prompt); else None."""
+def _successor_writes(output: SchedulerOutput, prev: StepBatch | None) -> list[int] | None:
+    """The flat cache slot each sequence writes when ``output`` is the next decode step of
+    exactly ``prev``'s requests, in the same order, each sampling its next token with nothing
+    else to do (no restore, no checkpoint, no prompt logprobs: a one-token chunk that samples is
+    past its prompt); else None."""
     if (prev is None or len(output.sequences) != len(prev.requests)
             or len(prev.sampling) != len(prev.requests) or prev.prompt_spans):
         return None  # (a prompt chunk of one token did not sample: its rows differ now)
@@ -118,46 +143,63 @@ def _successor(output: SchedulerOutput, prev: StepBatch | None,
                 or s.start // bs >= len(s.block_table)):
             return None
         write.append(s.block_table[s.start // bs] * bs + s.start % bs)
-    return prev.meta.advance(write, inputs)
+    return write
+
+
+def _advanced_batch(prev: PackedBatch, meta: StepMetadata, ids: Sequence[int],
+                    inputs: DecodeInputs | None, device: str) -> PackedBatch:
+    """``prev``'s packed batch moved to the advanced ``meta`` with the new token ``ids``."""
+    top = max(meta.past_lens) + 1
+    if inputs is not None and len(ids) <= inputs.capacity:
+        ids_t, attention, position_ids = inputs.tokens(ids, 1, top)
+    else:
+        ids_t = int_tensor(ids, torch.int64, device)
+        attention = int_tensor((1, top, top), torch.int32, device)
+        position_ids = meta.positions.view(1, -1).expand(3, -1)
+    return prev._replace(input_ids=ids_t, position_ids=position_ids, past_seqlens=meta.past_t,
+                         attention_metadata=attention)
+
+
+def materialize(plan: StepPlan, cache: PagedHybridCache, device: str = "cpu",
+                prev: tuple[PackedBatch, StepMetadata] | None = None,
+                inputs: DecodeInputs | None = None
+                ) -> tuple[PackedBatch, StepMetadata, torch.Tensor | None]:
+    """The packed batch, metadata and logits rows of ``plan`` (a successor advances ``prev``,
+    the last step's batch and metadata, as rank 0 advanced its own)."""
+    if plan.write_slots is not None:
+        if prev is None:
+            raise ContractViolation("pagedhybrid.engine.StepPlan", "write_slots",
+                                    "a decode successor needs the last step", None)
+        meta = prev[1].advance(plan.write_slots, inputs)
+        if meta is None:
+            raise ContractViolation("pagedhybrid.engine.StepPlan", "write_slots",
+                                    "must continue the last step's decodes", plan.write_slots)
+        return _advanced_batch(prev[0], meta, plan.token_ids, inputs, device), meta, None
+    meta = StepMetadata.build(plan.q_lens, plan.starts, plan.tables, plan.slots,
+                              block_size=cache.block_size, num_pages=cache.num_pages,
+                              num_slots=cache.num_slots, device=device,
+                              checkpoints=plan.checkpoints,
+                              num_checkpoints=cache.num_checkpoints, verify=plan.verify)
+    rows = None if plan.rows is None else int_tensor(plan.rows, torch.int64, device)
+    return PackedBatch.from_metadata(meta, plan.token_ids, device), meta, rows
 
 
 def build_batch(output: SchedulerOutput, cache: PagedHybridCache, device: str = "cpu",
                 prev: StepBatch | None = None, inputs: DecodeInputs | None = None
                 ) -> StepBatch:
-    """The packed ABI batch of a scheduled step, its step metadata and its logits rows. When
-    the step is ``prev``'s decode successor, its metadata is ``prev``'s advanced one token
-    (vLLM's persistent batch: no lists are walked and nothing is validated again), its new
-    tensors written into ``inputs`` when given (CPU)."""
+    """The step object of a scheduled step (``StepPlan``), its packed ABI batch, step metadata
+    and logits rows. When the step is ``prev``'s decode successor, its metadata is ``prev``'s
+    advanced one token (vLLM's persistent batch: no lists are walked and nothing is validated
+    again), its new tensors written into ``inputs`` when given (CPU)."""
     seqs = output.sequences
     reqs = tuple(s.request for s in seqs)
-    meta = _successor(output, prev, inputs)
+    write = _successor_writes(output, prev)
+    meta = None if write is None or prev is None else prev.meta.advance(write, inputs)
     if meta is not None:
-        assert prev is not None
+        assert prev is not None and write is not None
         ids = [r.token_ids[p] for r, p in zip(reqs, meta.past_lens, strict=True)]
-        top = max(meta.past_lens) + 1
-        if inputs is not None and len(ids) <= inputs.capacity:
-            ids_t, attention, position_ids = inputs.tokens(ids, 1, top)
-        else:
-            ids_t = int_tensor(ids, torch.int64, device)
-            attention = int_tensor((1, top, top), torch.int32, device)
-            position_ids = meta.positions.view(1, -1).expand(3, -1)
-        batch = prev.batch._replace(input_ids=ids_t, position_ids=position_ids,
-                                    past_seqlens=meta.past_t, attention_metadata=attention)
-        return StepBatch(batch, meta, None, prev.sampling, prev.sample_rows, [], reqs)
-    # the step's metadata is built (and validated) once from the scheduler's lists; the packed
-    # ABI batch is a view of its tensors plus the token ids
-    meta = StepMetadata.build([s.num_new_tokens for s in seqs], [s.start for s in seqs],
-                              [s.block_table for s in seqs], [s.slot for s in seqs],
-                              block_size=cache.block_size, num_pages=cache.num_pages,
-                              num_slots=cache.num_slots, device=device,
-                              checkpoints=[(i, off, row) for i, s in enumerate(seqs)
-                                           for off, row in s.checkpoints],
-                              num_checkpoints=cache.num_checkpoints,
-                              verify=[i for i, s in enumerate(seqs) if s.drafts])
-    batch = PackedBatch.from_metadata(
-        meta, [t for s in seqs for t in (
-            *s.request.token_ids[s.start:s.start + s.num_new_tokens - len(s.drafts)],
-            *s.drafts)], device)
+        return StepBatch(_advanced_batch(prev.batch, meta, ids, inputs, device), meta, None,
+                         prev.sampling, prev.sample_rows, [], reqs, (), StepPlan(ids, write))
     rows: list[int] = []
     sampling, sample_rows, spans, verify = [], [], [], []
     offset = 0
@@ -179,9 +221,20 @@ def build_batch(output: SchedulerOutput, cache: PagedHybridCache, device: str = 
             rows.append(offset + s.num_new_tokens - 1)
         offset += s.num_new_tokens
     every = len(rows) == offset and rows == list(range(offset))  # a decode step: all rows
-    return StepBatch(batch, meta,
-                     None if every else int_tensor(rows, torch.int64, device),
-                     sampling, sample_rows, spans, reqs, tuple(verify))
+    # the step's metadata is built (and validated) once from the scheduler's lists; the packed
+    # ABI batch is a view of its tensors plus the token ids
+    plan = StepPlan(
+        [t for s in seqs for t in (
+            *s.request.token_ids[s.start:s.start + s.num_new_tokens - len(s.drafts)],
+            *s.drafts)],
+        None, [s.num_new_tokens for s in seqs], [s.start for s in seqs],
+        [s.block_table for s in seqs], [s.slot for s in seqs],
+        [(i, off, row) for i, s in enumerate(seqs) for off, row in s.checkpoints],
+        [i for i, s in enumerate(seqs) if s.drafts], None if every else rows,
+        [(s.restore, s.slot) for s in seqs if s.restore is not None])
+    batch, meta, rows_t = materialize(plan, cache, device)
+    return StepBatch(batch, meta, rows_t, sampling, sample_rows, spans, reqs, tuple(verify),
+                     plan)
 
 
 def advance(matcher: Any, toks: list[SampledToken], eos: Sequence[int]
@@ -208,8 +261,10 @@ class ModelRunner:
     cache: PagedHybridCache
 
     def __init__(self, model: Qwen35ForCausalLM, config: EngineConfig, stats: EngineStats,
-                 eos_token_ids: Sequence[int] = ()) -> None:
+                 eos_token_ids: Sequence[int] = (), peers: TensorParallelGroup | None = None
+                 ) -> None:
         self.model, self.config, self.stats = model, config, stats
+        self.peers = peers  # rank 0 of a tensor-parallel group: the other ranks (distributed.py)
         self.eos_token_ids = tuple(eos_token_ids)
         # the EOS ids inside the logits' vocabulary (the grammars' and min_tokens' EOS)
         self._eos = [t for t in self.eos_token_ids if 0 <= t < model.config.vocab_size]
@@ -239,7 +294,8 @@ class ModelRunner:
                 config.backend == "auto":
             print(f"pagedhybrid: {self.kernels.reason}", file=sys.stderr)
         self.governor: ThreadGovernor | None = None
-        if config.adaptive_threads and not config.batch_invariant:
+        if config.adaptive_threads and not config.batch_invariant and \
+                config.tensor_parallel_size == 1:
             self.governor = ThreadGovernor(torch.get_num_threads(), self._set_threads)
 
     def allocate(self, sizes: PoolSizes) -> None:
@@ -255,6 +311,8 @@ class ModelRunner:
             capsule_capacity=config.speculative.capacity if config.speculative else 0,
             mtp=self._mtp)
         model.check_cache(self.cache)  # once: steps pass their validated metadata
+        if self.peers is not None:  # every rank's pools have the same sizes
+            self.peers.allocate(sizes)
 
     @property
     def _native(self) -> bool:
@@ -318,14 +376,17 @@ class ModelRunner:
             self.governor.tick()
         step = self._last = build_batch(scheduled, self.cache, self.config.device, self._last,
                                         self._inputs)
-        for s in scheduled.sequences:  # prefix hits start from their checkpointed state
-            if s.restore is not None:
-                self.cache.restore_checkpoint(s.restore, s.slot)
+        assert step.plan is not None
+        if self.peers is not None:  # the step object, once, to the other ranks
+            self.peers.send("step", step.plan)
+        for row, slot in step.plan.restores:  # prefix hits start from their checkpointed state
+            self.cache.restore_checkpoint(row, slot)
         t1 = time.perf_counter()
         hidden: list[torch.Tensor] | None = [] if self._mtp else None
         self._hidden = None
-        logits = self.model.forward_packed(step.batch, self.cache, step.rows,
-                                           step.meta, hidden)  # [R, V]
+        with self._collective():
+            logits = self.model.forward_packed(step.batch, self.cache, step.rows,
+                                               step.meta, hidden)  # [R, V]
         if hidden:
             self._hidden = (step.meta, hidden[0], step.requests)
         t2 = time.perf_counter()
@@ -363,6 +424,31 @@ class ModelRunner:
         st.sample_s += t3 - t2
         return StepResult(sampled, failed, t1 - t0)
 
+    def _collective(self) -> contextlib.AbstractContextManager[None]:
+        """Work the other ranks take part in: under tensor parallelism an exception in it
+        leaves them inside a collective, so the group fails (``TensorParallelGroup.fail``)."""
+        return contextlib.nullcontext() if self.peers is None else self.peers.collective()
+
+    @torch.no_grad()
+    def replay(self, plan: StepPlan) -> None:
+        """A step on a tensor-parallel rank other than 0 (``distributed.py``): the same batch
+        and metadata as rank 0's (``materialize``), the forward over this rank's shard of the
+        pages and state slots, no logits (rank 0 samples)."""
+        prev = None if self._last is None else (self._last.batch, self._last.meta)
+        batch, meta, _ = materialize(plan, self.cache, self.config.device, prev, self._inputs)
+        self._last = StepBatch(batch, meta, None, [], [], [], ())
+        for row, slot in plan.restores:
+            self.cache.restore_checkpoint(row, slot)
+        self.model.forward_packed(batch, self.cache, _NO_ROWS, meta)
+
+    def rank_state(self) -> dict[str, Any]:
+        """This rank's cache geometry and last step's lengths (the group's invariants: every
+        rank has the same pools and ran the same steps)."""
+        c, last = self.cache, self._last
+        return {"num_pages": c.num_pages, "num_slots": c.num_slots,
+                "num_checkpoints": c.num_checkpoints,
+                "last_step": None if last is None else (last.meta.q_lens, last.meta.past_lens)}
+
     def take_hidden(self) -> tuple[StepMetadata, torch.Tensor, tuple[Request, ...]] | None:
         """The last step's metadata, final-norm hidden of every row and requests, once (the
         MTP drafter's input; None when there is no new step or the drafter is not MTP)."""
@@ -372,14 +458,20 @@ class ModelRunner:
     def commit(self, commits: Sequence[Commit]) -> None:
         """Verify chunks' accepted tokens into their state slots (``Scheduler.update``'s
         ``commit``), counted in the speculative-decoding stats."""
-        assert self.kernels.backend.capture is not None
-        self.cache.commit_verified(self.kernels.backend.capture, [c.slot for c in commits],
-                                   [c.count for c in commits],
-                                   [c.checkpoints for c in commits])
+        self.commit_states([c.slot for c in commits], [c.count for c in commits],
+                           [c.checkpoints for c in commits])
         for c in commits:
             self.stats.spec.record(c.proposed, c.accepted)
             c.request.spec_accepted += c.accepted
             c.request.spec_rejections += c.accepted < c.proposed
+
+    def commit_states(self, slots: Sequence[int], counts: Sequence[int],
+                      checkpoints: Sequence[Any]) -> None:
+        """Replay each slot's first ``count`` verified tokens' state updates (every rank)."""
+        if self.peers is not None:
+            self.peers.send("commit", (list(slots), list(counts), list(checkpoints)))
+        assert self.kernels.backend.capture is not None
+        self.cache.commit_verified(self.kernels.backend.capture, slots, counts, checkpoints)
 
     def _sample(self, rows: torch.Tensor, reqs: list[Request]
                 ) -> tuple[dict[str, list[SampledToken]], list[tuple[Request, str]]]:
@@ -434,7 +526,15 @@ class ModelRunner:
     # -- the training-side recompute ---------------------------------------------------------------
     @torch.no_grad()
     def score(self, pairs: Sequence[tuple[list[int], list[int]]]) -> list[list[float]]:
-        """Per (prompt ids, completion ids) pair, the completion tokens' log-probabilities."""
+        """Per (prompt ids, completion ids) pair, the completion tokens' log-probabilities
+        (every tensor-parallel rank runs the same forwards; rank 0's logits are returned)."""
+        if self.peers is not None:
+            self.peers.send("score", [(list(p), list(c)) for p, c in pairs])
+            with self._collective():
+                return self._score(pairs)
+        return self._score(pairs)
+
+    def _score(self, pairs: Sequence[tuple[list[int], list[int]]]) -> list[list[float]]:
         out: list[list[float]] = [[] for _ in pairs]
         group: list[int] = []
         tokens = 0

@@ -27,12 +27,12 @@ write lands in a shared or cached page.
 
 Hybrid prefix caching (``HybridAllocator``; on unless ``enable_prefix_caching=False``):
 
-* **Hash chain.** A full KV page's hash is ``hash(parent page's hash, its tokens, extra key)``
-  from the first page on (``pages.page_hash``; the extra key is ``EngineConfig.prefix_cache_key``,
-  e.g. a model or adapter id). A request's page hashes are kept with it and extended as its
-  tokens grow. After each step the request's full computed pages are indexed by hash
-  (``BlockPool.register_full``); only full pages are ever shared, so a request's last partial
-  page is private and shared pages are never written (no copy on write).
+* **Hash chain.** A full KV page's hash is a stable 64-bit hash of (parent page's hash, its
+  tokens, extra key) from the first page on (``pages.page_hash``; the extra key is
+  ``EngineConfig.prefix_cache_key``, e.g. a model or adapter id). A request's page hashes are
+  kept with it and extended as its tokens grow. After each step the request's full computed
+  pages are indexed by hash (``BlockPool.register_full``); only full pages are ever shared, so a
+  request's last partial page is private and shared pages are never written (no copy on write).
 * **State checkpoints.** A Gated DeltaNet layer's state after a prefix cannot be rebuilt from KV
   pages, so the linear layers' conv + recurrent states are saved every ``interval`` tokens (a
   multiple of the page size) into a separate checkpoint pool, keyed by the hash of the page

@@ -86,8 +86,11 @@ def build_state(args: argparse.Namespace) -> Any:
 def serve_main(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from pagedhybrid.engine.cli import worker_rank
     from pagedhybrid.serve.app import create_app
 
+    if (code := worker_rank(args)) is not None:  # a tensor-parallel rank of rank 0's engine
+        return code
     try:
         state = build_state(args)
     except PagedHybridError as exc:

@@ -25,7 +25,9 @@ in an iteration is logged, the running requests fail with an error, the pools ar
 the core goes on (``degraded`` until the next good iteration). If the core process itself dies
 (a native crash, the kernel's OOM killer), every request in flight fails with an error naming
 its exit code and ``alive`` turns false; the HTTP process keeps answering (503 / ``/health``
-"error"). The core ignores SIGINT / SIGTERM (the server shuts it down over the pipe, after the
+"error"). So does an engine that turns dead (``Engine.dead``: a tensor-parallel rank went
+away): the core sends the reason, which every request in flight fails with, and ends. The core
+ignores SIGINT / SIGTERM (the server shuts it down over the pipe, after the
 in-flight requests had their time) and exits when the server process is gone (end of pipe).
 """
 
@@ -48,7 +50,7 @@ from typing import Any, NamedTuple
 from pagedhybrid.engine import Engine, RequestOutput, SamplingParams
 from pagedhybrid.engine.sampling import Logprob
 from pagedhybrid.engine.stats import SpecStats
-from pagedhybrid.errors import PagedHybridError
+from pagedhybrid.errors import EngineDead, PagedHybridError
 
 
 class EngineRefusal(NamedTuple):
@@ -185,6 +187,9 @@ class _Core:
         if self.stopping or not self.engine.has_unfinished_requests():
             return
         self._send(self.engine.step())
+        if self.engine.dead is not None:  # a tensor-parallel rank is gone: the core ends
+            self.outbox.send(("dead", self.engine.dead))
+            self.stopping = True
 
     def _intake(self) -> None:
         while self.inbox.poll(0):
@@ -209,7 +214,7 @@ class _Core:
                 raise Closing(self.closing)
             self.engine.add_request(rid, prompt, params)
         except Exception as exc:  # any refusal concerns this request alone
-            if isinstance(exc, Closing):
+            if isinstance(exc, (Closing, EngineDead)):
                 kind, what = "closing", None
             elif isinstance(exc, PagedHybridError):
                 kind = "invalid"
@@ -277,7 +282,10 @@ def _core_main(factory: Callable[[], Engine], inbox: Connection, outbox: Connect
                      else f"{type(exc).__name__}: {exc}"))
         return
     outbox.send(("ready", info))
-    _Core(engine, inbox, outbox).run()
+    try:
+        _Core(engine, inbox, outbox).run()
+    finally:
+        engine.close()  # the other tensor-parallel ranks, the KV-events publisher
 
 
 # -- the server process -------------------------------------------------------------------------
@@ -298,6 +306,7 @@ class EngineClient:
         self._snapshot = Snapshot()
         self.on_step: Callable[[Snapshot, Sequence[RequestOutput]], None] | None = None
         self.error: str | None = None  # why the core is gone
+        self._dead: str | None = None  # why the engine stopped serving (it said so)
         self.closing: str | None = None  # why the server is shutting down (``close``)
         self.degraded = False  # the core's last iteration failed outside a step
 
@@ -403,6 +412,9 @@ class EngineClient:
             self._core_died()
 
     def _handle(self, msg: tuple[Any, ...]) -> None:
+        if msg[0] == "dead":  # the core ends after this: say why when its pipe closes
+            self._dead = msg[1]
+            return
         if msg[0] == "refused":
             _, rid, kind, what, message, self._taken, waiting = msg
             self._snapshot = dataclasses.replace(self._snapshot, waiting=waiting)
@@ -454,7 +466,8 @@ class EngineClient:
         if self._loop is not None:
             self._loop.remove_reader(self._from_core.fileno())
         self.proc.join(1)
-        self.error = f"the engine process exited (code {self.proc.exitcode})"
+        self.error = (f"the engine process exited (code {self.proc.exitcode})"
+                      if self._dead is None else f"the engine stopped: {self._dead}")
         self._submitted = self._taken  # nothing is waiting any more
         print(f"pagedhybrid: {self.error}", file=sys.stderr)
         for rid, m in self._mirrors.items():

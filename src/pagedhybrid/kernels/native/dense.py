@@ -218,22 +218,24 @@ def _bf16_gemm_timing(form: str) -> float:
 
 
 _AGREED: dict[tuple[str, str], tuple[float, ...]] = {}
+_SHARED: dict[tuple[str, str], object] = {}  # the group each figure was last agreed in
 
 
 def _agreed(name: str, measure: Callable[[str], tuple[float, ...]]) -> tuple[float, ...]:
     """``measure(form)`` once per process and form -- rank 0's figures on every rank of an
-    initialised torch.distributed group (ranks measure apart and could choose differently,
-    and tensor-parallel ranks must multiply alike)."""
+    initialised torch.distributed group, agreed once per group (ranks measure apart and could
+    choose differently, and tensor-parallel ranks must multiply alike; a figure measured
+    before the group existed is rank 0's to send all the same)."""
+    import torch.distributed as dist
+
     key = (name, status().isa)
     if key not in _AGREED:
-        values = measure(key[1])
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            t = torch.tensor(values, dtype=torch.float64, device="cpu")
-            dist.broadcast(t, src=0)
-            values = tuple(t.tolist())
-        _AGREED[key] = values
+        _AGREED[key] = measure(key[1])
+    if dist.is_available() and dist.is_initialized() and \
+            _SHARED.get(key) is not dist.group.WORLD:
+        t = torch.tensor(_AGREED[key], dtype=torch.float64, device="cpu")
+        dist.broadcast(t, src=0)
+        _AGREED[key], _SHARED[key] = tuple(t.tolist()), dist.group.WORLD
     return _AGREED[key]
 
 
