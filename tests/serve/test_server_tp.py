@@ -25,8 +25,11 @@ from pagedhybrid.engine import LLM, SamplingParams
 PROMPTS = ["The LORD is my shepherd;", "And the children of Israel"]
 
 
-def _children(pid: int) -> list[int]:
-    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+def _rank1(core: int) -> int:
+    """The engine process's worker process (rank 1), among its children."""
+    (pid,) = [int(c) for c in Path(f"/proc/{core}/task/{core}/children").read_text().split()
+              if b"pagedhybrid.engine.distributed" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    return pid
 
 
 def _alive(pid: int) -> bool:
@@ -48,7 +51,7 @@ def test_tp2_server_answers_as_tp1_and_survives_a_dropped_stream(tp_server: Serv
     s = tp_server
     try:
         (core,) = s.children()
-        (rank1,) = _children(core)  # the engine process's worker: rank 1
+        rank1 = _rank1(core)
         client = openai.OpenAI(base_url=s.url, api_key="none", max_retries=0)
         params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
         want = [o.text for o in llm.generate(PROMPTS, params, use_progress=False)]
@@ -82,7 +85,7 @@ def test_a_killed_rank_fails_the_stream_and_the_health_check(tp_server: Server) 
     s = tp_server
     try:
         (core,) = s.children()
-        (rank1,) = _children(core)
+        rank1 = _rank1(core)
         with httpx.stream("POST", f"{s.url}/completions", timeout=120, json={
                 "model": s.model, "prompt": PROMPTS[0], "max_tokens": 800, "ignore_eos": True,
                 "stream": True}) as r:

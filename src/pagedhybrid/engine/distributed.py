@@ -4,8 +4,9 @@ run the model runner on their shard of the same steps.
 Rank 0 schedules, builds each step's ``StepPlan`` (``runner.py``) and sends it, pickled once,
 to every other rank over one socket each (the step object, once per step); every rank then
 materialises the same batch and metadata and runs the forward on its own heads, MLP channels,
-KV pages and state slots -- the row-parallel projections' all-reduces (gloo) are the only
-traffic inside a step. Rank 0 alone computes logits and samples. A verify step's commit and
+KV pages and state slots -- the row-parallel projections' all-reduces are the only traffic
+inside a step (through shared memory between ranks of one machine, ``parallel/shm.py``; gloo
+otherwise). Rank 0 alone computes logits and samples. A verify step's commit and
 ``Engine.score`` go the same way. The pools have the same sizes on every rank (rank 0 plans them
 and sends ``PoolSizes``); the scheduler, the prefix cache's hashes and the requests live on rank
 0 only.
@@ -56,6 +57,7 @@ import torch.distributed as dist
 from pagedhybrid.engine.config import EngineConfig, PoolSizes
 from pagedhybrid.errors import ContractViolation, EngineDead, PagedHybridError
 from pagedhybrid.parallel import ParallelConfig
+from pagedhybrid.parallel.shm import ShmAllReduce
 
 START_S = 300.0  # seconds the ranks may take to start and join
 COLLECTIVE_S = 300.0  # a collective (an all-reduce inside a step) waits this long at most
@@ -113,11 +115,12 @@ class TensorParallelGroup:
     local_ranks: int  # ranks on this machine (the memory plan divides what it finds by it)
     executor: str
     placement: Any = None  # the Ray placement group
+    shm: ShmAllReduce | None = None  # the all-reduces of ranks on this machine (mp)
     dead: str | None = None  # why the group is broken (None: serving)
 
     @property
     def parallel(self) -> ParallelConfig:
-        return ParallelConfig(tp_rank=0, tp_world_size=self.world_size)
+        return ParallelConfig(tp_rank=0, tp_world_size=self.world_size, communicator=self.shm)
 
     def send(self, kind: str, payload: Any) -> None:
         """One message to every other rank (pickled once)."""
@@ -202,6 +205,10 @@ class TensorParallelGroup:
             with contextlib.suppress(Exception):
                 ray.util.remove_placement_group(self.placement)
             self.placement = None
+        if self.shm is not None:
+            with contextlib.suppress(Exception):
+                self.shm.close()
+            self.shm = None
         if dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
@@ -285,9 +292,14 @@ def start_ranks(config: EngineConfig, model_dir: Path, dtype: torch.dtype
 
         torch.set_num_threads(threads)
         set_pool_threads(threads)
+    shm = None
+    if executor == "mp":  # one machine: all-reduces through shared memory, not loopback TCP
+        shm = ShmAllReduce(None, 0, world, create=True,
+                           alive=lambda: all(r.gone() is None for r in ranks))
     group = TensorParallelGroup(world, ranks, conns, world if executor == "mp" else 1, executor,
-                                placement)
-    group.send("setup", (str(model_dir), dtype, config, threads))
+                                placement, shm)
+    group.send("setup", (str(model_dir), dtype, config, threads,
+                         None if shm is None else shm.name))
     return group
 
 
@@ -393,11 +405,15 @@ def worker_main(host: str, port: int, rank: int, world: int) -> int:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=COLLECTIVE_S))
     try:
-        _, (model_dir, dtype, config, threads) = pickle.loads(conn.recv_bytes())
+        _, (model_dir, dtype, config, threads, shm_name) = pickle.loads(conn.recv_bytes())
         torch.set_num_threads(threads)
         set_pool_threads(threads)
+        parent = os.getppid()  # (mp: rank 0; its exit re-parents this process)
+        comm = None if shm_name is None else ShmAllReduce(
+            shm_name, rank, world, alive=lambda: os.getppid() == parent)
         try:
-            model = load(model_dir, dtype=dtype, parallel=ParallelConfig(rank, world))
+            model = load(model_dir, dtype=dtype,
+                         parallel=ParallelConfig(rank, world, communicator=comm))
             runner = ModelRunner(model, config, EngineStats())
         except Exception as exc:
             conn.send(("failed", f"{type(exc).__name__}: {exc}"))

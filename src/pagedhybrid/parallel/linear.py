@@ -61,11 +61,14 @@ class Segment(NamedTuple):
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """This process's place in its TP group; ``process_group`` None = the world group."""
+    """This process's place in its TP group; ``process_group`` None = the world group;
+    ``communicator`` (e.g. ``shm.ShmAllReduce`` for ranks on one machine) does the all-reduces
+    instead of torch.distributed when given."""
 
     tp_rank: int = 0
     tp_world_size: int = 1
     process_group: Any = field(default=None, compare=False, repr=False)
+    communicator: Any = field(default=None, compare=False, repr=False)
     _checked: Any = field(default=None, init=False, compare=False, repr=False)  # group()
 
     def __post_init__(self) -> None:
@@ -106,6 +109,8 @@ class ParallelConfig:
         """``t`` summed in place over the TP group (nothing at world size 1); the group is
         checked on the first call only."""
         if self.tp_world_size > 1:
+            if self.communicator is not None:
+                return self.communicator.all_reduce(t)
             if self._checked is None:
                 object.__setattr__(self, "_checked", self.group())
             dist.all_reduce(t, group=self._checked)

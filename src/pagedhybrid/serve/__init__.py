@@ -6,4 +6,8 @@
 * ``responses.py`` -- the answers' shapes: choices, stop strings, logprobs, usage, chunks.
 * ``metrics.py``  -- ``pagedhybrid:*`` Prometheus metrics (vLLM's names).
 * ``cli.py``      -- ``pagedhybrid serve``.
+* ``replicas.py`` -- ``pagedhybrid serve --replicas N``: N engine replicas behind one endpoint on
+  Ray Serve (the ray extra): ``replica_deployments.py`` (the replicas and the ingress),
+  ``replica_routing.py`` / ``replica_router.py`` (prefix-aware routing on the engine's page
+  hashes), ``replica_metrics.py`` (per-replica and aggregated metrics).
 """

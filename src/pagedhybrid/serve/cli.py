@@ -1,6 +1,11 @@
 """``pagedhybrid serve [MODEL_DIR] [--host 127.0.0.1] [--port 8000] [--served-model-name NAME]
 [engine options as in generate] [--max-waiting N] [--api-key KEY] [--shutdown-timeout S]
-[--chat-template FILE]``.
+[--chat-template FILE] [--tensor-parallel-size N [--distributed-executor-backend mp|ray|
+external_launcher]] [--replicas N [--min-replicas A --max-replicas B] [--ray-address ADDR]
+[--cpus-per-replica C] [--router prefix|round_robin|random]]``.
+
+``--replicas`` serves N engine replicas (each one ``pagedhybrid serve``, possibly tensor-parallel)
+behind one endpoint on Ray Serve with the prefix-aware router (``serve/replicas.py``).
 
 Loads the model (the built-in one by default) into an ``Engine`` in a process of its own
 (``core.EngineClient``, as vLLM's engine core) and serves the OpenAI API with uvicorn on
@@ -45,6 +50,9 @@ def register_subcommands(subparsers: Any) -> None:
                    "of the checkpoint's")
     p.add_argument("--log-level", default="warning")
     add_engine_arguments(p)
+    from pagedhybrid.serve.replicas import add_replica_arguments
+
+    add_replica_arguments(p)  # --replicas N ... (Ray Serve; ray is imported only when used)
     p.set_defaults(func=serve_main)
 
 
@@ -89,6 +97,10 @@ def serve_main(args: argparse.Namespace) -> int:
     from pagedhybrid.engine.cli import worker_rank
     from pagedhybrid.serve.app import create_app
 
+    if getattr(args, "replicas", None) is not None:  # N engine replicas behind one endpoint
+        from pagedhybrid.serve.replicas import serve_replicas
+
+        return serve_replicas(args)
     if (code := worker_rank(args)) is not None:  # a tensor-parallel rank of rank 0's engine
         return code
     try:

@@ -412,8 +412,9 @@ class EngineClient:
             self._core_died()
 
     def _handle(self, msg: tuple[Any, ...]) -> None:
-        if msg[0] == "dead":  # the core ends after this: say why when its pipe closes
+        if msg[0] == "dead":  # the core ends now (its requests have failed already)
             self._dead = msg[1]
+            self._core_died()
             return
         if msg[0] == "refused":
             _, rid, kind, what, message, self._taken, waiting = msg
@@ -465,9 +466,11 @@ class EngineClient:
             return
         if self._loop is not None:
             self._loop.remove_reader(self._from_core.fileno())
-        self.proc.join(1)
-        self.error = (f"the engine process exited (code {self.proc.exitcode})"
-                      if self._dead is None else f"the engine stopped: {self._dead}")
+        if self._dead is None:
+            self.proc.join(1)
+            self.error = f"the engine process exited (code {self.proc.exitcode})"
+        else:
+            self.error = f"the engine stopped: {self._dead}"
         self._submitted = self._taken  # nothing is waiting any more
         print(f"pagedhybrid: {self.error}", file=sys.stderr)
         for rid, m in self._mirrors.items():
