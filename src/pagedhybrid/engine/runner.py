@@ -353,9 +353,16 @@ class ModelRunner:
                     f"`pagedhybrid calibrate-kv --dtype {dtype_name(kvd)} --quant "
                     f"{cfg.kv_quant}`", None)
             path = str(default)
-        scales, _ = load_scales(path, mc.full_attention_layers, mc.num_key_value_heads,
-                                mc.head_dim, kvd, cfg.kv_quant)
-        return {i: KVScales(s.k.to(cfg.device), s.v.to(cfg.device)) for i, s in scales.items()}
+        full = self.model.checkpoint_config.num_key_value_heads  # the file has every head's
+        scales, _ = load_scales(path, mc.full_attention_layers, full, mc.head_dim, kvd,
+                                cfg.kv_quant)
+        # a tensor-parallel rank keeps its own KV heads' (per-channel scales are per head)
+        first, count = self.model.parallel.owned(full, "num_key_value_heads", shared=True)
+
+        def mine(t: torch.Tensor) -> torch.Tensor:
+            return (t if t.numel() == 1 else t[first:first + count]).to(cfg.device)
+
+        return {i: KVScales(mine(s.k), mine(s.v)) for i, s in scales.items()}
 
     def _set_threads(self, n: int) -> None:
         """torch's OpenMP team follows the governor; the native pool keeps the engine's threads
