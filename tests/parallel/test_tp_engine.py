@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -226,25 +227,36 @@ def test_bad_tensor_parallel_sizes_are_refused_before_any_rank_starts(tmp_path: 
             os.environ.update(env)
 
 
-def test_external_launcher_ranks_generate_as_tp1(tp1: LLM, tmp_path: Path) -> None:
-    """torchrun-style: every rank runs the same ``pagedhybrid generate`` command with
-    MASTER_ADDR / MASTER_PORT / WORLD_SIZE / RANK; rank 1 serves rank 0's steps and exits 0."""
+@pytest.mark.parametrize("launcher", ["env", "torchrun"])
+def test_external_launcher_ranks_generate_as_tp1(tp1: LLM, launcher: str) -> None:
+    """Every rank runs the same ``pagedhybrid generate`` command; rank 1 serves rank 0's steps
+    and exits 0. ``env``: MASTER_ADDR / MASTER_PORT / WORLD_SIZE / RANK set by hand (rank 0
+    hosts the store); ``torchrun``: the real launcher (its agent hosts the store)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "pagedhybrid", "generate", "--json", "--max-tokens", "12",
-           "--ignore-eos", "--prompt", PROMPTS[0], "--prompt", PROMPTS[1],
-           "--tensor-parallel-size", "2", "--distributed-executor-backend", "external_launcher",
-           "--dtype", "float32", "--num-blocks", "48", "--max-num-seqs", "4"]
-    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-            "WORLD_SIZE": "2"}
-    procs = [subprocess.Popen(cmd, env={**base, "RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    args = ["-m", "pagedhybrid", "generate", "--json", "--max-tokens", "12", "--ignore-eos",
+            "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--tensor-parallel-size", "2",
+            "--distributed-executor-backend", "external_launcher", "--dtype", "float32",
+            "--num-blocks", "48", "--max-num-seqs", "4"]
+    if launcher == "torchrun":
+        torchrun = str(Path(sys.executable).parent / "torchrun")
+        logs = Path(tempfile.mkdtemp())  # torchrun keeps each rank's stdout there
+        cmds = [([torchrun, "--nnodes", "1", "--nproc-per-node", "2", "--master-addr",
+                  "127.0.0.1", "--master-port", str(port), "--redirects", "3", "--log-dir",
+                  str(logs), *args], dict(os.environ))]
+    else:
+        base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                "WORLD_SIZE": "2"}
+        cmds = [([sys.executable, *args], {**base, "RANK": str(r)}) for r in (0, 1)]
+    procs = [subprocess.Popen(c, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for c, e in cmds]
     try:
         outs = [p.communicate(timeout=240) for p in procs]
     finally:
         for p in procs:
             p.kill()
-    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
-    doc = json.loads(outs[0][0])
+    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+    text = outs[0][0] if launcher == "env" else next(logs.glob("**/0/stdout.log")).read_text()
+    doc = json.loads(text)
     assert [o["token_ids"] for o in doc["outputs"]] == _run(tp1, PROMPTS[:2])

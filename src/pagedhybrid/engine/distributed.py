@@ -261,7 +261,10 @@ def start_ranks(config: EngineConfig, model_dir: Path, dtype: torch.dtype
     else:
         host = "127.0.0.1" if executor == "mp" else _ray_node_ip(config)
         port = 0
-    store = dist.TCPStore(host, port, world, is_master=True,
+    # under torchrun the agent already serves the store at MASTER_PORT: join it
+    agent = executor == "external_launcher" and \
+        os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(host, port, world, is_master=not agent,
                           timeout=datetime.timedelta(seconds=START_S), wait_for_workers=False)
     key = secrets.token_bytes(32)
     listener = Listener(("127.0.0.1" if executor == "mp" else "0.0.0.0", 0), authkey=key)
