@@ -16,7 +16,7 @@ bandwidths, and the per-step latency floor (``2 (W-1)`` hops per all-reduce x 12
 the stated one-way latency), against the decode step's weight-reading time on each machine
 (54 GB of bf16 weights / W at the stated memory bandwidth per machine).
 
-``replicas`` -- see ``replicas.py`` beside this file (Ray Serve).
+``replicas`` -- 1 vs 2 replicas, prefix vs round-robin routing: ``replicas.py`` (Ray Serve).
 
     python benchmarks/scale_out.py --quick
     python benchmarks/scale_out.py            # writes benchmarks/results/scale_out.json

@@ -96,7 +96,8 @@ def launch(tmp: Path, address: str, *args: str) -> Replicated:
         if proc.poll() is not None:
             raise AssertionError(f"the launcher exited: {log.read_text()[-6000:]}")
         try:
-            if httpx.get(f"{r.base}/health", timeout=10).status_code == 200:
+            h = httpx.get(f"{r.base}/health", timeout=10)  # ok: every replica routed to
+            if h.status_code == 200 and h.json()["status"] == "ok":
                 return r
         except httpx.HTTPError:
             pass

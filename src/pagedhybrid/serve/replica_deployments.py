@@ -363,9 +363,14 @@ class Ingress:
         states = {rid: (r[1] if not isinstance(r, BaseException) else
                         f"{type(r).__name__}: {r}") for rid, r in results}
         ok = sum(s == "ok" for s in states.values())
-        status = "ok" if ok and ok == len(states) else "degraded" if ok else "error"
+        # "ok" once the router knows at least the replicas asked for (the lower bound when
+        # autoscaling), all healthy: before, some are still starting (and get no traffic)
+        want = (self.spec.autoscaling["min_replicas"] if self.spec.autoscaling
+                else self.spec.num_replicas)
+        status = "ok" if ok and ok == len(states) and ok >= want else \
+            "degraded" if ok else "error"
         return JSONResponse({"status": status, "replicas": states},
-                            status_code=200 if ok else 503)
+                            status_code=200 if status == "ok" else 503 if not ok else 200)
 
     @app.get("/metrics")
     async def metrics(self) -> Response:

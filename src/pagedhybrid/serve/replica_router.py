@@ -4,9 +4,11 @@ Ray Serve's hooks.
 Ray Serve builds it in every process that holds a handle to the engine deployment (here the
 ingress) from ``request_router_kwargs`` (``policy``, ``capacity_pages``, ``imbalance``,
 ``min_match``, ``seed``). ``choose_replicas`` reads the request's ``Route`` (its ``route``
-keyword) and answers ``replica_routing.choose``'s ranking, one replica per rank;
-``on_request_routed`` records the prompt's page hashes for the replica that took it (the
-approximate prefix index) and counts it in flight until ``on_request_completed``;
+keyword) and answers ``replica_routing.choose``'s ranking, one replica per rank, and at once
+takes the first choice as where the request goes -- its turn, an in-flight request and the
+prompt's page hashes (the approximate prefix index) -- so that requests routed together (a
+burst) see each other; ``on_request_routed`` moves that to the replica that did take it when
+it is another, and the request counts in flight until ``on_request_completed``;
 ``update_replicas`` forgets replicas that are gone.
 
 Ray Serve ships this class pickled by value (a copy of this module), so it keeps no state of its
@@ -45,6 +47,7 @@ class ReplicaRouter(RequestRouter):
         self.in_flight: dict[str, int] = {}
         self._routed: dict[str, str] = {}  # internal request id -> replica unique id
         self._pending: dict[str, Choice] = {}  # internal request id -> the choice made
+        self._taken: dict[str, str] = {}  # internal request id -> its first choice, counted
         self.replica_ids: tuple[str, ...] = ()
         self.lock = threading.Lock()  # counters read from the ingress's thread
         self.routed: dict[tuple[str, str], int] = {}  # (replica, reason) -> requests
@@ -63,21 +66,42 @@ class ReplicaRouter(RequestRouter):
                         self.imbalance, self.turn, self.rng, self.min_match)
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True  # all ranks tried: back off
-            self._pending[pending_request.metadata.internal_request_id] = choice
+            req = pending_request.metadata.internal_request_id
+            self._untake(req)  # (chosen again after a back-off)
+            self._pending[req] = choice
+            if choice.ranks and route.pin is None:  # counted now: a burst sees it
+                first = choice.ranks[0]
+                self._taken[req] = first
+                self.turn += 1
+                self.in_flight[first] = self.in_flight.get(first, 0) + 1
+                if route.hashes:
+                    self.index.record(first, route.hashes)
             while len(self._pending) > _MAX_PENDING:  # choices of requests cancelled unrouted
-                self._pending.pop(next(iter(self._pending)))
+                old = next(iter(self._pending))
+                self._pending.pop(old)
+                self._untake(old)
         return [[by_id[c]] for c in choice.ranks if c in by_id]
+
+    def _untake(self, req: str) -> None:
+        first = self._taken.pop(req, None)
+        if first is not None and self.in_flight.get(first, 0) > 0:
+            self.in_flight[first] -= 1
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: Any) -> None:
         rid, req = replica_id.unique_id, pending_request.metadata.internal_request_id
         route = _route_of(pending_request)
         choice = self._pending.pop(req, None)
-        self.turn += 1
+        first = self._taken.pop(req, None)
         self._routed[req] = rid
-        self.in_flight[rid] = self.in_flight.get(rid, 0) + 1
-        if route.hashes:
-            self.index.record(rid, route.hashes)
+        if first != rid:  # another replica took it than the one counted at the choice
+            if first is not None and self.in_flight.get(first, 0) > 0:
+                self.in_flight[first] -= 1
+            else:
+                self.turn += 1
+            self.in_flight[rid] = self.in_flight.get(rid, 0) + 1
+            if route.hashes:
+                self.index.record(rid, route.hashes)
         reason = "pinned" if route.pin is not None else (
             choice.reason if choice is not None and choice.ranks[:1] == (rid,) else "fallback")
         with self.lock:
