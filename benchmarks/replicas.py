@@ -11,7 +11,9 @@ environment, hence the head's, so the head starts with ``OMP_NUM_THREADS=1`` (Ra
 replica's CPUs only when unset); torch's threads and the adaptive-thread governor's ceiling
 follow it. Rows record the servers' ``OMP_NUM_THREADS`` from ``/proc/<pid>/environ`` (pids from
 ``pagedhybrid:replica_info``). Model: the built-in one, ``--dtype float32`` (as the replica tests;
-the checkpoint is bf16), ``--num-blocks 512`` (block 16, state checkpoints every 64 tokens). The
+the checkpoint is bf16), ``--num-blocks 512`` (block 16, state checkpoints every 64 tokens),
+``--num-state-checkpoints 64`` (the default, one row per state slot, holds too few for 5
+interleaved system prompts: with it every configuration measured a hit rate of 0). The
 launcher, Ray Serve's proxy, the ingress (which tokenizes every prompt for the router) and this
 client share the 2 cores with the replicas.
 
@@ -178,6 +180,7 @@ def run_config(address: str, n: int, router: str, chats: list[list[dict[str, str
                   "--router", router, "--ray-address", address, "--port", str(p),
                   "--served-model-name", MODEL, "--dtype", "float32", "--cpus-per-replica", "1",
                   "--max-num-seqs", str(args.concurrency), "--num-blocks", "512",
+                  "--num-state-checkpoints", "64",
                   "--health-check-period", "2", "--health-check-timeout", "30"],
                  p, log, timeout=600, env=ENV)
     row: dict[str, Any] = {"replicas": n, "router": router,
