@@ -6,7 +6,8 @@ Greedy outputs equal TP=1's on the built-in model and on random checkpoints (one
 KV head and linear key head, replicated on both ranks), through chunked prefill, prefix-cache
 hits, an abort, preemption and n-gram speculative decoding; both ranks ran the same steps on
 pools of the same sizes. A rank killed mid-run fails the requests with its name and exit code,
-never a hang; bad TP sizes are refused before any rank starts. torchrun-style
+never a hang; bad TP sizes are refused before any rank starts. MTP drafts: the head's steps
+run on both ranks. torchrun-style
 ``external_launcher``: two ``pagedhybrid generate`` processes with ``RANK`` 0 / 1.
 """
 
@@ -122,6 +123,18 @@ def test_tp2_preemption_and_ngram_speculation_equal_tp1(tmp_path: Path) -> None:
         _invariants(llm)
 
 
+def test_tp2_mtp_drafts_keep_the_greedy_output() -> None:
+    """The MTP head's catch-up and chain steps run on both ranks (the head's attention is split
+    like the model's); greedy output is the plain TP=1 run's, and drafts are accepted."""
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "adaptive": False}
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    want = _run(LLM(None, **OPTS), PROMPTS, params)
+    with LLM(None, tensor_parallel_size=2, speculative_config=spec, **OPTS) as llm:
+        assert _run(llm, PROMPTS, params) == want
+        assert llm.engine.stats.spec.accepted_tokens > 0
+        _invariants(llm)
+
+
 @pytest.mark.parametrize("kv_heads", [2, 1])
 def test_tp2_greedy_and_score_equal_tp1_on_random_checkpoints(tmp_path: Path,
                                                               kv_heads: int) -> None:
@@ -209,8 +222,6 @@ def test_bad_tensor_parallel_sizes_are_refused_before_any_rank_starts(tmp_path: 
     if w > cores:
         with pytest.raises(ContractViolation, match=r"tensor_parallel_size.*cores"):
             LLM(str(tmp_path), tensor_parallel_size=w, **OPTS)
-    with pytest.raises(ContractViolation, match=r"speculative_config\.method"):
-        EngineConfig(tensor_parallel_size=2, speculative_config={"method": "mtp"})
     with pytest.raises(ContractViolation, match="tensor_parallel_size"):
         EngineConfig(tensor_parallel_size=0)
     with pytest.raises(ContractViolation, match="distributed_executor_backend"):

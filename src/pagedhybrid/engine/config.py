@@ -145,11 +145,6 @@ class EngineConfig:
             raise ContractViolation("EngineConfig", "distributed_executor_backend",
                                     f"must be one of {list(EXECUTORS)}",
                                     self.distributed_executor_backend)
-        spec = self.speculative
-        if tp > 1 and spec is not None and spec.method == "mtp":
-            raise ContractViolation("EngineConfig", "speculative_config.method",
-                                    "'mtp' is not served under tensor_parallel_size > 1 (n-gram "
-                                    "drafts are)", spec.method)
         if self.state_checkpoint_interval is not None and \
                 self.state_checkpoint_interval % self.block_size:
             raise ContractViolation("EngineConfig", "state_checkpoint_interval",

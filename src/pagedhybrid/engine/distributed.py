@@ -6,8 +6,9 @@ to every other rank over one socket each (the step object, once per step); every
 materialises the same batch and metadata and runs the forward on its own heads, MLP channels,
 KV pages and state slots -- the row-parallel projections' all-reduces are the only traffic
 inside a step (through shared memory between ranks of one machine, ``parallel/shm.py``; gloo
-otherwise). Rank 0 alone computes logits and samples. A verify step's commit and
-``Engine.score`` go the same way. The pools have the same sizes on every rank (rank 0 plans them
+otherwise). Rank 0 alone computes logits and samples. A verify step's commit, the MTP
+head's steps (``runner.MtpCall``: the drafter's catch-up and chain) and ``Engine.score`` go the
+same way. The pools have the same sizes on every rank (rank 0 plans them
 and sends ``PoolSizes``); the scheduler, the prefix cache's hashes and the requests live on rank
 0 only.
 
@@ -415,7 +416,8 @@ def worker_main(host: str, port: int, rank: int, world: int) -> int:
         comm = None if shm_name is None else ShmAllReduce(
             shm_name, rank, world, alive=lambda: os.getppid() == parent)
         try:
-            model = load(model_dir, dtype=dtype,
+            spec = config.speculative
+            model = load(model_dir, dtype=dtype, mtp=spec is not None and spec.method == "mtp",
                          parallel=ParallelConfig(rank, world, communicator=comm))
             runner = ModelRunner(model, config, EngineStats())
         except Exception as exc:
@@ -441,6 +443,8 @@ def _serve(conn: Connection, runner: Any, rank: int) -> int:
             steps += 1
         elif kind == "commit":
             runner.commit_states(*payload)
+        elif kind == "mtp":
+            runner.forward_mtp(payload)
         elif kind == "score":
             runner.score(payload)
         elif kind == "allocate":

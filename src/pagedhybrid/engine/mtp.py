@@ -46,7 +46,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedhybrid.engine.request import Request, RequestStatus
-from pagedhybrid.kernels.step import StepMetadata, int_tensor
+from pagedhybrid.engine.runner import MtpCall
+from pagedhybrid.kernels.step import StepMetadata
 
 if TYPE_CHECKING:
     from pagedhybrid.engine.runner import ModelRunner
@@ -72,7 +73,7 @@ class MtpDrafter:
         self._chain_s: deque[float] = deque(maxlen=32)  # recent chain step times
 
     def propose(self, requests: Sequence[Request], k: int) -> None:
-        step = self.runner.take_hidden()
+        step = self.runner.take_step()
         want = {id(r): k for r in requests}
         if self.budget is not None and requests:
             for r in requests:
@@ -90,9 +91,10 @@ class MtpDrafter:
             del self._drafts[key]
 
     @torch.no_grad()
-    def _step(self, meta: StepMetadata, hidden: torch.Tensor, reqs: Sequence[Request],
-              want: dict[int, int]) -> None:
-        model, cache = self.runner.model, self.runner.cache
+    def _step(self, meta: StepMetadata, reqs: Sequence[Request], want: dict[int, int]
+              ) -> None:
+        runner = self.runner
+        cache = runner.cache
         t0 = time.perf_counter()
         seqs, qs, rows, ids, drafting = [], [], [], [], []
         for b, req in enumerate(reqs):
@@ -110,21 +112,16 @@ class MtpDrafter:
         if not seqs:
             return
         past = [meta.past_lens[b] for b in seqs]
-        sub = StepMetadata.build(qs, past, meta.block_table[seqs],
-                                 [int(meta.state_slots[b]) for b in seqs],
-                                 block_size=meta.block_size, num_pages=meta.num_pages,
-                                 num_slots=cache.num_slots,
-                                 verify=[i for i, (n, p) in enumerate(zip(qs, past, strict=True))
-                                         if n > 1 and p > 0])
-        picks = int_tensor([r for _, r, _ in drafting], torch.int64)
-        logits, out = model.forward_mtp(int_tensor(ids, torch.int64),
-                                        hidden[int_tensor(rows, torch.int64)], sub, cache, picks)
+        logits = runner.forward_mtp(MtpCall(
+            ids, rows, qs, past, meta.block_table[seqs],
+            [int(meta.state_slots[b]) for b in seqs], cache.num_slots,
+            [i for i, (n, p) in enumerate(zip(qs, past, strict=True)) if n > 1 and p > 0],
+            [r for _, r, _ in drafting]))  # the head's hidden at each last row: the state
         if not drafting:
             return
         chains = [[t] for t in logits.argmax(dim=-1).tolist()]  # d1 of each drafting request
         self._catch_s.append(time.perf_counter() - t0)
         lengths = [want[id(r)] for r, _, _ in drafting]
-        state = out.index_select(0, picks)  # [D, hidden]: the head's hidden at each last row
         live = [i for i, w in enumerate(lengths) if w > 1]  # the chains still going
         bs = meta.block_size
         for j in range(1, max(lengths)):
@@ -134,15 +131,10 @@ class MtpDrafter:
                     if lengths[i] > j and (drafting[i][2] + j) // bs < len(tables[i])]
             if not live:
                 break
-            step = StepMetadata.build(
-                [1] * len(live), [drafting[i][2] + j for i in live], [tables[i] for i in live],
-                list(range(len(live))), block_size=bs, num_pages=meta.num_pages,
-                num_slots=max(len(live), cache.num_slots))
-            sel = int_tensor(live, torch.int64)
-            logits, nxt = model.forward_mtp(
-                int_tensor([chains[i][-1] for i in live], torch.int64),
-                state.index_select(0, sel), step, cache)
-            state.index_copy_(0, sel, nxt)
+            logits = runner.forward_mtp(MtpCall(
+                [chains[i][-1] for i in live], live, [1] * len(live),
+                [drafting[i][2] + j for i in live], [list(tables[i]) for i in live],
+                list(range(len(live))), max(len(live), cache.num_slots)))
             for i, t in zip(live, logits.argmax(dim=-1).tolist(), strict=True):
                 chains[i].append(t)
             self._chain_s.append(time.perf_counter() - t0)

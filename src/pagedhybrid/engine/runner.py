@@ -107,6 +107,22 @@ class StepPlan(NamedTuple):
     restores: Sequence[tuple[int, int]] = ()  # (checkpoint row, state slot) before the forward
 
 
+class MtpCall(NamedTuple):
+    """One MTP head step as every tensor-parallel rank runs it (``ModelRunner.forward_mtp``):
+    a catch-up (``picks`` given: ``rows`` of the last step's hidden) or a chain step (``rows``
+    of the chain's state)."""
+
+    token_ids: Sequence[int]
+    rows: Sequence[int]
+    q_lens: Sequence[int]
+    past_lens: Sequence[int]
+    tables: Any  # int32 [B, M] or lists
+    slots: Sequence[int]
+    num_slots: int
+    verify: Sequence[int] = ()
+    picks: Sequence[int] | None = None
+
+
 class StepBatch(NamedTuple):
     """A scheduled step as the model sees it, and what its logits rows are for."""
 
@@ -272,8 +288,11 @@ class ModelRunner:
         self._last: StepBatch | None = None  # the last step (its successor reuses its tensors)
         spec = config.speculative
         self._mtp = spec is not None and spec.method == "mtp"
-        # the last step's metadata, final-norm hidden [N, hidden] and requests (MTP drafts)
-        self._hidden: tuple[StepMetadata, torch.Tensor, tuple[Request, ...]] | None = None
+        # the last step's metadata and requests, and its final-norm hidden [N, hidden]: the
+        # MTP drafter's input (``forward_mtp``)
+        self._hidden: tuple[StepMetadata, tuple[Request, ...]] | None = None
+        self._head_in: torch.Tensor | None = None
+        self._head_state: torch.Tensor | None = None  # the MTP chain's hidden, per draft row
         self._inputs = (DecodeInputs(config.max_num_seqs)
                         if torch.device(config.device).type == "cpu" else None)
         mc = model.config
@@ -395,7 +414,7 @@ class ModelRunner:
             logits = self.model.forward_packed(step.batch, self.cache, step.rows,
                                                step.meta, hidden)  # [R, V]
         if hidden:
-            self._hidden = (step.meta, hidden[0], step.requests)
+            self._hidden, self._head_in = (step.meta, step.requests), hidden[0]
         t2 = time.perf_counter()
         for span in step.prompt_spans:
             req = scheduled.sequences[span.seq].request
@@ -446,7 +465,39 @@ class ModelRunner:
         self._last = StepBatch(batch, meta, None, [], [], [], ())
         for row, slot in plan.restores:
             self.cache.restore_checkpoint(row, slot)
-        self.model.forward_packed(batch, self.cache, _NO_ROWS, meta)
+        hidden: list[torch.Tensor] | None = [] if self._mtp else None
+        self.model.forward_packed(batch, self.cache, _NO_ROWS, meta, hidden)
+        if hidden:
+            self._head_in = hidden[0]
+
+    @torch.no_grad()
+    def forward_mtp(self, call: MtpCall) -> torch.Tensor:
+        """One step of the MTP head (``mtp.py``'s catch-up or chain step) on every rank; the
+        float32 logits of ``call.picks`` (catch-up) or of every row (chain step). The head's
+        hidden stays here: a catch-up reads the last step's final-norm hidden at ``rows`` and
+        keeps the head's hidden at ``picks`` as the chain's state; a chain step reads and
+        updates the state at ``rows``."""
+        if self.peers is not None:
+            self.peers.send("mtp", call)
+        with self._collective():
+            cache = self.cache
+            meta = StepMetadata.build(call.q_lens, call.past_lens, call.tables, call.slots,
+                                      block_size=cache.block_size, num_pages=cache.num_pages,
+                                      num_slots=call.num_slots, verify=call.verify)
+            ids = int_tensor(call.token_ids, torch.int64)
+            rows = int_tensor(call.rows, torch.int64)
+            if call.picks is not None:  # catch-up, from the last step's hidden
+                assert self._head_in is not None
+                picks = int_tensor(call.picks, torch.int64)
+                logits, out = self.model.forward_mtp(ids, self._head_in.index_select(0, rows),
+                                                     meta, cache, picks)
+                self._head_state = out.index_select(0, picks)
+                return logits
+            assert self._head_state is not None
+            logits, nxt = self.model.forward_mtp(ids, self._head_state.index_select(0, rows),
+                                                 meta, cache)
+            self._head_state.index_copy_(0, rows, nxt)
+            return logits
 
     def rank_state(self) -> dict[str, Any]:
         """This rank's cache geometry and last step's lengths (the group's invariants: every
@@ -456,9 +507,10 @@ class ModelRunner:
                 "num_checkpoints": c.num_checkpoints,
                 "last_step": None if last is None else (last.meta.q_lens, last.meta.past_lens)}
 
-    def take_hidden(self) -> tuple[StepMetadata, torch.Tensor, tuple[Request, ...]] | None:
-        """The last step's metadata, final-norm hidden of every row and requests, once (the
-        MTP drafter's input; None when there is no new step or the drafter is not MTP)."""
+    def take_step(self) -> tuple[StepMetadata, tuple[Request, ...]] | None:
+        """The last step's metadata and requests, once (the MTP drafter's input; None when
+        there is no new step or the drafter is not MTP). Its hidden stays here
+        (``forward_mtp``)."""
         out, self._hidden = self._hidden, None
         return out
 

@@ -12,7 +12,8 @@ each. Call ``k`` uses bank ``k % 2``: a rank copies its tensor into its slot, th
 to ``k + 1`` (x86 keeps stores in order: the data is visible before the flag), waits until every
 flag reaches ``k + 1``, and sums the slots. A bank is written again two calls later, by which time
 every rank has set its flag for the call in between, so it has finished reading this one. A
-tensor larger than a slot goes through in slot-sized pieces (the same sums).
+tensor larger than a slot goes through in slot-sized pieces (the same sums). The slot views of
+a size seen before are kept (a step's sizes recur): 23-32 us per call here, two processes.
 
 Waiting spins (each rank has its own core), yielding the core after a while; ``alive()`` is
 asked every ``CHECK_S`` seconds and a wait longer than ``timeout_s`` raises, so a rank that died
@@ -45,6 +46,9 @@ class ShmAllReduce:
 
     def __init__(self, name: str | None, rank: int, world: int, create: bool = False,
                  alive: Callable[[], bool] | None = None, timeout_s: float = 300.0) -> None:
+        if world < 2 or not 0 <= rank < world:
+            raise ValueError(f"a shared-memory all-reduce needs 2 ranks or more and rank in "
+                             f"[0, {world}); got rank {rank} of {world}")
         self.rank, self.world = rank, world
         size = world * _LINE * 8 + 2 * world * SLOT_BYTES
         self._shm = shared_memory.SharedMemory(name=name, create=create, size=size if create
@@ -58,6 +62,7 @@ class ShmAllReduce:
         self._data = torch.frombuffer(buf, dtype=torch.uint8, offset=world * _LINE * 8,
                                       count=2 * world * SLOT_BYTES).view(2, world, SLOT_BYTES)
         self._calls = 0
+        self._views: dict[tuple[int, int, torch.dtype], tuple[torch.Tensor, ...]] = {}
         self.alive, self.timeout_s = alive, timeout_s
         self.owner = create
 
@@ -70,25 +75,33 @@ class ShmAllReduce:
         every rank)."""
         flat = t.view(-1) if t.is_contiguous() else t.reshape(-1)
         per = SLOT_BYTES // t.element_size()
-        for start in range(0, flat.numel(), per):
-            part = flat[start:start + per]
-            part.copy_(self._reduce(part))
+        if flat.numel() <= per:  # (a decode or prefill step's: one piece)
+            self._reduce(flat)
+        else:
+            for start in range(0, flat.numel(), per):
+                self._reduce(flat[start:start + per])
         if not t.is_contiguous():
             t.copy_(flat.view(t.shape))
         return t
 
-    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+    def _reduce(self, x: torch.Tensor) -> None:
+        """``x`` (contiguous, one slot at most) replaced by the rank-order sum, in place."""
         k = self._calls
         self._calls += 1
-        n = x.numel() * x.element_size()
-        slots = self._data[k % 2, :, :n].view(x.dtype)  # [W, numel]
+        key = (k & 1, x.numel(), x.dtype)
+        slots = self._views.get(key)
+        if slots is None:  # [W] views of this bank's slots as ``x`` (a step's sizes recur)
+            rows = self._data[k & 1, :, :x.numel() * x.element_size()].view(x.dtype)
+            slots = self._views[key] = tuple(rows.unbind(0))
+            if len(self._views) > 256:
+                self._views.pop(next(iter(self._views)))
         slots[self.rank].copy_(x)
         self._flags[self.rank] = k + 1
-        self._wait(k + 1)
-        out = slots[0].clone()
-        for r in range(1, self.world):
-            out += slots[r]
-        return out
+        if self._flags.min() <= k:
+            self._wait(k + 1)
+        torch.add(slots[0], slots[1], out=x)
+        for r in range(2, self.world):
+            x += slots[r]
 
     def _wait(self, target: int) -> None:
         flags = self._flags
@@ -110,6 +123,7 @@ class ShmAllReduce:
     def close(self) -> None:
         self._flags = None  # type: ignore[assignment]
         self._data = None  # type: ignore[assignment]
+        self._views.clear()
         self._shm.close()
         if self.owner:
             self._shm.unlink()
