@@ -33,6 +33,7 @@ socket). ``close`` stops them.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import faulthandler
@@ -304,6 +305,7 @@ def start_ranks(config: EngineConfig, model_dir: Path, dtype: torch.dtype
                                 placement, shm)
     group.send("setup", (str(model_dir), dtype, config, threads,
                          None if shm is None else shm.name))
+    atexit.register(group.close, 1.0)  # an engine never closed: its ranks and segment go too
     return group
 
 
