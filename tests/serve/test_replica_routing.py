@@ -10,6 +10,7 @@ from conftest import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedhybrid.engine.pages import chain_hashes
+from pagedhybrid.serve.cli import serve_parser
 from pagedhybrid.serve.metrics import ServerMetrics
 from pagedhybrid.serve.replica_metrics import ReplicaMetrics, aggregate, parse_totals
 from pagedhybrid.serve.replica_routing import PrefixIndex, Route, choose
@@ -18,7 +19,6 @@ from pagedhybrid.serve.replicas import (
     check_capacity,
     connect_ray,
     replica_spec,
-    serve_parser,
     server_argv,
 )
 

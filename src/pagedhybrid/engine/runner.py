@@ -44,7 +44,7 @@ import contextlib
 import sys
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -70,11 +70,23 @@ from pagedhybrid.kvquant import (
 )
 from pagedhybrid.models.qwen35 import PackedBatch, PagedHybridCache, Qwen35ForCausalLM
 
-if TYPE_CHECKING:
-    from pagedhybrid.engine.distributed import TensorParallelGroup
-
 _NO_ROWS = torch.empty(0, dtype=torch.int64)  # a rank other than 0 computes no logits
 SCORE_TOKENS = 8192  # tokens per scoring forward (whole sequences; a longer one goes alone)
+
+
+class Peers(Protocol):
+    """The other tensor-parallel ranks as rank 0's runner drives them
+    (``distributed.TensorParallelGroup``)."""
+
+    dead: str | None  # why they are gone (None: serving)
+
+    def send(self, kind: str, payload: Any) -> None: ...
+
+    def allocate(self, sizes: PoolSizes) -> None: ...
+
+    def collective(self) -> contextlib.AbstractContextManager[None]: ...
+
+    def close(self, timeout: float = ...) -> None: ...
 
 
 class PromptSpan(NamedTuple):
@@ -277,7 +289,7 @@ class ModelRunner:
     cache: PagedHybridCache
 
     def __init__(self, model: Qwen35ForCausalLM, config: EngineConfig, stats: EngineStats,
-                 eos_token_ids: Sequence[int] = (), peers: TensorParallelGroup | None = None
+                 eos_token_ids: Sequence[int] = (), peers: Peers | None = None
                  ) -> None:
         self.model, self.config, self.stats = model, config, stats
         self.peers = peers  # rank 0 of a tensor-parallel group: the other ranks (distributed.py)

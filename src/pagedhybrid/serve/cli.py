@@ -56,6 +56,15 @@ def register_subcommands(subparsers: Any) -> None:
     p.set_defaults(func=serve_main)
 
 
+def serve_parser() -> argparse.ArgumentParser:
+    """The ``pagedhybrid serve`` parser alone (engine, server and replica options)."""
+    sub = argparse.ArgumentParser(prog="pagedhybrid").add_subparsers(dest="command")
+    register_subcommands(sub)
+    p: argparse.ArgumentParser = sub.choices["serve"]
+    p.prog = "pagedhybrid serve"
+    return p
+
+
 def build_state(args: argparse.Namespace) -> Any:
     """Start the engine process and the server's state around it (tokenizer, metrics)."""
     import functools
@@ -100,7 +109,7 @@ def serve_main(args: argparse.Namespace) -> int:
     if getattr(args, "replicas", None) is not None:  # N engine replicas behind one endpoint
         from pagedhybrid.serve.replicas import serve_replicas
 
-        return serve_replicas(args)
+        return serve_replicas(args, serve_parser())
     if (code := worker_rank(args)) is not None:  # a tensor-parallel rank of rank 0's engine
         return code
     try:

@@ -52,7 +52,7 @@ from ray.serve.handle import DeploymentHandle
 from pagedhybrid.engine.pages import chain_hashes
 from pagedhybrid.serve.replica_metrics import ReplicaMetrics, aggregate
 from pagedhybrid.serve.replica_routing import Route, router_of
-from pagedhybrid.serve.replicas import ENGINE_DEPLOYMENT, ReplicaSpec
+from pagedhybrid.serve.replica_spec import ENGINE_DEPLOYMENT, ReplicaSpec
 
 # Runs as ``python -c _GUARD PARENT_PID serve ARGS...``: the kernel sends the server SIGTERM
 # when the thread that started it (the replica's user-code thread, alive as long as the

@@ -31,14 +31,13 @@ import signal
 import socket
 import sys
 import threading
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pagedhybrid.errors import PagedHybridError
+from pagedhybrid.serve.replica_spec import ReplicaSpec
 
 APP_NAME = "pagedhybrid"
-ENGINE_DEPLOYMENT = "EngineReplica"
 ROUTER_POLICIES = ("prefix", "round_robin", "random")
 _PROBE_TIMEOUT_S = 3.0
 # not passed to the replicas' servers: host and port are theirs, the key goes by environment
@@ -51,29 +50,6 @@ class ReplicaOptionError(PagedHybridError, ValueError):
     def __init__(self, option: str, reason: str) -> None:
         self.option, self.reason = option, reason
         super().__init__(f"{option}: {reason}")
-
-
-@dataclass(frozen=True)
-class ReplicaSpec:
-    """What the replicated application is made of (built from the command line)."""
-
-    server_argv: tuple[str, ...]  # `pagedhybrid serve` arguments of each replica's server
-    model_dir: str
-    block_size: int
-    num_replicas: int
-    cpus_per_replica: float = 1.0
-    router: str = "prefix"
-    imbalance: int = 32
-    min_match: float = 0.5
-    capacity_pages: int = 1 << 16
-    max_ongoing_requests: int = 256
-    health_check_period_s: float = 5.0
-    health_check_timeout_s: float = 30.0
-    start_timeout_s: float = 600.0
-    shutdown_timeout_s: float = 10.0
-    chat_template: str | None = None
-    autoscaling: dict[str, Any] | None = None
-    env: dict[str, str] = field(default_factory=dict)  # e.g. the API key, off the command line
 
 
 def add_replica_arguments(p: argparse.ArgumentParser) -> None:
@@ -115,18 +91,6 @@ def add_replica_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds a replica's server may take to become healthy (default 600)")
     for action in g._group_actions:
         action.replica_only = True  # type: ignore[attr-defined]
-
-
-def serve_parser() -> argparse.ArgumentParser:
-    """The ``pagedhybrid serve`` parser, with the replica options."""
-    from pagedhybrid.serve.cli import register_subcommands
-
-    root = argparse.ArgumentParser(prog="pagedhybrid")
-    sub = root.add_subparsers(dest="command")
-    register_subcommands(sub)
-    p: argparse.ArgumentParser = sub.choices["serve"]
-    p.prog = "pagedhybrid serve"
-    return p
 
 
 def server_argv(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
@@ -288,13 +252,12 @@ def _local(host: str) -> bool:
     return False
 
 
-def serve_replicas(args: argparse.Namespace,
-                   parser: argparse.ArgumentParser | None = None) -> int:
+def serve_replicas(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Run the replicated server until SIGTERM / SIGINT (exit 0); a refusal at start prints
     ``error: <option>: <reason>`` and returns 2."""
     ray_mod: Any = None
     try:
-        spec = replica_spec(args, parser or serve_parser())
+        spec = replica_spec(args, parser)
         address = args.ray_address or os.environ.get("RAY_ADDRESS") or None
         hp = _split_address(address) if address else None
         if not address or (hp is not None and _local(hp[0])):
