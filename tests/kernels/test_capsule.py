@@ -164,6 +164,51 @@ def test_conv_replay_and_segments() -> None:
                                                 ([2, 3], [4, 3], [])]
 
 
+@pytest.mark.parametrize("conv_dtype", [torch.float32, torch.bfloat16])
+def test_one_call_commit_equals_the_per_layer_replays(conv_dtype: torch.dtype) -> None:
+    """The native bundle's ``commit`` (``commit_replay``: every layer in one call) leaves each
+    layer's conv and recurrent rows bit for bit where the per-layer replays leave them, over
+    two rounds (a checkpoint cut) and a sequence with nothing accepted; other rows untouched."""
+    g = torch.Generator().manual_seed(5)
+    layers = 3
+    caps = [capsule() for _ in range(layers)]
+    for c in caps:
+        for t in c:
+            t.copy_(torch.randn(t.shape, generator=g))
+    caps = [c._replace(conv=c.conv.to(conv_dtype)) for c in caps]
+    convs = [torch.randn(SLOTS, caps[0].conv.shape[-1], 3, generator=g).to(conv_dtype)
+             for _ in range(layers)]
+    pools = [torch.randn(SLOTS, HV, DV, DK, generator=g) * 0.3 for _ in range(layers)]
+    slots = torch.tensor([3, 0, 4])
+    rounds = [((0, 0, 0), (2, 0, 5)), ((2, 0, 5), (4, 0, 6))]
+    want_c, want_p = [c.clone() for c in convs], [p.clone() for p in pools]
+    got_c, got_p = [c.clone() for c in convs], [p.clone() for p in pools]
+    per_layer = CAPTURE._replace(replay_layers=None)
+    for lo, hi in rounds:
+        b0, b1 = (torch.tensor(v, dtype=torch.int32) for v in (lo, hi))
+        per_layer.commit(want_c, want_p, caps, slots, b0, b1)
+        CAPTURE.commit(got_c, got_p, caps, slots, b0, b1)
+    for i in range(layers):
+        assert torch.equal(got_c[i], want_c[i]) and torch.equal(got_p[i], want_p[i])
+        assert not torch.equal(got_c[i][3], convs[i][3])  # it moved
+        assert torch.equal(got_c[i][0], convs[i][0]) and torch.equal(got_p[i][0], pools[i][0])
+        assert torch.equal(got_p[i][1], pools[i][1])  # not a slot of the commit
+    bad = [p.clone() for p in pools]
+    with pytest.raises(ValueError, match="begin/end"):
+        CAPTURE.commit(got_c, bad, caps, slots, torch.tensor([0, 0, 5], dtype=torch.int32),
+                       torch.tensor([2, 0, CAP + 1], dtype=torch.int32))
+    with pytest.raises(ValueError, match="conv_capsules"):
+        CAPTURE.commit(got_c, bad, [c._replace(conv=c.conv[:, :2]) for c in caps], slots,
+                       torch.zeros(3, dtype=torch.int32), torch.ones(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="pools"):
+        library().commit_replay(got_c[:2], [c.conv for c in caps], bad,
+                                [c.decay for c in caps], [c.key for c in caps],
+                                [c.delta for c in caps], slots,
+                                torch.zeros(3, dtype=torch.int32),
+                                torch.ones(3, dtype=torch.int32))
+    assert all(torch.equal(b, p) for b, p in zip(bad, pools, strict=True))  # refused: unchanged
+
+
 def test_bad_calls_are_refused_by_name() -> None:
     x, caps = inputs(), capsule()
     long_ = meta((CAP + 1, 2), (0, 1))

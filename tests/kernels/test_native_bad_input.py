@@ -255,6 +255,37 @@ def _run_replay(a: Args) -> None:
                                                   "begin", "end")])
 
 
+def _commit() -> Args:
+    gen = torch.Generator().manual_seed(11)
+    return {**_replay(), "conv": torch.randn(S, 5, 3, generator=gen).bfloat16(),
+            "conv_caps": torch.randn(S, CAP, 5, generator=gen).bfloat16()}
+
+
+COMMIT: list[Corruption] = [
+    *REPLAY,
+    ("conv capsule shape", _set("conv_caps", lambda a: a["conv_caps"][:, :, :4].contiguous()),
+     r"conv_capsules: must be \[slots, capacity, channels\] = \[4, 3, 5\]"),
+    ("conv capsule dtype", _set("conv_caps", lambda a: a["conv_caps"].float()),
+     r"conv_capsules: must be BFloat16"),
+    ("conv pool rows", _set("conv", lambda a: a["conv"][:3].contiguous()),
+     r"conv_pools: size\(0\) must equal the recurrent pool's slots"),
+    ("conv pool dtype", _set("conv", lambda a: a["conv"].double()),
+     r"conv_pools: must be float32, bfloat16 or float16"),
+    ("conv pool layout", _set("conv", lambda a: a["conv"].transpose(1, 2)),
+     r"conv_pools: must be contiguous"),
+    ("a layer short", lambda a: a.update(layers=2),
+     r"pools: need one conv pool, conv capsule, recurrent pool, decay, key and delta per "
+     r"linear layer \(got 1, 2, 2, 2, 2, 2\)"),
+]
+
+
+def _run_commit(a: Args) -> None:
+    n = a.get("layers", 1)  # "a layer short": every list but the conv pools' has n entries
+    library().commit_replay([a["conv"]], [a["conv_caps"]] * n, [a["pool"]] * n,
+                            [a["decay"]] * n, [a["key"]] * n, [a["delta"]] * n, a["slots"],
+                            a["begin"], a["end"])
+
+
 def _run_gdn(a: Args) -> None:
     names = ["q", "k", "v", "a", "b", "a_log", "dt_bias", "pool", "slots", "fresh"]
     if "cu_seqlens" in a:
@@ -434,6 +465,48 @@ ATTENTION_LAYER: list[Corruption] = [
      r"o_proj: size\(1\) must equal the mixer's output width = 128"),
     ("value cache shape", _set("value_cache", lambda a: a["value_cache"][:-1].contiguous()),
      _IN_ATTENTION + r"value_cache"),
+    ("cos dtype", lambda a: a.update(cos=a["cos"].double(), sin=a["sin"].double()),
+     r"cos: must be Float"),
+    ("sin layout", _set("sin", lambda a: torch.randn(RD, 2).t()), r"sin: must be contiguous"),
+    ("k_norm size", _set("k_norm", lambda a: torch.randn(D + 1)),
+     r"k_norm: size\(0\) must equal the head size D"),
+]
+
+
+def _head_input() -> Args:
+    gen = torch.Generator().manual_seed(12)
+    return {"token_ids": torch.tensor([5, 0, 9]), "hidden": torch.randn(3, HID, generator=gen),
+            "embed": torch.randn(10, HID, generator=gen),
+            "norm_embedding": torch.randn(HID, generator=gen),
+            "norm_hidden": torch.randn(HID, generator=gen),
+            "fc": torch.randn(HID, 2 * HID, generator=gen), "out": None}
+
+
+def _run_head_input(a: Args) -> None:
+    a["out"] = library().mtp_head_input(*[a[n] for n in ("token_ids", "hidden", "embed",
+                                                         "norm_embedding", "norm_hidden", "fc")],
+                                        1e-6, True, [], 4)
+
+
+HEAD_INPUT: list[Corruption] = [
+    ("token past the vocabulary", _set("token_ids", lambda a: torch.tensor([5, 10, 9])),
+     r"token_ids: token_ids\[1\] = 10 is outside the vocabulary \[0, 10\)"),
+    ("negative token", _set("token_ids", lambda a: torch.tensor([-1, 0, 9])),
+     r"token_ids: token_ids\[0\] = -1"),
+    ("token count", _set("token_ids", lambda a: torch.tensor([5, 0])),
+     r"token_ids: size\(0\) must equal the rows of hidden"),
+    ("token dtype", _set("token_ids", lambda a: a["token_ids"].int()), r"token_ids: must be Long"),
+    ("hidden dtype", _set("hidden", lambda a: a["hidden"].double()),
+     r"hidden: dtype must be float32 or bfloat16"),
+    ("embed width", _set("embed", lambda a: torch.randn(10, HID + 1)),
+     r"embed: size\(1\) must equal the hidden size of hidden"),
+    ("embed dtype", _set("embed", lambda a: a["embed"].bfloat16()), r"embed: must be Float"),
+    ("norm size", _set("norm_hidden", lambda a: torch.randn(HID - 1)),
+     r"norm_hidden: size\(0\) must equal the hidden size"),
+    ("fc columns", _set("fc", lambda a: torch.randn(HID, HID)),
+     r"fc: size\(1\) must equal twice the hidden size = 32"),
+    ("fc rows", _set("fc", lambda a: torch.randn(HID + 2, 2 * HID)),
+     r"fc: size\(0\) must equal the hidden size of hidden = 16"),
 ]
 
 
@@ -691,16 +764,99 @@ GATED: list[Corruption] = [
     ("gate dtype", _set("gate", lambda a: a["gate"].bfloat16()), r"gate: must be Float"),
 ]
 
+def _head_output() -> Args:
+    gen = torch.Generator().manual_seed(13)
+    return {"h": torch.randn(3, HID, generator=gen), "norm": torch.randn(HID, generator=gen),
+            "picks": torch.tensor([2, 0]), "lm_head": torch.randn(10, HID, generator=gen),
+            "out": None}
+
+
+def _run_head_output(a: Args) -> None:
+    out, ids = library().mtp_head_output(a["h"], a["norm"], 1e-6, a["picks"], a["lm_head"],
+                                         True, [], 4)
+    a["out"] = torch.cat([out.flatten(), ids.float()])
+
+
+HEAD_OUTPUT: list[Corruption] = [
+    ("pick past the rows", _set("picks", lambda a: torch.tensor([2, 3])),
+     r"picks: picks\[1\] = 3 is outside the rows of h \[0, 3\)"),
+    ("pick dtype", _set("picks", lambda a: a["picks"].int()), r"picks: must be Long"),
+    ("h dtype", _set("h", lambda a: a["h"].double()), r"h: dtype must be float32 or bfloat16"),
+    ("norm size", _set("norm", lambda a: torch.randn(HID + 1)),
+     r"norm: size\(0\) must equal the hidden size of h"),
+    ("lm_head width", _set("lm_head", lambda a: torch.randn(10, HID - 1)),
+     r"lm_head: size\(1\) must equal the hidden size of h = 16"),
+    ("lm_head dtype", _set("lm_head", lambda a: a["lm_head"].bfloat16()),
+     r"lm_head: must be Float"),
+]
+
+
+def _chain() -> Args:
+    gen = torch.Generator().manual_seed(14)
+    layer = _attention_layer()
+    del layer["h"], layer["cos"], layer["sin"], layer["write_slots"], layer["cu_seqlens"]
+    del layer["past_lens"], layer["seqs"], layer["out"]
+    n = 40  # rope table rows
+    return {**layer, **{k: v for k, v in _head_input().items() if k != "out"},
+            "token_ids": torch.tensor([5, 0]), "hidden": torch.randn(2, HID, generator=gen),
+            "positions": torch.tensor([20, 3]), "steps": torch.tensor([3, 1]),
+            "block_table": torch.tensor([[4, 1], [2, -1]], dtype=torch.int32),
+            "cos": torch.randn(n, RD, generator=gen), "sin": torch.randn(n, RD, generator=gen),
+            "final_norm": torch.randn(HID, generator=gen),
+            "lm_head": torch.randn(10, HID, generator=gen), "out": None}
+
+
+def _run_chain(a: Args) -> None:
+    drafts, state = library().mtp_chain(
+        *[a[n] for n in ("token_ids", "hidden", "positions", "steps", "block_table")], BS,
+        a["cos"], a["sin"], *[a[n] for n in ("embed", "norm_embedding", "norm_hidden", "fc")], [],
+        *[a[n] for n in ("input_norm", "q_proj", "k_proj", "v_proj", "q_norm", "k_norm",
+                         "key_cache", "value_cache", "o_proj", "post_norm", "gate_proj",
+                         "up_proj", "down_proj", "heads", "kv_heads")],
+        D ** -0.5, 1e-6, KV_SPLIT, [], a["final_norm"], a["lm_head"], [], 4, True)
+    a["out"] = torch.cat([drafts.flatten().float(), state.flatten()])
+
+
+CHAIN: list[Corruption] = [
+    ("chain past its pages", _set("steps", lambda a: torch.tensor([13, 1])),
+     r"block_table: sequence 0: its last step at position 32 needs page 2 of a table of 2"),
+    ("negative steps", _set("steps", lambda a: torch.tensor([3, -1])),
+     r"steps: sequence 1: steps and positions must be >= 0"),
+    ("steps count", _set("steps", lambda a: torch.tensor([3])),
+     r"steps: size\(0\) must equal the rows of hidden"),
+    ("position dtype", _set("positions", lambda a: a["positions"].int()),
+     r"positions: must be Long"),
+    ("rope table short", lambda a: a.update(cos=a["cos"][:21].contiguous(),
+                                            sin=a["sin"][:21].contiguous()),
+     r"cos: sequence 0: position 22 is past the rope table's 21 rows"),
+    ("table dtype", _set("block_table", lambda a: a["block_table"].long()),
+     r"block_table: must be Int"),
+    ("page past the pool", _set("block_table", lambda a: torch.tensor([[4, P], [2, -1]],
+                                                                       dtype=torch.int32)),
+     r"block_table: sequence 0: page 1 = 6 is outside the page pool \[0, 6\)"),
+    ("token past the vocabulary", _set("token_ids", lambda a: torch.tensor([5, 10])),
+     r"token_ids: token_ids\[1\] = 10 is outside the vocabulary \[0, 10\)"),
+    ("lm_head width", _set("lm_head", lambda a: torch.randn(10, HID + 1)),
+     r"lm_head: size\(1\) must equal the hidden size of h"),
+    ("q_proj rows", _set("q_proj", lambda a: a["q_proj"][1:].contiguous()),
+     r"in pagedhybrid\.attention_decode_layer: q_proj"),
+]
+
+
 OPS: dict[str, tuple[Callable[[], Args], Callable[[Args], None], list[Corruption], str]] = {
     "paged_attention": (_attention, _run_attention, ATTENTION, "out"),
     "gated_delta_decode": (lambda: _gdn(False), _run_gdn, GDN, "pool"),
     "gated_delta_varlen": (lambda: _gdn(True), _run_gdn, GDN_VARLEN, "pool"),
     "gated_delta_capture": (_capture, _run_capture, CAPTURE, "out"),
     "gated_delta_replay": (_replay, _run_replay, REPLAY, "pool"),
+    "commit_replay": (_commit, _run_commit, COMMIT, "pool"),
     "gdn_decode_mixer": (_mixer, _run_mixer, MIXER, "pool"),
     "gdn_decode_layer": (_gdn_layer, _run_gdn_layer, GDN_LAYER, "pool"),
     "attention_decode_layer": (_attention_layer, _run_attention_layer, ATTENTION_LAYER,
                                "key_cache"),
+    "mtp_head_input": (_head_input, _run_head_input, HEAD_INPUT, "out"),
+    "mtp_head_output": (_head_output, _run_head_output, HEAD_OUTPUT, "out"),
+    "mtp_chain": (_chain, _run_chain, CHAIN, "out"),
     "causal_conv_decode": (lambda: _conv(False), _run_conv, CONV, "pool"),
     "causal_conv_varlen": (lambda: _conv(True), _run_conv, CONV_VARLEN, "pool"),
     "linear_invariant": (_linear, _run_linear, LINEAR, "out"),

@@ -120,9 +120,9 @@ class StepPlan(NamedTuple):
 
 
 class MtpCall(NamedTuple):
-    """One MTP head step as every tensor-parallel rank runs it (``ModelRunner.forward_mtp``):
-    a catch-up (``picks`` given: ``rows`` of the last step's hidden) or a chain step (``rows``
-    of the chain's state)."""
+    """The MTP head's catch-up as every tensor-parallel rank runs it
+    (``ModelRunner.forward_mtp``): ``rows`` of the last step's hidden, ``picks`` the rows the
+    chains start from."""
 
     token_ids: Sequence[int]
     rows: Sequence[int]
@@ -131,8 +131,21 @@ class MtpCall(NamedTuple):
     tables: Any  # int32 [B, M] or lists
     slots: Sequence[int]
     num_slots: int
-    verify: Sequence[int] = ()
-    picks: Sequence[int] | None = None
+    verify: Sequence[int]
+    picks: Sequence[int]
+
+
+class MtpChain(NamedTuple):
+    """The MTP drafter's chain as every tensor-parallel rank runs it (``ModelRunner.forward_mtp``,
+    ``Qwen35ForCausalLM.mtp_chain``): row ``r`` of the chain's state feeds its first draft
+    ``token_ids[r]`` back at ``positions[r]`` and runs ``steps[r]`` one-token head steps on the
+    pages of ``tables[r]``."""
+
+    token_ids: Sequence[int]
+    rows: Sequence[int]
+    positions: Sequence[int]
+    steps: Sequence[int]
+    tables: Sequence[Sequence[int]]
 
 
 class StepBatch(NamedTuple):
@@ -483,33 +496,35 @@ class ModelRunner:
             self._head_in = hidden[0]
 
     @torch.no_grad()
-    def forward_mtp(self, call: MtpCall) -> torch.Tensor:
-        """One step of the MTP head (``mtp.py``'s catch-up or chain step) on every rank; the
-        float32 logits of ``call.picks`` (catch-up) or of every row (chain step). The head's
-        hidden stays here: a catch-up reads the last step's final-norm hidden at ``rows`` and
-        keeps the head's hidden at ``picks`` as the chain's state; a chain step reads and
-        updates the state at ``rows``."""
+    def forward_mtp(self, call: MtpCall | MtpChain) -> torch.Tensor:
+        """The MTP head (``mtp.py``'s catch-up or chain) on every rank; the greedy drafts
+        (int64: a row's first maximum, -1 where its logits are not finite) of ``call.picks``
+        (a catch-up, ``[R]``) or of each chain row's steps (``[B, steps]``, -1 past its end).
+        The head's hidden stays here: a catch-up reads the last step's final-norm hidden at
+        ``rows`` and keeps the head's hidden at ``picks`` as the chain's state; a chain reads
+        and updates the state at ``rows``."""
         if self.peers is not None:
             self.peers.send("mtp", call)
         with self._collective():
             cache = self.cache
+            if isinstance(call, MtpChain):
+                assert self._head_state is not None
+                rows = int_tensor(call.rows, torch.int64)
+                drafts, state = self.model.mtp_chain(
+                    int_tensor(call.token_ids, torch.int64), self._head_state.index_select(0, rows),
+                    call.positions, call.steps, call.tables, cache)
+                self._head_state.index_copy_(0, rows, state)
+                return drafts
             meta = StepMetadata.build(call.q_lens, call.past_lens, call.tables, call.slots,
                                       block_size=cache.block_size, num_pages=cache.num_pages,
                                       num_slots=call.num_slots, verify=call.verify)
-            ids = int_tensor(call.token_ids, torch.int64)
-            rows = int_tensor(call.rows, torch.int64)
-            if call.picks is not None:  # catch-up, from the last step's hidden
-                assert self._head_in is not None
-                picks = int_tensor(call.picks, torch.int64)
-                logits, out = self.model.forward_mtp(ids, self._head_in.index_select(0, rows),
-                                                     meta, cache, picks)
-                self._head_state = out.index_select(0, picks)
-                return logits
-            assert self._head_state is not None
-            logits, nxt = self.model.forward_mtp(ids, self._head_state.index_select(0, rows),
-                                                 meta, cache)
-            self._head_state.index_copy_(0, rows, nxt)
-            return logits
+            assert self._head_in is not None
+            rows, picks = int_tensor(call.rows, torch.int64), int_tensor(call.picks, torch.int64)
+            drafts, out = self.model.forward_mtp(int_tensor(call.token_ids, torch.int64),
+                                                 self._head_in.index_select(0, rows), meta,
+                                                 cache, picks, greedy=True)
+            self._head_state = out.index_select(0, picks)
+            return drafts
 
     def rank_state(self) -> dict[str, Any]:
         """This rank's cache geometry and last step's lengths (the group's invariants: every

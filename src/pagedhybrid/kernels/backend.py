@@ -98,6 +98,9 @@ def _declare() -> KernelRegistry:
             norms=native_norms.NATIVE_NORMS, gdn_decode=native_step.gdn_decode,
             gdn_decode_layer=native_step.gdn_decode_layer,
             attention_decode_layer=native_step.attention_decode_layer,
+            mtp_head_input=native_step.mtp_head_input,
+            mtp_head_output=native_step.mtp_head_output,
+            mtp_chain=native_step.mtp_chain,
             capture=native_step.CAPTURE, moe=native_moe.experts,
             quantized_linear=native_quant.linear),
         Backend(

@@ -83,11 +83,27 @@ class StateCapture(NamedTuple):
       and delta written into capsule slot ``j`` (the token's place in its chunk) of the
       sequence's state slot;
     * ``replay(pool, slots int64 [B], capsule, begin int32 [B], end int32 [B])`` -- pool row
-      ``slots[b]`` advanced by capsule tokens ``begin[b] .. end[b] - 1``.
+      ``slots[b]`` advanced by capsule tokens ``begin[b] .. end[b] - 1``;
+    * ``replay_layers`` (optional) -- ``commit`` of every layer in one call (the native bundles:
+      ``commit_replay``, the per-layer calls' glue was most of a commit's time).
     """
 
     gated_delta: Callable[..., torch.Tensor]
     replay: Callable[..., None]
+    replay_layers: Callable[..., None] | None = None
+
+    def commit(self, conv_pools: Sequence[torch.Tensor], pools: Sequence[torch.Tensor],
+               capsules: Sequence[Capsule], slots: torch.Tensor, begin: torch.Tensor,
+               end: torch.Tensor) -> None:
+        """Every linear layer's conv and recurrent rows ``slots[b]`` advanced by their capsule
+        tokens ``begin[b] .. end[b] - 1`` (``replay_conv`` and ``replay`` layer by layer)."""
+        if self.replay_layers is not None:
+            self.replay_layers(conv_pools, pools, capsules, slots, begin, end)
+            return
+        index = conv_replay_index(conv_pools[0].shape[-1], begin, end)  # the same for all
+        for conv, pool, caps in zip(conv_pools, pools, capsules, strict=True):
+            replay_conv(conv, caps, slots, index)
+            self.replay(pool, slots, caps, begin, end)
 
 
 def _verify_rows(meta: StepMetadata, capacity: int) -> tuple[torch.Tensor, torch.Tensor,

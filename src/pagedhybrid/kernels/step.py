@@ -366,6 +366,19 @@ class AttentionLayerWeights(NamedTuple):
     quant_bits: int = 0
 
 
+class MtpHeadInput(NamedTuple):
+    """What a bundle's ``mtp_head_input`` / ``mtp_chain`` read of the MTP head before its layer
+    (model dtype, the modules' parameters): the embedding table, the two offset norms' weights
+    and ``eps``, and ``fc`` (or, with ``fc_quant``, its int8 / int4 form)."""
+
+    embed: torch.Tensor
+    norm_embedding: torch.Tensor
+    norm_hidden: torch.Tensor
+    eps: float
+    fc: torch.Tensor
+    fc_quant: Any = None  # weightquant.QuantizedWeight (this module imports nothing above it)
+
+
 def quant_tensors(projections: Sequence[Any]) -> tuple[tuple[torch.Tensor, ...], int]:
     """The fused decode layers' view of a layer's int8 / int4 projections (each a
     ``weightquant.QuantizedWeight``, in the layer's order): (codes, scales, zeros -- an empty

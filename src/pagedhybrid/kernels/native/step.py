@@ -21,6 +21,10 @@ Mixed steps split by sequence; rows of the two groups are disjoint, so they neve
   ``linear`` kernel or torch's GEMM (``dense.product_form``); None otherwise.
 * attention_decode_layer -- the same for a full-attention layer over pages in the model dtype
   (quantized pages: None).
+* mtp_head_input / mtp_head_output -- the MTP head's input before its decoder layer (embedding,
+  its two norms, ``fc``) and, for the drafter, what comes after it (the final norm, the LM head
+  of the rows it drafts from and their greedy pick), one call each; mtp_chain -- the drafter's
+  whole chain of one-token head steps in one call.
 * CAPTURE -- a speculative verify step's recurrent state (``kernels/capsule.py``): the verify
   sequences' tokens through the per-token kernel on copies of their rows, capturing decay, key
   and delta (``gated_delta_capture``), and the accepted tokens replayed into the rows
@@ -37,8 +41,15 @@ from pagedhybrid.kernels.capsule import Capsule, StateCapture
 from pagedhybrid.kernels.cpu import step as torch_step
 from pagedhybrid.kernels.native import KV_SPLIT, dense, library
 from pagedhybrid.kernels.native import quant as native_quant
-from pagedhybrid.kernels.step import AttentionLayerWeights, GdnLayerWeights, StepMetadata
+from pagedhybrid.kernels.step import (
+    AttentionLayerWeights,
+    GdnLayerWeights,
+    MtpHeadInput,
+    StepMetadata,
+    quant_tensors,
+)
 from pagedhybrid.kvquant import KVScales
+from pagedhybrid.weightquant import QuantizedWeight
 
 MAX_NATIVE_QUERY = 16
 
@@ -123,11 +134,21 @@ def _native_product(h: torch.Tensor, meta: StepMetadata,
     (False), as ``matmul`` does at this batch (int8 / int4 weights: as ``quant.linear`` does);
     None when it cannot fuse the step (not decodes and verify chunks only, a dtype it does not
     fuse, another product form)."""
-    if not meta.decode_or_verify or h.dtype not in FUSED_DTYPES:
+    if not meta.decode_or_verify:
+        return None
+    return _product_flag(h.shape[0], h.dtype, matmul, quantized)
+
+
+def _product_flag(rows: int, dtype: torch.dtype,
+                  matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+                  quantized: bool) -> bool | None:
+    """How a fused call multiplies ``rows`` rows in ``dtype`` as ``matmul`` does: the native
+    kernel (True), torch's GEMM (False), or a form it does not fuse (None)."""
+    if dtype not in FUSED_DTYPES:
         return None
     if quantized:  # the integer kernel, as quant.linear below its prefill form
-        return True if h.shape[0] < native_quant.DEQUANT_ROWS else None
-    return {"native": True, "torch": False}.get(dense.product_form(matmul, h.dtype, h.shape[0]))
+        return True if rows < native_quant.DEQUANT_ROWS else None
+    return {"native": True, "torch": False}.get(dense.product_form(matmul, dtype, rows))
 
 
 def _save_chunk_ends(conv_pool: torch.Tensor, pool: torch.Tensor,
@@ -216,6 +237,70 @@ def attention_decode_layer(h: torch.Tensor, w: AttentionLayerWeights, cos: torch
         w.quant_bits)
 
 
+def mtp_head_input(token_ids: torch.Tensor, hidden: torch.Tensor, w: MtpHeadInput,
+                   meta: StepMetadata,
+                   matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
+                   ) -> torch.Tensor | None:
+    """The MTP head's decoder-layer input ``fc([norm(embed[token_ids]) | norm(hidden)])``
+    ``[N, hidden]`` in one call (``model.MtpHead``), as the modules compute it with ``matmul``;
+    None where the head's layer would not fuse the step either (``attention_decode_layer``)."""
+    native = _native_product(hidden, meta, matmul, w.fc_quant is not None)
+    if native is None or w.embed.dtype != hidden.dtype:
+        return None
+    quant, bits = quant_tensors([w.fc_quant]) if w.fc_quant is not None else ((), 0)
+    return library().mtp_head_input(  # type: ignore[attr-defined]
+        token_ids, hidden, w.embed, w.norm_embedding, w.norm_hidden,
+        w.fc if w.fc_quant is None else w.fc_quant.codes, w.eps, native, quant, bits)
+
+
+def mtp_head_output(h: torch.Tensor, norm: torch.Tensor, eps: float,
+                    picks: torch.Tensor | None, lm_head: torch.Tensor,
+                    lm_quant: QuantizedWeight | None,
+                    matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The MTP head after its layer for a greedy drafter, in one call: (its hidden
+    ``norm(h)`` ``[N, hidden]``, the first maximum of the LM-head logits of rows ``picks``
+    (all when None) int64 ``[R]``, -1 for a row with a NaN or an infinity), as the modules and
+    ``argmax`` compute them with ``matmul`` (``lm_quant``: the head's int8 / int4 form); None
+    for a product form it does not fuse."""
+    rows = h.shape[0] if picks is None else picks.shape[0]
+    native = _product_flag(rows, h.dtype, matmul, lm_quant is not None)
+    if native is None or not h.is_contiguous():
+        return None
+    quant, bits = quant_tensors([lm_quant]) if lm_quant is not None else ((), 0)
+    return library().mtp_head_output(  # type: ignore[attr-defined,no-any-return]
+        h, norm, eps, picks, lm_head if lm_quant is None else lm_quant.codes, native, quant,
+        bits)
+
+
+def mtp_chain(token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+              steps: torch.Tensor, block_table: torch.Tensor, block_size: int,
+              rope: tuple[torch.Tensor, torch.Tensor], head_input: MtpHeadInput,
+              layer: AttentionLayerWeights, key_cache: torch.Tensor, value_cache: torch.Tensor,
+              final_norm: torch.Tensor, lm_head: torch.Tensor, lm_quant: QuantizedWeight | None,
+              matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
+              ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The MTP drafter's whole chain in one call (``csrc/decode_layer.cpp`` ``mtp_chain``: each
+    step ``mtp_head_input``, the head's ``attention_decode_layer`` and ``mtp_head_output``):
+    (drafts int64 ``[B, max(steps)]``, -1 past each chain's end; the head's hidden after each
+    chain ``[B, hidden]``); None where a step would not fuse (quantized pages, a product form it
+    does not take at ``B`` rows)."""
+    native = _product_flag(hidden.shape[0], hidden.dtype, matmul, bool(layer.quant))
+    if native is None or key_cache.dtype != hidden.dtype or not hidden.is_contiguous():
+        return None
+    fc_quant = quant_tensors([head_input.fc_quant])[0] if head_input.fc_quant else ()
+    lm = quant_tensors([lm_quant])[0] if lm_quant is not None else ()
+    return library().mtp_chain(  # type: ignore[attr-defined,no-any-return]
+        token_ids, hidden, positions, steps, block_table, block_size, *rope, head_input.embed,
+        head_input.norm_embedding, head_input.norm_hidden,
+        head_input.fc if head_input.fc_quant is None else head_input.fc_quant.codes, fc_quant,
+        layer.input_norm, layer.q_proj, layer.k_proj, layer.v_proj, layer.q_norm, layer.k_norm,
+        key_cache, value_cache, layer.o_proj, layer.post_norm, layer.gate_proj, layer.up_proj,
+        layer.down_proj, layer.heads, layer.kv_heads, layer.scale, layer.rms_eps, KV_SPLIT,
+        layer.quant, final_norm, lm_head if lm_quant is None else lm_quant.codes, lm,
+        layer.quant_bits, native)
+
+
 def _gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
                 b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, pool: torch.Tensor,
                 slots: torch.Tensor, fresh: torch.Tensor, scale: float) -> torch.Tensor:
@@ -268,4 +353,12 @@ def _replay(pool: torch.Tensor, slots: torch.Tensor, capsule: Capsule, begin: to
                                  begin, end)
 
 
-CAPTURE = StateCapture(_capture, _replay)
+def _replay_layers(conv_pools: list[torch.Tensor], pools: list[torch.Tensor],
+                   capsules: list[Capsule], slots: torch.Tensor, begin: torch.Tensor,
+                   end: torch.Tensor) -> None:
+    library().commit_replay(conv_pools, [c.conv for c in capsules], pools,  # type: ignore[attr-defined]
+                            [c.decay for c in capsules], [c.key for c in capsules],
+                            [c.delta for c in capsules], slots, begin, end)
+
+
+CAPTURE = StateCapture(_capture, _replay, _replay_layers)

@@ -49,7 +49,7 @@ Logits are returned as float32 (as the exported graph does).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,7 +61,9 @@ from pagedhybrid.kernels.backend import Backend, select
 from pagedhybrid.kernels.step import (
     AttentionLayerWeights,
     GdnLayerWeights,
+    MtpHeadInput,
     StepMetadata,
+    int_tensor,
     quant_tensors,
 )
 from pagedhybrid.kvquant import is_quantized
@@ -231,6 +233,12 @@ class MtpHead(nn.Module):
     def layer(self) -> DecoderLayer:
         return self.layers[0]  # type: ignore[return-value]
 
+    def input_weights(self, embed: torch.Tensor) -> MtpHeadInput:
+        """What the fused head kernels read before the layer (``embed``: the model's table)."""
+        return MtpHeadInput(embed, self.pre_fc_norm_embedding.weight,
+                            self.pre_fc_norm_hidden.weight, self.pre_fc_norm_hidden.eps,
+                            self.fc.weight, self.fc.quant)
+
 
 class Qwen35ForCausalLM(nn.Module):
     """The Qwen3.5 text decoder (one TP rank of it when ``parallel`` says so), with its MTP
@@ -255,6 +263,7 @@ class Qwen35ForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.mtp: MtpHead | None = None
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # (_rope_rows)
         if mtp:
             if config.mtp_num_hidden_layers != 1:
                 raise UnsupportedConfiguration(
@@ -511,32 +520,116 @@ class Qwen35ForCausalLM(nn.Module):
 
     @torch.no_grad()
     def forward_mtp(self, token_ids: torch.Tensor, hidden: torch.Tensor, meta: StepMetadata,
-                    cache: PagedHybridCache, logits_rows: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    cache: PagedHybridCache, logits_rows: torch.Tensor | None = None,
+                    greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """The MTP head over a packed step (``MtpHead``): row ``r`` at position
         ``meta.positions[r]`` reads ``hidden[r]`` (the final-norm hidden there) and
         ``token_ids[r]`` (the token after it); its K/V go to the head's pool of ``cache`` on
         the step's pages. Returns (float32 logits ``[R, V]`` of ``logits_rows`` (None: all),
-        the head's hidden ``[N, hidden]``)."""
+        the head's hidden ``[N, hidden]``); with ``greedy``, each of those rows' first maximum
+        (int64 ``[R]``, -1 for a row with a NaN or an infinity: a drafter's pick) in place of
+        its logits."""
         head = self.mtp
         if head is None:
             raise UnsupportedConfiguration("this model was loaded without its MTP head "
                                            "(load(..., mtp=True))")
-        cos, sin = mrope_cos_sin(self.config, meta.positions.view(1, -1).expand(3, -1))
-        x = torch.cat([head.pre_fc_norm_embedding(self.model.embed_tokens(token_ids)),
-                       head.pre_fc_norm_hidden(hidden)], dim=-1)
-        h = head.fc(x)  # [N, hidden]
+        backend = self.backend
+        cos, sin = self._rope_rows(meta)
+        single = self.parallel.tp_world_size == 1
+        h = None if not single or backend.mtp_head_input is None else backend.mtp_head_input(
+            token_ids, hidden, head.input_weights(self.model.embed_tokens.weight), meta,
+            head.fc.matmul)
+        if h is None:
+            x = torch.cat([head.pre_fc_norm_embedding(self.model.embed_tokens(token_ids)),
+                           head.pre_fc_norm_hidden(hidden)], dim=-1)
+            h = head.fc(x)  # [N, hidden]
         layer, i = head.layer, head.layer.index
-        out = (layer.fused_decode(h, cos, sin, cache, meta, self.backend)
-               if self.parallel.tp_world_size == 1 else None)
+        out = layer.fused_decode(h, cos, sin, cache, meta, backend) if single else None
         if out is None:
             a = layer.self_attn.forward_packed(layer.input_layernorm(h), cos, sin, meta,
                                                cache.key_cache[i], cache.value_cache[i],
-                                               self.backend, cache.kv_scales.get(i))
+                                               backend, cache.kv_scales.get(i))
             out = layer.feed_forward(h + a)
+        lm = self.lm_head
+        fused = None if not greedy or backend.mtp_head_output is None else \
+            backend.mtp_head_output(out, head.norm.weight, head.norm.eps, logits_rows, lm.weight,
+                                    lm.quant, lm.matmul)
+        if fused is not None:
+            return fused[1], fused[0]
         out = head.norm(out)
         rows = out if logits_rows is None else out.index_select(0, logits_rows.long())
-        return self.lm_head(rows).float(), out
+        logits = lm(rows).float()
+        if not greedy:
+            return logits, out
+        ids = logits.argmax(dim=-1)
+        return ids.masked_fill(~logits.isfinite().all(dim=-1), -1), out
+
+    @torch.no_grad()
+    def mtp_chain(self, token_ids: torch.Tensor, hidden: torch.Tensor,
+                  positions: Sequence[int], steps: Sequence[int],
+                  tables: Sequence[Sequence[int]], cache: PagedHybridCache
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP drafter's chain: row ``b`` feeds draft ``token_ids[b]`` and the head's hidden
+        ``hidden[b]`` back at ``positions[b]`` and runs ``steps[b]`` greedy one-token head steps
+        (``forward_mtp``), step ``j`` at ``positions[b] + j`` on the pages of ``tables[b]``;
+        a non-finite row ends its chain. Returns (drafts int64 ``[B, max(steps)]``, -1 past
+        each chain's end; the head's hidden after each chain ``[B, hidden]``). The native
+        bundle runs it in one call (``mtp_chain``), here step by step otherwise."""
+        head = self.mtp
+        if head is None:
+            raise UnsupportedConfiguration("this model was loaded without its MTP head "
+                                           "(load(..., mtp=True))")
+        b, most = len(steps), max(steps, default=0)
+        fused = self.backend.mtp_chain if self.parallel.tp_world_size == 1 else None
+        if fused is not None and most:
+            width = max(len(t) for t in tables)
+            table = int_tensor((p for t in tables for p in [*t, *[-1] * (width - len(t))]),
+                               torch.int32).view(b, width)
+            layer, i = head.layer, head.layer.index
+            out = fused(token_ids, hidden, int_tensor(positions, torch.int64),
+                        int_tensor(steps, torch.int64), table, cache.block_size,
+                        self._rope_table_for(max(map(sum, zip(positions, steps, strict=True)))),
+                        head.input_weights(self.model.embed_tokens.weight),
+                        layer.decode_weights(), cache.key_cache[i], cache.value_cache[i],
+                        head.norm.weight, self.lm_head.weight, self.lm_head.quant,
+                        head.fc.matmul)
+            if out is not None:
+                return out
+        drafts = torch.full((b, most), -1, dtype=torch.int64)
+        state, ids, going = hidden.clone(), token_ids.tolist(), [n > 0 for n in steps]
+        for j in range(most):
+            live = [r for r in range(b) if going[r] and steps[r] > j]
+            if not live:
+                break
+            meta = StepMetadata.build([1] * len(live), [positions[r] + j for r in live],
+                                      [tables[r] for r in live], range(len(live)),
+                                      block_size=cache.block_size, num_pages=cache.num_pages,
+                                      num_slots=max(len(live), cache.num_slots))
+            rows = int_tensor(live, torch.int64)
+            picked, nxt = self.forward_mtp(int_tensor([ids[r] for r in live], torch.int64),
+                                           state.index_select(0, rows), meta, cache, greedy=True)
+            state.index_copy_(0, rows, nxt)
+            for r, t in zip(live, picked.tolist(), strict=True):
+                going[r] = t >= 0
+                if going[r]:
+                    drafts[r, j] = ids[r] = t
+        return drafts, state
+
+    def _rope_rows(self, meta: StepMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[N, rotary_dim]`` of the step's positions, read from a table of every
+        position up to the longest sequence seen (grown by doubling; ``mrope_cos_sin`` of text
+        positions, whose three planes are equal): the MTP head's steps, a few rows each."""
+        cos, sin = self._rope_table_for(max(meta.total_lens))
+        return cos.index_select(0, meta.positions), sin.index_select(0, meta.positions)
+
+    def _rope_table_for(self, need: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[P, rotary_dim]`` of positions ``0 .. P-1``, ``P >= need``."""
+        table = self._rope_table
+        if table is None or table[0].shape[0] < need:
+            n = max(need, 256, 2 * (0 if table is None else table[0].shape[0]))
+            table = self._rope_table = mrope_cos_sin(
+                self.config, torch.arange(n).view(1, -1).expand(3, -1))
+        return table
 
     # -- checks -----------------------------------------------------------------------------------
     def _check_ids(self, op: str, ids: torch.Tensor) -> None:

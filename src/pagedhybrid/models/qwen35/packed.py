@@ -39,8 +39,6 @@ from pagedhybrid.errors import ContractViolation
 from pagedhybrid.kernels.capsule import (
     Capsule,
     StateCapture,
-    conv_replay_index,
-    replay_conv,
     segments,
 )
 from pagedhybrid.kernels.step import StepMetadata, int_tensor
@@ -266,11 +264,10 @@ class PagedHybridCache:
             sl = int_tensor([slots[i] for i in todo], torch.int64)
             b0 = int_tensor([begin[i] for i in todo], torch.int32)
             b1 = int_tensor([end[i] for i in todo], torch.int32)
-            index = conv_replay_index(self.conv_state[next(iter(self.capsules))].shape[-1],
-                                      b0, b1)  # the same for every layer
-            for i, caps in self.capsules.items():
-                replay_conv(self.conv_state[i], caps, sl, index)
-                capture.replay(self.recurrent_state[i], sl, caps, b0, b1)
+            layers = list(self.capsules)
+            capture.commit([self.conv_state[i] for i in layers],
+                           [self.recurrent_state[i] for i in layers],
+                           [self.capsules[i] for i in layers], sl, b0, b1)
             for i, row in saves:
                 for layer, conv in self.checkpoint_conv.items():
                     conv[row].copy_(self.conv_state[layer][slots[i]])

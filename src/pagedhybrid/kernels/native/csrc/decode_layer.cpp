@@ -31,6 +31,8 @@
 // slots and fresh as gdn_decode_mixer takes them. Every shape is checked before a pool or a page
 // is written, so a refused call changes nothing.
 #include <ATen/ATen.h>
+#include <cstring>
+#include <tuple>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
@@ -120,22 +122,54 @@ at::Tensor norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   return out;
 }
 
-// rows of x [..., D] normalised with the offset weight w (OffsetRMSNorm through native norms)
-at::Tensor head_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
-  at::Tensor rows = x.reshape({-1, x.size(-1)});
-  if (!rows.is_contiguous()) rows = rows.contiguous();
-  return norm(rows, w, eps).view(x.sizes());
+constexpr int64_t kMaxHead = 256;  // the head sizes the native attention tile holds
+
+// One token's heads of q or k: head h's row (src + h * ld_head, D = hd channels, the model
+// dtype T) normalised with the offset weight w (attention.py's q_norm / k_norm: rows.h's
+// norm_row, as the native rms_norm op computes it, rounded to T), then its first rd channels
+// rotated as rope.py's apply_rope computes them op by op in fp32 -- x * cos and rotate_half(x)
+// * sin each rounded, then their sum, rounded to T (the asm keeps the compiler from fusing a
+// product into the add) -- the other channels passed through. Written to out (heads x hd) as T,
+// or widened to float (O = float) for the attention kernel.
+template <typename T, typename W, typename O>
+void norm_rope_token(const T* src, int64_t ld_head, int64_t heads, int64_t hd, const W* w,
+                     float eps, const float* cos, const float* sin, int64_t rd, O* out) {
+  alignas(64) T row[kMaxHead];
+  alignas(64) float xf[kMaxHead];
+  const int64_t half = rd / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    norm_row<Kind::kRms, T, W, T>(src + h * ld_head, nullptr, w, row, hd, eps, true);
+    for (int64_t i = 0; i < rd; ++i) xf[i] = to_float(row[i]);
+    O* o = out + h * hd;
+    for (int64_t i = 0; i < rd; ++i) {
+      float a = xf[i] * cos[i];
+      float b = (i < half ? -xf[i + half] : xf[i - half]) * sin[i];
+      asm("" : "+x"(a), "+x"(b));
+      o[i] = static_cast<O>(to_float(from_float<T>(a + b)));
+    }
+    for (int64_t i = rd; i < hd; ++i) o[i] = static_cast<O>(to_float(row[i]));
+  }
 }
 
-// rope.py apply_rope: the first cos.size(-1) channels of each head of x [N, heads, D] rotated
-at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  const int64_t rd = cos.size(-1), d = x.size(-1);
-  const at::Tensor xf = x.to(at::kFloat);
-  const at::Tensor rot = xf.narrow(-1, 0, rd), rest = xf.narrow(-1, rd, d - rd);
-  const at::Tensor rotated =
-      at::cat({at::neg(rot.narrow(-1, rd / 2, rd - rd / 2)), rot.narrow(-1, 0, rd / 2)}, -1);
-  const at::Tensor out = at::add(at::mul(rot, cos.unsqueeze(1)), at::mul(rotated, sin.unsqueeze(1)));
-  return at::cat({out, rest}, -1).to(x.scalar_type());
+// norm_rope_token over n tokens (src rows ld_token apart), out [n, heads, hd] contiguous.
+template <typename T, typename O>
+void norm_rope(const T* src, int64_t ld_token, int64_t ld_head, int64_t n, int64_t heads,
+               int64_t hd, const at::Tensor& w, double eps, const at::Tensor& cos,
+               const at::Tensor& sin, O* out) {
+  const int64_t rd = cos.size(1);
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  for (int64_t t = 0; t < n; ++t) {
+    if (w.scalar_type() == at::kFloat) {
+      norm_rope_token<T, float, O>(src + t * ld_token, ld_head, heads, hd, w.data_ptr<float>(),
+                                   e, cp + t * rd, sp + t * rd, rd, out + t * heads * hd);
+    } else {
+      norm_rope_token<T, c10::BFloat16, O>(src + t * ld_token, ld_head, heads, hd,
+                                           w.data_ptr<c10::BFloat16>(), e, cp + t * rd,
+                                           sp + t * rd, rd, out + t * heads * hd);
+    }
+  }
 }
 
 // A projection weight [rows, cols] in the model dtype (or its codes holding rows x cols).
@@ -190,7 +224,7 @@ void check_h(const char* op, const at::Tensor& h) {
 // A refusal by a kernel the layer calls names the layer op first:
 // "pagedhybrid.gdn_decode_layer: in pagedhybrid.gdn_decode_mixer: slots: ...".
 template <class F>
-at::Tensor naming(const char* op, const F& f) {
+auto naming(const char* op, const F& f) -> decltype(f(op)) {
   try {
     return f(op);
   } catch (const c10::ValueError& e) {
@@ -238,22 +272,37 @@ at::Tensor attention_decode_layer(const at::Tensor& h, const at::Tensor& input_n
                  "the hidden size of h");
     check_weight(op, "v_proj", v_p, dt, kv_heads * hd, "kv_heads D", hidden,
                  "the hidden size of h");
-    PH_CHECK(cos.dim() == 2 && cos.size(0) == n && sin.sizes() == cos.sizes() &&
-                 cos.size(1) <= hd && cos.size(1) % 2 == 0, op, "cos",
+    PH_CHECK(hd <= kMaxHead, op, "key_cache", "head size ", hd, " is over ", kMaxHead);
+    check_tensor(op, "cos", cos, 2, at::kFloat);
+    check_tensor(op, "sin", sin, 2, at::kFloat);
+    PH_CHECK(cos.size(0) == n && sin.sizes() == cos.sizes() && cos.size(1) <= hd &&
+                 cos.size(1) % 2 == 0, op, "cos",
              "cos and sin must be [N, rotary_dim] with an even rotary_dim <= D (got ",
              shape_of(cos), ", ", shape_of(sin), ")");
+    check_norm_weight(op, "q_norm", q_norm, hd, "the head size D");
+    check_norm_weight(op, "k_norm", k_norm, hd, "the head size D");
     check_tensor(op, "write_slots", write_slots, 1, at::kLong);
     check_size(op, "write_slots", write_slots, 0, n, "the token rows of h");
     check_tail(op, h, "o_proj", o_p, heads * hd, post_norm, gate_p, up_p, down_p);
     const at::Tensor x = norm(h, input_norm, rms_eps);
     const std::vector<at::Tensor> qkv = products(x, {&q_p, &k_p, &v_p}, native_linear);
-    const at::Tensor qg = qkv[0].view({n, heads, 2 * hd});
-    const at::Tensor gate = qg.narrow(2, hd, hd).reshape({n, heads * hd});
-    const at::Tensor q = rope(head_norm(qg.narrow(2, 0, hd), q_norm, rms_eps), cos, sin);
-    const at::Tensor k = rope(head_norm(qkv[1].view({n, kv_heads, hd}), k_norm, rms_eps), cos,
-                              sin);
+    const at::Tensor gate = qkv[0].view({n, heads, 2 * hd}).narrow(2, hd, hd)
+                                .reshape({n, heads * hd});
+    at::Tensor qf = at::empty({n, heads, hd}, h.options().dtype(at::kFloat));
+    at::Tensor k = at::empty({n, kv_heads, hd}, h.options());
     const at::Tensor v = qkv[2].view({n, kv_heads, hd});
-    const at::Tensor qf = q.to(at::kFloat).contiguous();
+    if (dt == at::kFloat) {
+      norm_rope<float, float>(qkv[0].data_ptr<float>(), 2 * heads * hd, 2 * hd, n, heads, hd,
+                              q_norm, rms_eps, cos, sin, qf.data_ptr<float>());
+      norm_rope<float, float>(qkv[1].data_ptr<float>(), kv_heads * hd, hd, n, kv_heads, hd,
+                              k_norm, rms_eps, cos, sin, k.data_ptr<float>());
+    } else {
+      using B = c10::BFloat16;
+      norm_rope<B, float>(qkv[0].data_ptr<B>(), 2 * heads * hd, 2 * hd, n, heads, hd, q_norm,
+                          rms_eps, cos, sin, qf.data_ptr<float>());
+      norm_rope<B, B>(qkv[1].data_ptr<B>(), kv_heads * hd, hd, n, kv_heads, hd, k_norm, rms_eps,
+                      cos, sin, k.data_ptr<B>());
+    }
     at::Tensor attn = at::empty({n, heads, hd}, h.options().dtype(at::kFloat));
     check_paged_attention(qf, key_cache, value_cache, block_table, cu_seqlens, past_lens, seqs,
                           attn, split);  // before a page is written
@@ -327,10 +376,234 @@ at::Tensor gdn_decode_layer(const at::Tensor& h, const at::Tensor& input_norm,
   });
 }
 
+// mtp_head_input -- the MTP head's input (model.py forward_mtp, up to its decoder layer):
+//   x = [rms_norm(embed[token_ids], norm_embedding) | rms_norm(hidden, norm_hidden)]
+//   h = x @ fc^T
+// token_ids int64 [N] in [0, V), hidden [N, H] and embed [V, H] in the model dtype (float32 or
+// bfloat16), the norms' offset weights [H], fc [H, 2H] (or its int8 / int4 codes in `quant`:
+// codes, scales, zeros) -- the same kernels the modules call, so every bit is theirs.
+at::Tensor mtp_head_input(const at::Tensor& token_ids, const at::Tensor& hidden,
+                          const at::Tensor& embed, const at::Tensor& norm_embedding,
+                          const at::Tensor& norm_hidden, const at::Tensor& fc, double rms_eps,
+                          bool native_linear, at::TensorList quant, int64_t quant_bits) {
+  return naming("mtp_head_input", [&](const char* op) {
+    check_tensor(op, "hidden", hidden, 2, hidden.scalar_type());
+    const auto dt = hidden.scalar_type();
+    PH_CHECK(dt == at::kFloat || dt == at::kBFloat16, op, "hidden",
+             "dtype must be float32 or bfloat16 (got ", dt, ")");
+    const int64_t n = hidden.size(0), width = hidden.size(1);
+    check_tensor(op, "token_ids", token_ids, 1, at::kLong);
+    check_size(op, "token_ids", token_ids, 0, n, "the rows of hidden");
+    check_tensor(op, "embed", embed, 2, dt);
+    check_size(op, "embed", embed, 1, width, "the hidden size of hidden");
+    const int64_t vocab = embed.size(0);
+    const int64_t* ids = token_ids.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i)
+      PH_CHECK(ids[i] >= 0 && ids[i] < vocab, op, "token_ids", "token_ids[", i, "] = ", ids[i],
+               " is outside the vocabulary [0, ", vocab, ")");
+    check_norm_weight(op, "norm_embedding", norm_embedding, width, "the hidden size of hidden");
+    check_norm_weight(op, "norm_hidden", norm_hidden, width, "the hidden size of hidden");
+    check_quant(op, quant, 1);
+    const Proj fc_p = proj(fc, quant, quant_bits, 0);
+    check_weight(op, "fc", fc_p, dt, width, "the hidden size of hidden", 2 * width,
+                 "twice the hidden size");
+    at::Tensor e = at::empty({n, width}, hidden.options());
+    const int64_t row = width * static_cast<int64_t>(e.element_size());
+    const char* table = static_cast<const char*>(embed.data_ptr());
+    char* ep = static_cast<char*>(e.data_ptr());
+    for (int64_t i = 0; i < n; ++i) std::memcpy(ep + i * row, table + ids[i] * row, row);
+    const at::Tensor x = at::cat({norm(e, norm_embedding, rms_eps),
+                                  norm(hidden, norm_hidden, rms_eps)}, -1);
+    return product(x, fc_p, native_linear);
+  });
+}
+
+// mtp_head_output -- the MTP head after its decoder layer (model.py forward_mtp) for a drafter
+// that wants the greedy pick alone: out = rms_norm(h, norm) (the head's hidden, [N, H]) and,
+// for rows `picks` of it (all when None), the first maximum of their LM-head logits
+// (lm_head [V, H] or its int8 / int4 codes in `quant`; the logits rounded to h's dtype, then
+// widened, as the module's .float() does; greedy_rows: -1 for a row with a NaN or an infinity).
+// Returns (out, ids int64 [R]).
+// The final norm [H] and LM head [V, H] (or its codes) of the head's output, for h [N, H].
+void check_head_output(const char* op, const at::Tensor& h, const at::Tensor& norm_w,
+                       const Proj& lm) {
+  const int64_t width = h.size(1);
+  check_norm_weight(op, "norm", norm_w, width, "the hidden size of h");
+  PH_CHECK(lm.codes || lm.w.dim() == 2, op, "lm_head", "must be [V, hidden] (got shape ",
+           shape_of(lm.w), ")");
+  check_weight(op, "lm_head", lm, h.scalar_type(), lm.rows(), "the vocabulary", width,
+               "the hidden size of h");
+}
+
+std::tuple<at::Tensor, at::Tensor> mtp_head_output(const at::Tensor& h, const at::Tensor& norm_w,
+                                                   double rms_eps,
+                                                   const c10::optional<at::Tensor>& picks,
+                                                   const at::Tensor& lm_head, bool native_linear,
+                                                   at::TensorList quant, int64_t quant_bits) {
+  return naming("mtp_head_output", [&](const char* op) -> std::tuple<at::Tensor, at::Tensor> {
+    check_h(op, h);
+    check_quant(op, quant, 1);
+    const Proj lm = proj(lm_head, quant, quant_bits, 0);
+    check_head_output(op, h, norm_w, lm);
+    if (picks) {
+      check_tensor(op, "picks", *picks, 1, at::kLong);
+      const int64_t* pk = picks->data_ptr<int64_t>();
+      for (int64_t i = 0; i < picks->size(0); ++i)
+        PH_CHECK(pk[i] >= 0 && pk[i] < h.size(0), op, "picks", "picks[", i, "] = ", pk[i],
+                 " is outside the rows of h [0, ", h.size(0), ")");
+    }
+    at::Tensor out = norm(h, norm_w, rms_eps);
+    const at::Tensor rows = picks ? out.index_select(0, *picks) : out;
+    const at::Tensor logits = product(rows, lm, native_linear).to(at::kFloat).contiguous();
+    return {out, greedy_rows(logits)};
+  });
+}
+
+// mtp_chain -- the MTP drafter's chain (engine/mtp.py) in one call: sequence b's chain starts
+// from its first draft token_ids[b] and the head's hidden hidden[b] at position positions[b] and
+// runs steps[b] one-token head steps, step j at position positions[b] + j on b's pages
+// (block_table row b, block_size tokens a page; its K/V written there): mtp_head_input,
+// attention_decode_layer (the head's layer; every sequence still going is one decode row of the
+// step) and mtp_head_output, whose pick is the next draft and whose hidden the next step reads.
+// cos / sin are rope tables [P, rotary_dim] indexed by position. A pick of -1 (non-finite
+// logits) ends that chain. Returns (drafts int64 [B, max steps], -1 past each chain's end; the
+// head's hidden after each chain's last step [B, H]). The products run in the forms the flags
+// say (those of the chain's first step: a form change at fewer rows would change drafts only).
+std::tuple<at::Tensor, at::Tensor> mtp_chain(
+    const at::Tensor& token_ids, const at::Tensor& hidden, const at::Tensor& positions,
+    const at::Tensor& steps, const at::Tensor& block_table, int64_t block_size,
+    const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& embed,
+    const at::Tensor& norm_embedding, const at::Tensor& norm_hidden, const at::Tensor& fc,
+    at::TensorList fc_quant, const at::Tensor& input_norm, const at::Tensor& q_proj,
+    const at::Tensor& k_proj, const at::Tensor& v_proj, const at::Tensor& q_norm,
+    const at::Tensor& k_norm, at::Tensor key_cache, at::Tensor value_cache,
+    const at::Tensor& o_proj, const at::Tensor& post_norm, const at::Tensor& gate_proj,
+    const at::Tensor& up_proj, const at::Tensor& down_proj, int64_t heads, int64_t kv_heads,
+    double scale, double rms_eps, int64_t split, at::TensorList quant,
+    const at::Tensor& final_norm, const at::Tensor& lm_head, at::TensorList lm_quant,
+    int64_t quant_bits, bool native_linear) {
+  return naming("mtp_chain", [&](const char* op) -> std::tuple<at::Tensor, at::Tensor> {
+  check_h(op, hidden);
+  check_tensor(op, "embed", embed, 2, hidden.scalar_type());
+  PH_CHECK(key_cache.dim() == 4, op, "key_cache", "must be [P, bs, Hkv, D] pages (got shape ",
+           shape_of(key_cache), ")");
+  const int64_t batch = hidden.size(0);
+  const std::array<std::pair<const char*, const at::Tensor*>, 3> per{
+      {{"token_ids", &token_ids}, {"positions", &positions}, {"steps", &steps}}};
+  for (const auto& [name, t] : per) {
+    check_tensor(op, name, *t, 1, at::kLong);
+    check_size(op, name, *t, 0, batch, "the rows of hidden");
+  }
+  check_tensor(op, "block_table", block_table, 2, at::kInt);
+  check_size(op, "block_table", block_table, 0, batch, "the rows of hidden");
+  PH_CHECK(block_size >= 1, op, "block_size", "must be >= 1 (got ", block_size, ")");
+  check_tensor(op, "cos", cos, 2, at::kFloat);
+  PH_CHECK(sin.sizes() == cos.sizes(), op, "sin", "must have cos's shape");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* st = steps.data_ptr<int64_t>();
+  const int32_t* bt = block_table.data_ptr<int32_t>();
+  const int64_t width = block_table.size(1);
+  int64_t most = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    PH_CHECK(st[b] >= 0 && pos[b] >= 0, op, "steps", "sequence ", b,
+             ": steps and positions must be >= 0 (got ", st[b], ", ", pos[b], ")");
+    PH_CHECK(st[b] == 0 || (pos[b] + st[b] - 1) / block_size < width, op, "block_table",
+             "sequence ", b, ": its last step at position ", pos[b] + st[b] - 1,
+             " needs page ", (pos[b] + st[b] - 1) / block_size, " of a table of ", width);
+    PH_CHECK(st[b] == 0 || pos[b] + st[b] - 1 < cos.size(0), op, "cos", "sequence ", b,
+             ": position ", pos[b] + st[b] - 1, " is past the rope table's ", cos.size(0),
+             " rows");
+    const int64_t pages = key_cache.size(0);  // every page a step writes or reads, mapped
+    for (int64_t i = 0; st[b] > 0 && i <= (pos[b] + st[b] - 1) / block_size; ++i)
+      PH_CHECK(bt[b * width + i] >= 0 && bt[b * width + i] < pages, op, "block_table",
+               "sequence ", b, ": page ", i, " = ", bt[b * width + i],
+               " is outside the page pool [0, ", pages, ")");
+    PH_CHECK(token_ids.data_ptr<int64_t>()[b] >= 0 &&
+                 token_ids.data_ptr<int64_t>()[b] < embed.size(0), op, "token_ids",
+             "token_ids[", b, "] = ", token_ids.data_ptr<int64_t>()[b],
+             " is outside the vocabulary [0, ", embed.size(0), ")");
+    most = std::max(most, st[b]);
+  }
+  check_quant(op, lm_quant, 1);
+  check_head_output(op, hidden, final_norm, proj(lm_head, lm_quant, quant_bits, 0));
+  at::Tensor drafts = at::full({batch, most}, -1, positions.options());
+  at::Tensor state = hidden.clone();
+  std::vector<int64_t> ids(token_ids.data_ptr<int64_t>(), token_ids.data_ptr<int64_t>() + batch);
+  std::vector<bool> ended(static_cast<size_t>(batch), false);
+  int64_t* dp = drafts.data_ptr<int64_t>();
+  for (int64_t j = 0; j < most; ++j) {
+    std::vector<int64_t> live;
+    for (int64_t b = 0; b < batch; ++b)
+      if (st[b] > j && !ended[b]) live.push_back(b);
+    if (live.empty()) break;
+    const int64_t n = static_cast<int64_t>(live.size());
+    const auto i64 = positions.options(), i32 = positions.options().dtype(at::kInt);
+    at::Tensor rows = at::empty({n}, i64), tok = at::empty({n}, i64), write = at::empty({n}, i64);
+    at::Tensor past = at::empty({n}, i32), cu = at::empty({n + 1}, i32), seqs = at::empty({n}, i32);
+    at::Tensor table = at::empty({n, width}, i32);
+    int64_t *rp = rows.data_ptr<int64_t>(), *tp = tok.data_ptr<int64_t>();
+    int64_t* wp = write.data_ptr<int64_t>();
+    int32_t *pp = past.data_ptr<int32_t>(), *cp = cu.data_ptr<int32_t>();
+    int32_t *sp = seqs.data_ptr<int32_t>(), *tb = table.data_ptr<int32_t>();
+    cp[0] = 0;
+    for (int64_t l = 0; l < n; ++l) {
+      const int64_t b = live[l], at_pos = pos[b] + j;
+      rp[l] = b;
+      tp[l] = ids[b];
+      pp[l] = static_cast<int32_t>(at_pos);
+      cp[l + 1] = static_cast<int32_t>(l + 1);
+      sp[l] = static_cast<int32_t>(l);
+      std::copy(bt + b * width, bt + (b + 1) * width, tb + l * width);
+      wp[l] = static_cast<int64_t>(bt[b * width + at_pos / block_size]) * block_size +
+              at_pos % block_size;
+    }
+    const at::Tensor at_rows = past.to(at::kLong);
+    const at::Tensor x = mtp_head_input(tok, state.index_select(0, rows), embed,
+                                        norm_embedding, norm_hidden, fc, rms_eps, native_linear,
+                                        fc_quant, quant_bits);
+    const at::Tensor out = attention_decode_layer(
+        x, input_norm, q_proj, k_proj, v_proj, q_norm, k_norm, cos.index_select(0, at_rows),
+        sin.index_select(0, at_rows), key_cache, value_cache, write, table, cu, past, seqs,
+        o_proj, post_norm, gate_proj, up_proj, down_proj, heads, kv_heads, scale, rms_eps, split,
+        native_linear, quant, quant_bits);
+    const auto [normed, picks] = mtp_head_output(out, final_norm, rms_eps, c10::nullopt,
+                                                 lm_head, native_linear, lm_quant, quant_bits);
+    state.index_copy_(0, rows, normed);
+    const int64_t* pk = picks.data_ptr<int64_t>();
+    for (int64_t l = 0; l < n; ++l) {
+      const int64_t b = live[l];
+      if (pk[l] < 0) {
+        ended[b] = true;
+      } else {
+        dp[b * most + j] = ids[b] = pk[l];
+      }
+    }
+  }
+  return {drafts, state};
+  });
+}
+
 }  // namespace
 }  // namespace pagedhybrid
 
 TORCH_LIBRARY_FRAGMENT(PH_NS, m) {
+  m.def(
+      "mtp_chain(Tensor token_ids, Tensor hidden, Tensor positions, Tensor steps, "
+      "Tensor block_table, int block_size, Tensor cos, Tensor sin, Tensor embed, "
+      "Tensor norm_embedding, Tensor norm_hidden, Tensor fc, Tensor[] fc_quant, "
+      "Tensor input_norm, Tensor q_proj, Tensor k_proj, Tensor v_proj, Tensor q_norm, "
+      "Tensor k_norm, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor o_proj, "
+      "Tensor post_norm, Tensor gate_proj, Tensor up_proj, Tensor down_proj, int heads, "
+      "int kv_heads, float scale, float rms_eps, int split, Tensor[] quant, Tensor final_norm, "
+      "Tensor lm_head, Tensor[] lm_quant, int quant_bits, bool native_linear) "
+      "-> (Tensor, Tensor)");
+  m.def(
+      "mtp_head_output(Tensor h, Tensor norm, float rms_eps, Tensor? picks, Tensor lm_head, "
+      "bool native_linear, Tensor[] quant, int quant_bits) -> (Tensor, Tensor)");
+  m.def(
+      "mtp_head_input(Tensor token_ids, Tensor hidden, Tensor embed, Tensor norm_embedding, "
+      "Tensor norm_hidden, Tensor fc, float rms_eps, bool native_linear, Tensor[] quant, "
+      "int quant_bits) -> Tensor");
   m.def(
       "attention_decode_layer(Tensor h, Tensor input_norm, Tensor q_proj, Tensor k_proj, "
       "Tensor v_proj, Tensor q_norm, Tensor k_norm, Tensor cos, Tensor sin, "
@@ -353,10 +626,16 @@ TORCH_LIBRARY_FRAGMENT(PH_NS, m) {
 TORCH_LIBRARY_IMPL(PH_NS, CPU, m) {
   m.impl("attention_decode_layer", &pagedhybrid::attention_decode_layer);
   m.impl("gdn_decode_layer", &pagedhybrid::gdn_decode_layer);
+  m.impl("mtp_head_input", &pagedhybrid::mtp_head_input);
+  m.impl("mtp_head_output", &pagedhybrid::mtp_head_output);
+  m.impl("mtp_chain", &pagedhybrid::mtp_chain);
 }
 
 // packed projection weights are MKLDNN tensors, which put their key in the call's dispatch set
 TORCH_LIBRARY_IMPL(PH_NS, MkldnnCPU, m) {
   m.impl("attention_decode_layer", &pagedhybrid::attention_decode_layer);
   m.impl("gdn_decode_layer", &pagedhybrid::gdn_decode_layer);
+  m.impl("mtp_head_input", &pagedhybrid::mtp_head_input);
+  m.impl("mtp_head_output", &pagedhybrid::mtp_head_output);
+  m.impl("mtp_chain", &pagedhybrid::mtp_chain);
 }

@@ -37,6 +37,10 @@ PH_LOCAL void check_quant_weight(const char* op, const std::string& name,
 PH_LOCAL void rms_norm(const at::Tensor& x, const at::Tensor& w, at::Tensor out, double eps,
                        bool offset);
 
+// sampling.cpp: int64 [R], the first maximum of each row of fp32 logits [R, V] (-1: a row with
+// a NaN or an infinity)
+PH_LOCAL at::Tensor greedy_rows(const at::Tensor& logits);
+
 // paged_attention.cpp: out float32 [N, Hq, D] = attention of q float32 over the pages
 PH_LOCAL void paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
                               const at::Tensor& value_cache, const at::Tensor& block_table,

@@ -11,6 +11,7 @@
 #include <cmath>
 
 #include "common.h"
+#include "kernels.h"
 #include "vec.h"
 
 namespace pagedhybrid {
@@ -42,6 +43,8 @@ int64_t pick_row(const float* x, int64_t v) {
   return -1;  // not reached: best is one of the row's values
 }
 
+}  // namespace
+
 at::Tensor greedy_rows(const at::Tensor& logits) {
   const char* op = "greedy_rows";
   check_tensor(op, "logits", logits, 2, at::kFloat);
@@ -55,7 +58,6 @@ at::Tensor greedy_rows(const at::Tensor& logits) {
   return out;
 }
 
-}  // namespace
 }  // namespace pagedhybrid
 
 TORCH_LIBRARY_FRAGMENT(PH_NS, m) { m.def("greedy_rows(Tensor logits) -> Tensor"); }

@@ -27,7 +27,8 @@
 // gated_delta_capture / gated_delta_replay -- a speculative verify step: the verify sequences'
 // tokens run through gdn_token on a copy of their pool rows (never written), capturing ONNX
 // Runtime's compact state update per token (decay, key, delta) into a capsule indexed by slot;
-// once the accepted count is known, replay advances the pool row by the accepted tokens alone.
+// once the accepted count is known, replay advances the pool row by the accepted tokens alone;
+// commit_replay does that for every linear layer's conv and recurrent rows in one call.
 //
 // gdn_decode_mixer -- a decode step's whole Gated DeltaNet mixer, from the layer's projections
 // (contiguous, or row views of a wider product) to the gated-norm output: conv_token + SiLU, rows.h's L2
@@ -375,24 +376,20 @@ void gated_delta_capture(const at::Tensor& q, const at::Tensor& k, const at::Ten
   });
 }
 
-// gated_delta_replay -- the commit of a verify step: pool row slots[b] advanced in place by its
-// capsule's tokens begin[b] .. end[b]-1, each S = S exp(g) + delta k^T rounded as gdn_token
-// rounds its update (the decayed row, then one fused multiply-add per element), so the row is
-// bit for bit what running those tokens in place would have left.
-void gated_delta_replay(at::Tensor pool, const at::Tensor& slots, const at::Tensor& decay,
-                        const at::Tensor& key, const at::Tensor& delta, const at::Tensor& begin,
-                        const at::Tensor& end) {
-  constexpr const char* op = "gated_delta_replay";
+// A replay's recurrent pool [S, Hv, Dv, Dk] and its capsule, checked.
+Capsule replay_capsule(const char* op, const at::Tensor& pool, const at::Tensor& decay,
+                       const at::Tensor& key, const at::Tensor& delta) {
   check_tensor(op, "pool", pool, 4, at::kFloat);
-  const int64_t hv = pool.size(1), dv = pool.size(2), dk = pool.size(3);
   check_tensor(op, "key", key, 4, at::kFloat);
-  const int64_t hk = key.size(2);
+  const int64_t hv = pool.size(1), hk = key.size(2);
   PH_CHECK(hk >= 1 && hv % hk == 0, op, "key", "head ratio: the value heads (", hv,
            ") must be a multiple of the key heads (got shape ", shape_of(key), ")");
-  const Capsule capsule(op, decay, key, delta, pool.size(0), hv, hk, dk, dv);
-  PH_CHECK(slots.dim() == 1, op, "slots", "must be [B] (got shape ", shape_of(slots), ")");
-  const int64_t batch = slots.size(0);
-  check_slots(op, slots, batch, pool.size(0));
+  return Capsule(op, decay, key, delta, pool.size(0), hv, hk, pool.size(3), pool.size(2));
+}
+
+// begin / end: int32 [B], 0 <= begin <= end <= the capsules' capacity for every sequence.
+void check_ends(const char* op, const at::Tensor& begin, const at::Tensor& end, int64_t batch,
+                int64_t cap) {
   const std::array<std::pair<const char*, const at::Tensor*>, 2> ends{
       {{"begin", &begin}, {"end", &end}}};
   for (const auto& [name, x] : ends) {
@@ -401,39 +398,141 @@ void gated_delta_replay(at::Tensor pool, const at::Tensor& slots, const at::Tens
   }
   const int32_t *b0 = begin.data_ptr<int32_t>(), *b1 = end.data_ptr<int32_t>();
   for (int64_t bb = 0; bb < batch; ++bb)
-    PH_CHECK(0 <= b0[bb] && b0[bb] <= b1[bb] && b1[bb] <= capsule.cap, op, "begin/end",
-             "sequence ", bb, ": need 0 <= begin <= end <= capacity ", capsule.cap, " (got ",
-             b0[bb], ", ", b1[bb], ")");
-  const int64_t* sl = slots.data_ptr<int64_t>();
-  float* pp = pool.data_ptr<float>();
-  const int64_t ratio = hv / hk;
-  parallel_items(batch * hv, 1, batch * hv * dv * dk * capsule.cap, [&](int64_t item) {
-    const int64_t bb = item / hv, h = item % hv;
-    float* s = pp + (sl[bb] * hv + h) * dv * dk;
-    for (int64_t t = b0[bb]; t < b1[bb]; ++t) {
-      const TokenCapture tc = capsule.at(sl[bb], t, h);
-      const float d = *tc.decay;
-      const float* kv = capsule.key_row(sl[bb], t, h / ratio);
-      const float* u = tc.delta;
-      if (dk % kLanes == 0) {
-        const VF dd = bcast(d);
-        for (int64_t r = 0; r < dv; ++r) {
-          const VF ur = bcast(u[r]);
-          float* sr = s + r * dk;
-          for (int64_t e = 0; e < dk; e += kLanes)
-            store(sr + e, fma(ur, load(kv + e), mul(load(sr + e), dd)));
-        }
-      } else {
-        for (int64_t r = 0; r < dv; ++r) {
-          float* sr = s + r * dk;
+    PH_CHECK(0 <= b0[bb] && b0[bb] <= b1[bb] && b1[bb] <= cap, op, "begin/end", "sequence ",
+             bb, ": need 0 <= begin <= end <= capacity ", cap, " (got ", b0[bb], ", ", b1[bb],
+             ")");
+}
+
+// Value head h of pool row `slot` advanced in place by capsule tokens t0 .. t1-1, each
+// S = S exp(g) + delta k^T rounded as gdn_token rounds its update (the decayed row, then one
+// fused multiply-add per element).
+void replay_head(float* pool, const Capsule& c, int64_t slot, int64_t h, int64_t t0,
+                 int64_t t1) {
+  const int64_t dv = c.dv, dk = c.dk;
+  float* s = pool + (slot * c.hv + h) * dv * dk;
+  for (int64_t t = t0; t < t1; ++t) {
+    const TokenCapture tc = c.at(slot, t, h);
+    const float d = *tc.decay;
+    const float* kv = c.key_row(slot, t, h / (c.hv / c.hk));
+    const float* u = tc.delta;
+    if (dk % kLanes == 0) {
+      const VF dd = bcast(d);
+      for (int64_t r = 0; r < dv; ++r) {
+        const VF ur = bcast(u[r]);
+        float* sr = s + r * dk;
+        for (int64_t e = 0; e < dk; e += kLanes)
+          store(sr + e, fma(ur, load(kv + e), mul(load(sr + e), dd)));
+      }
+    } else {
+      for (int64_t r = 0; r < dv; ++r) {
+        float* sr = s + r * dk;
 #pragma omp simd
-          for (int64_t e = 0; e < dk; ++e) sr[e] *= d;
+        for (int64_t e = 0; e < dk; ++e) sr[e] *= d;
 #pragma omp simd
-          for (int64_t e = 0; e < dk; ++e) sr[e] += u[r] * kv[e];
-        }
+        for (int64_t e = 0; e < dk; ++e) sr[e] += u[r] * kv[e];
       }
     }
-  });
+  }
+}
+
+// gated_delta_replay -- the commit of a verify step: pool row slots[b] advanced in place by its
+// capsule's tokens begin[b] .. end[b]-1 (replay_head), so the row is bit for bit what running
+// those tokens in place would have left.
+void gated_delta_replay(at::Tensor pool, const at::Tensor& slots, const at::Tensor& decay,
+                        const at::Tensor& key, const at::Tensor& delta, const at::Tensor& begin,
+                        const at::Tensor& end) {
+  constexpr const char* op = "gated_delta_replay";
+  const Capsule capsule = replay_capsule(op, pool, decay, key, delta);
+  PH_CHECK(slots.dim() == 1, op, "slots", "must be [B] (got shape ", shape_of(slots), ")");
+  const int64_t batch = slots.size(0);
+  check_slots(op, slots, batch, pool.size(0));
+  check_ends(op, begin, end, batch, capsule.cap);
+  const int32_t *b0 = begin.data_ptr<int32_t>(), *b1 = end.data_ptr<int32_t>();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  float* pp = pool.data_ptr<float>();
+  const int64_t hv = capsule.hv;
+  parallel_items(batch * hv, 1, batch * hv * capsule.dv * capsule.dk * capsule.cap,
+                 [&](int64_t item) {
+                   const int64_t bb = item / hv;
+                   replay_head(pp, capsule, sl[bb], item % hv, b0[bb], b1[bb]);
+                 });
+}
+
+// Conv row [C, L] (L = kernel - 1) advanced by capsule tokens t0 .. t1-1 of caps [cap, C]: the
+// last L columns of [row | those tokens' inputs] (row copies: every bit kept).
+template <typename E>
+void replay_conv_row(E* row, const E* caps, int64_t channels, int64_t len, int64_t t0,
+                     int64_t t1) {
+  const int64_t n = t1 - t0;
+  if (n == 0) return;
+  for (int64_t c = 0; c < channels; ++c) {
+    E* s = row + c * len;
+    for (int64_t l = 0; l < len; ++l) {  // ascending: reads n + l >= l, not yet written
+      const int64_t p = n + l;
+      s[l] = p < len ? s[p] : caps[(t0 + p - len) * channels + c];
+    }
+  }
+}
+
+// commit_replay -- a verify step's whole commit in one call: for every linear layer i, conv
+// pool rows slots[b] ([S, C, L], the model dtype) advanced by conv_capsules[i]'s input rows
+// ([S, cap, C]) and recurrent pool rows by the layer's capsule (replay_head), tokens
+// begin[b] .. end[b]-1 -- what the per-layer replays compute (capsule.replay_conv and
+// gated_delta_replay), without a call per layer. Everything is checked before a row changes.
+void commit_replay(at::TensorList conv_pools, at::TensorList conv_capsules, at::TensorList pools,
+                   at::TensorList decays, at::TensorList keys, at::TensorList deltas,
+                   const at::Tensor& slots, const at::Tensor& begin, const at::Tensor& end) {
+  constexpr const char* op = "commit_replay";
+  const size_t layers = pools.size();
+  PH_CHECK(layers >= 1 && conv_pools.size() == layers && conv_capsules.size() == layers &&
+               decays.size() == layers && keys.size() == layers && deltas.size() == layers,
+           op, "pools", "need one conv pool, conv capsule, recurrent pool, decay, key and delta "
+           "per linear layer (got ", conv_pools.size(), ", ", conv_capsules.size(), ", ", layers,
+           ", ", decays.size(), ", ", keys.size(), ", ", deltas.size(), ")");
+  PH_CHECK(slots.dim() == 1, op, "slots", "must be [B] (got shape ", shape_of(slots), ")");
+  const int64_t batch = slots.size(0);
+  std::vector<Capsule> caps;
+  for (size_t i = 0; i < layers; ++i) {
+    caps.push_back(replay_capsule(op, pools[i], decays[i], keys[i], deltas[i]));
+    const at::Tensor &conv = conv_pools[i], &cc = conv_capsules[i];
+    const auto dt = conv.scalar_type();
+    PH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, op, "conv_pools",
+             "must be float32, bfloat16 or float16 (got ", dt, ")");
+    check_tensor(op, "conv_pools", conv, 3, dt);
+    check_tensor(op, "conv_capsules", cc, 3, dt);
+    check_size(op, "conv_pools", conv, 0, pools[i].size(0), "the recurrent pool's slots");
+    PH_CHECK(cc.size(0) == conv.size(0) && cc.size(1) == caps[i].cap &&
+                 cc.size(2) == conv.size(1), op, "conv_capsules", "must be [slots, capacity, "
+             "channels] = [", conv.size(0), ", ", caps[i].cap, ", ", conv.size(1), "] (got ",
+             shape_of(cc), ")");
+    check_slots(op, slots, batch, pools[i].size(0));
+    check_ends(op, begin, end, batch, caps[i].cap);
+  }
+  const int32_t *b0 = begin.data_ptr<int32_t>(), *b1 = end.data_ptr<int32_t>();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const int64_t hv = caps[0].hv;
+  for (const Capsule& c : caps)
+    PH_CHECK(c.hv == hv, op, "pools", "every layer needs the same value heads (", hv, ")");
+  const int64_t per = batch * hv;
+  parallel_items(static_cast<int64_t>(layers) * per, 1,
+                 static_cast<int64_t>(layers) * per * caps[0].dv * caps[0].dk * caps[0].cap,
+                 [&](int64_t item) {
+                   const int64_t i = item / per, bb = (item % per) / hv, h = item % hv;
+                   replay_head(pools[i].data_ptr<float>(), caps[i], sl[bb], h, b0[bb], b1[bb]);
+                   if (h != 0) return;
+                   const at::Tensor &conv = conv_pools[i], &cc = conv_capsules[i];
+                   const int64_t ch = conv.size(1), len = conv.size(2);
+                   const int64_t off = sl[bb] * ch * len, coff = sl[bb] * cc.size(1) * ch;
+                   if (conv.element_size() == 4) {
+                     replay_conv_row(static_cast<uint32_t*>(conv.data_ptr()) + off,
+                                     static_cast<const uint32_t*>(cc.data_ptr()) + coff, ch, len,
+                                     b0[bb], b1[bb]);
+                   } else {
+                     replay_conv_row(static_cast<uint16_t*>(conv.data_ptr()) + off,
+                                     static_cast<const uint16_t*>(cc.data_ptr()) + coff, ch, len,
+                                     b0[bb], b1[bb]);
+                   }
+                 });
 }
 
 template <typename T>
@@ -815,6 +914,10 @@ TORCH_LIBRARY_FRAGMENT(PH_NS, m) {
       "gated_delta_replay(Tensor(a!) pool, Tensor slots, Tensor decay, Tensor key, "
       "Tensor delta, Tensor begin, Tensor end) -> ()");
   m.def(
+      "commit_replay(Tensor(a!)[] conv_pools, Tensor[] conv_capsules, Tensor(b!)[] pools, "
+      "Tensor[] decays, Tensor[] keys, Tensor[] deltas, Tensor slots, Tensor begin, "
+      "Tensor end) -> ()");
+  m.def(
       "causal_conv_varlen(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) pool, Tensor slots, "
       "Tensor fresh, Tensor cu_seqlens, Tensor(b!) out, bool silu) -> ()");
 }
@@ -827,4 +930,5 @@ TORCH_LIBRARY_IMPL(PH_NS, CPU, m) {
   m.impl("causal_conv_varlen", &pagedhybrid::causal_conv_varlen);
   m.impl("gated_delta_capture", &pagedhybrid::gated_delta_capture);
   m.impl("gated_delta_replay", &pagedhybrid::gated_delta_replay);
+  m.impl("commit_replay", &pagedhybrid::commit_replay);
 }
