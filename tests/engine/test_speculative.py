@@ -294,23 +294,24 @@ def test_torch_bundle_verifies_too(make_engine: Callable[..., Engine]) -> None:
     assert spec.stats.spec.accepted_tokens > 0
 
 
-def _budget(a: float, b: float) -> DraftBudget:
+def _budget(a: float, b: float, v: float = 0.0) -> DraftBudget:
     budget = DraftBudget()
     for rows in (1, 4, 9, 16, 2, 30, 5, 12):
-        budget.observe(rows, a + b * rows)
+        budget.observe(rows, a + b * rows, False)
+        budget.observe(rows + 1, a + b * (rows + 1) + v, True)
     return budget
 
 
 def test_the_draft_budget_keeps_drafts_that_pay_for_their_rows(
         make_engine: Callable[..., Engine]) -> None:
-    """The step-time model (a + b rows, fitted) and each request's acceptance decide: a
-    weights-bound step (a >> b rows) keeps a good guesser's drafts, a compute-bound one (a
-    large batch, a ~ 0) keeps none, and a request whose guesses keep failing loses its drafts
-    first; without a fit every draft is kept. In the engine the budget trims what the drafter
-    proposed."""
+    """The step-time model (a + b rows, + v on a verify step, fitted) and each request's
+    acceptance decide: a weights-bound step (a >> b rows) keeps a good guesser's drafts, a
+    compute-bound one (a large batch, a ~ 0) keeps none, and a request whose guesses keep
+    failing loses its drafts first; without a recent verify step every draft is kept. In the
+    engine the budget trims what the drafter proposed."""
     good, bad = (Request(x, (1,), SamplingParams(), 0, torch.Generator()) for x in "gb")
-    good.spec_accepted, bad.spec_rejections = 30, 30  # p ~ 0.97 and ~ 0.03
-    assert _budget(10e-3, 0.5e-3).fit() == pytest.approx((10e-3, 0.5e-3))
+    good.spec_accepted, bad.spec_rejections = 30, 30  # p ~ 0.97 and ~ 0.06
+    assert _budget(10e-3, 0.5e-3, 1e-3).fit() == pytest.approx((10e-3, 0.5e-3, 1e-3))
     for budget, batch, want in ((_budget(10e-3, 0.5e-3), 1, (4, 0)),  # weights-bound, batch 1
                                 (_budget(0.1e-3, 2e-3), 16, (0, 0)),  # compute-bound, batch 16
                                 (DraftBudget(), 16, (4, 4))):  # no fit yet: explore
@@ -319,29 +320,60 @@ def test_the_draft_budget_keeps_drafts_that_pay_for_their_rows(
         budget.trim([good, bad], batch)
         assert (len(good.draft_ids), len(bad.draft_ids)) == want, (batch, want)
     steady = _budget(0.1e-3, 2e-3)
-    steady.observe(40, 1.0)  # one slow first call does not tilt the fit
-    assert steady.fit() == pytest.approx((0.1e-3, 2e-3))
-    for _ in range(DraftBudget.WINDOW):  # a window without spread: explore again
-        steady.observe(16, 0.1e-3 + 2e-3 * 16)
+    steady.observe(40, 1.0, True)  # one slow first call does not tilt the fit
+    assert steady.fit() == pytest.approx((0.1e-3, 2e-3, 0.0))
+    for _ in range(DraftBudget.WINDOW):  # steps of one kind: the other's are remembered ...
+        steady.observe(16, 0.1e-3 + 2e-3 * 16, False)
+    assert steady.fit() == pytest.approx((0.1e-3, 2e-3, 0.0))
+    for _ in range(DraftBudget.REMEMBER):  # ... not for ever: explore again
+        steady.observe(16, 0.1e-3 + 2e-3 * 16, False)
     assert steady.fit() is None
     engine = make_engine(num_blocks=64, speculative_config={"num_speculative_tokens": 3})
     engine.drafter = Fixed([1, 2, 3])
     engine.draft_budget = _budget(0.1e-3, 2e-3)  # as if every row cost 2 ms: never worth it
-    engine.draft_budget.observe = lambda rows, seconds: None  # (keep the synthetic fit)
+    engine.draft_budget.observe = lambda rows, seconds, verifying: None  # (keep the fit)
     run(engine, [(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=6))])
     assert engine.stats.spec.drafts == 0
 
 
+def test_a_lone_stream_probes_for_the_decode_cost() -> None:
+    """A lone request whose every step verifies k drafts gives the fit no decode step: one step
+    in PROBE_EVERY runs without drafts until the fit has one; then the verify path's own cost v
+    counts against the first draft of a step -- a request whose drafts are mostly rejected
+    loses them (but for one step in EXPLORE, which measures it again), a good guesser keeps
+    them."""
+    a, b, v = 4e-3, 0.2e-3, 3e-3
+    budget, kept = DraftBudget(), []
+    poor = Request("p", (1,), SamplingParams(), 0, torch.Generator())
+    poor.spec_accepted, poor.spec_rejections = 5, 25  # p ~ 0.22
+    for _ in range(40):
+        poor.draft_ids = (1, 2, 3)
+        budget.trim([poor], 1)
+        kept.append(len(poor.draft_ids))
+        n = len(poor.draft_ids)
+        budget.observe(1 + n, a + b * (1 + n) + (v if n else 0.0), n > 0)
+    assert kept[:5] == [3, 3, 3, 3, 0]  # drafts kept until a probe gives the decode cost
+    assert budget.fit() == pytest.approx((a + b, 0.0, v + 3 * b))  # (no spread: b counts in v)
+    # then the fit says: not worth it for this request -- except once in EXPLORE steps
+    assert kept[5:] == ([0] * (DraftBudget.EXPLORE - 1) + [3]) * 4 + [0] * 3
+    good = Request("g", (1,), SamplingParams(), 0, torch.Generator())
+    good.spec_accepted = 30
+    good.draft_ids = (1, 2, 3)
+    budget.trim([good], 1)
+    assert len(good.draft_ids) == 3
+
+
 def test_position_costs_stop_a_chain_where_it_stops_paying() -> None:
     """A cost per opened draft position (the MTP head's catch-up and chain steps): on a
-    weights-bound batch-1 step a cheap position is opened, one that costs more than its
-    expected tokens are worth is not (and nothing past it), and a first position too dear
-    for anyone leaves every request without drafts (the MTP drafter then skips its head)."""
+    weights-bound batch-1 step cheap positions are opened, one that costs more than the
+    expected tokens it and the positions after it are worth is not (nor anything past it), and
+    a first position too dear for anyone leaves every request without drafts (the MTP drafter
+    then skips its head)."""
     good = Request("g", (1,), SamplingParams(), 0, torch.Generator())
     good.spec_accepted = 30  # p ~ 0.97
     budget = _budget(10e-3, 0.5e-3)
     for costs, want in (((), 4), ((1e-3, 1e-3, 1e-3), 4), ((1e-3, 1e-3, 30e-3), 2),
-                        ((30e-3,), 0)):
+                        ((50e-3,), 0)):
         good.draft_ids = (1, 2, 3, 4)
         budget.trim([good], 1, costs)
         assert len(good.draft_ids) == want, costs

@@ -334,11 +334,13 @@ class Engine:
                         seq = next(s for s in sched.sequences if s.request is req)
                         self.checkpoints.discard(row for _, row in seq.checkpoints)
                 self.scheduler.update(sched, result.sampled, self.runner.commit)
+                t_draft = time.perf_counter()
                 self._draft()
+                t_draft = time.perf_counter() - t_draft
                 outputs.extend(self._output(s.request) for s in sched.sequences
                                if s.request.finished
                                or s.request.num_output_tokens > s.request.num_emitted)
-                self._account(sched, result, t0, t_sched, t1)
+                self._account(sched, result, t0, t_sched, t1, t_draft)
             elif compiling:  # only grammars to wait for: wait for one, not in a busy loop
                 futures.wait([r.grammar for r in self.scheduler.waiting
                               if r.grammar is not None], GRAMMAR_WAIT_S,
@@ -380,7 +382,7 @@ class Engine:
             self.draft_budget.trim([r for r in todo if r.draft_ids], len(running))
 
     def _account(self, sched: SchedulerOutput, result: StepResult, t0: float, t_sched: float,
-                 t1: float) -> None:
+                 t1: float, t_draft: float) -> None:
         st = self.stats
         t2 = time.perf_counter()
         st.steps += 1
@@ -393,8 +395,10 @@ class Engine:
         st.update_s += t2 - t1
         st.step_log.append((len(sched.sequences), sched.num_batched_tokens,
                             t_sched + result.prepare_s, t2 - t0))
-        if all(s.num_new_tokens == 1 or s.drafts for s in sched.sequences):
-            self.draft_budget.observe(sched.num_batched_tokens, t2 - t0)  # decodes and verifies
+        if all(s.num_new_tokens == 1 or s.drafts for s in sched.sequences):  # decodes, verifies
+            # the step without the drafter's time: the budget counts that per draft position
+            self.draft_budget.observe(sched.num_batched_tokens, t2 - t0 - t_draft,
+                                      any(s.drafts for s in sched.sequences))
 
     def _fail_step(self, sched: SchedulerOutput | None, exc: Exception) -> list[RequestOutput]:
         """A step raised: fail its requests (all running ones when scheduling itself raised),

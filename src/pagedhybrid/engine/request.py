@@ -72,6 +72,7 @@ class Request:
     draft_ids: tuple[int, ...] = ()  # speculative drafts for the next step (the drafter's)
     spec_accepted: int = 0  # draft tokens accepted so far
     spec_rejections: int = 0  # verify steps that ended at a rejected draft
+    spec_cut: int = 0  # steps in a row the draft budget cut every draft of (DraftBudget)
     matcher: Any = None  # structured outputs: the request's llguidance matcher (structured.py)
     grammar: Any = None  # the future of ``matcher`` while it compiles (not admitted until done)
 

@@ -8,18 +8,28 @@ state-update capacity of 8),
 (no drafts while more requests than that are running; default None, as vLLM's).
 
 Speculation turns itself down where it does not pay (``DraftBudget``): the engine models a
-step's time as ``a + b * rows`` (a robust fit over its last ``WINDOW`` steps of decodes and
-verify chunks only: a prefill chunk's rows run another path at another cost) and each
-request's ``j``-th draft as accepted with probability ``p^j`` (``p``: the request's accepted
-drafts over accepted plus rejections so far, one of each as prior). A draft row is kept only
-while its expected tokens exceed what the step as planned so far yields per row-time,
-``g > b * N / T`` (``N`` expected tokens, ``T = a + b * rows``): on a weights-bound step
-(``a`` >> ``b * rows``, a small batch) cheap rows are kept; on a compute-bound one (a large
-batch: ``T`` ~ ``b * rows``, the bar ~ 1 token per row) no draft clears it, and neither do the
-drafts of a request whose guesses keep failing. While the window holds fewer than
-``MIN_SPREAD`` steps off its most common row count every draft is kept (exploration: a few
-steps in each window), which gives the fit its spread. ``adaptive: false`` (our key) verifies
-every draft.
+step's time as ``a + b * rows``, plus ``v`` when any request verifies drafts (the verify path's
+own cost: capture, rejection sampling, the commit), fitted robustly on its recent steps of
+decodes and verify chunks only (a prefill chunk's rows run another path at another cost),
+without the drafter's own time; each request's ``j``-th draft is accepted with probability
+``p^j`` (``p``: its accepted drafts over accepted plus rejections so far, with an optimistic
+prior of 0.9 worth two judgements, so that a newcomer gets drafts and its acceptance is
+learnt). Opening draft position ``j`` costs its ``position_costs[j]`` once (the MTP head's
+catch-up and chain steps), the first draft of a step ``v``, each draft row ``b``. The budget
+adds drafts likeliest first (a request's ``j``-th after its earlier ones) and keeps the prefix
+whose expected tokens per second of step time is highest: on a weights-bound step
+(``a`` >> ``b * rows``, a small batch) a good guesser's drafts are kept; on a compute-bound one
+(a large batch: each row costs about what a token is worth) none are, and neither are the
+drafts of a request whose guesses keep failing. The fit needs steps of both kinds and
+``MIN_SPREAD`` off the most common row counts for its slope (0 until then); the last
+``MIN_SPREAD`` steps of each kind and row count stay usable ``REMEMBER`` steps. Without a
+recent decode step (a lone request verifying every step) one step in ``PROBE_EVERY`` runs
+without drafts (the MTP head skips its catch-up there); without a recent verify step every
+draft is kept (exploration); and a request whose drafts were cut ``EXPLORE`` steps in a row
+keeps them once, so that a request whose guesses got better (n-gram lookup once the text
+repeats) is measured again. Measured before this model: at T = 0.7 the built-in model's MTP
+head ran a lone stream at 0.70x, the budget having no fit and keeping every draft.
+``adaptive: false`` (our key) verifies every draft.
 
 One step with speculation (engine -> scheduler -> runner -> scheduler):
 
@@ -134,61 +144,100 @@ class SpeculativeConfig:
 class DraftBudget:
     """Which drafts pay for their rows (module docstring)."""
 
-    WINDOW = 64  # steps the cost model is fitted on
-    MIN_SPREAD = 4  # steps off the most common row count needed for a fit
+    WINDOW = 64  # recent steps the cost model is fitted on
+    MIN_SPREAD = 4  # steps off the most common row counts needed for a slope
+    REMEMBER = 256  # steps the last MIN_SPREAD steps of each kind and row count stay usable
+    PROBE_EVERY = 4  # without a recent decode step, one step in this many runs without drafts
+    PRIOR = (1.8, 2.0)  # (accepted, judgements) a request starts with: p = 0.9
+    EXPLORE = 8  # a request whose drafts were cut this many steps in a row keeps them once
 
     def __init__(self) -> None:
-        self.steps: deque[tuple[int, float]] = deque(maxlen=self.WINDOW)
+        self.count = 0  # steps observed
+        self.steps: deque[tuple[int, int, bool, float]] = deque(maxlen=self.WINDOW)
+        self.kept: dict[tuple[bool, int], deque[tuple[int, int, bool, float]]] = {}
+        self._probed = 0  # the step count at the last probe
 
-    def observe(self, rows: int, seconds: float) -> None:
-        """A step of ``rows`` token rows took ``seconds``."""
-        self.steps.append((rows, seconds))
+    def observe(self, rows: int, seconds: float, verifying: bool) -> None:
+        """A step of ``rows`` token rows took ``seconds``; ``verifying``: it verified drafts."""
+        self.count += 1
+        step = (self.count, rows, verifying, seconds)
+        self.steps.append(step)
+        self.kept.setdefault((verifying, rows), deque(maxlen=self.MIN_SPREAD)).append(step)
 
-    def fit(self) -> tuple[float, float] | None:
-        """``(a, b)`` of ``seconds ~ a + b * rows``, robustly: the median time of the most
-        common row count ``r0`` and the median slope of the other steps from it (one slow first
-        call cannot tilt it); None with fewer than ``MIN_SPREAD`` steps off ``r0``."""
-        if not self.steps:
+    def _samples(self, verifying: bool) -> list[tuple[int, float]]:
+        first = self.steps[0][0] if self.steps else self.count + 1
+        older = [s for (kind, _), q in self.kept.items() if kind == verifying for s in q
+                 if s[0] < first and self.count - s[0] < self.REMEMBER]
+        return [(r, t) for _, r, kind, t in (*older, *self.steps) if kind == verifying]
+
+    def fit(self) -> tuple[float, float, float] | None:
+        """``(a, b, v)`` of ``seconds ~ a + b * rows (+ v when verifying)``, robustly: each
+        kind's median time at its most common row count, and the median slope of the other
+        steps from those (one slow call cannot tilt it; 0 with fewer than ``MIN_SPREAD``);
+        None without recent steps of both kinds."""
+        kinds = [self._samples(False), self._samples(True)]
+        if not all(kinds):
             return None
-        counts: dict[int, int] = {}
-        for r, _ in self.steps:
-            counts[r] = counts.get(r, 0) + 1
-        r0 = max(counts, key=lambda r: counts[r])
-        base = statistics.median(t for r, t in self.steps if r == r0)
-        slopes = [(t - base) / (r - r0) for r, t in self.steps if r != r0]
-        if len(slopes) < self.MIN_SPREAD:
-            return None
-        b = max(0.0, statistics.median(slopes))
-        return max(base - b * r0, 0.0), b
+        bases, slopes = [], []
+        for samples in kinds:
+            counts: dict[int, int] = {}
+            for r, _ in samples:
+                counts[r] = counts.get(r, 0) + 1
+            r0 = max(counts, key=lambda r: counts[r])
+            base = statistics.median(t for r, t in samples if r == r0)
+            bases.append((r0, base))
+            slopes += [(t - base) / (r - r0) for r, t in samples if r != r0]
+        b = max(0.0, statistics.median(slopes)) if len(slopes) >= self.MIN_SPREAD else 0.0
+        (rd, td), (rv, tv) = bases
+        a = max(td - b * rd, 0.0)
+        return a, b, max(tv - b * rv - a, 0.0)
 
-    @staticmethod
-    def acceptance(req: Request) -> float:
-        """The request's draft acceptance probability so far (prior: one of each)."""
-        return (req.spec_accepted + 1) / (req.spec_accepted + req.spec_rejections + 2)
+    @classmethod
+    def acceptance(cls, req: Request) -> float:
+        """The request's draft acceptance probability so far (``PRIOR`` included)."""
+        accepted, judged = cls.PRIOR
+        return (req.spec_accepted + accepted) / (req.spec_accepted + req.spec_rejections
+                                                 + judged)
 
     def trim(self, requests: Sequence[Request], rows: int,
              position_costs: Sequence[float] = ()) -> None:
         """Cut each request's ``draft_ids`` to the drafts that pay on a step of ``rows`` other
-        rows. ``position_costs[j]``: seconds that opening draft position ``j`` adds to the step
-        whatever the number of requests using it (the MTP drafter's catch-up for the first, a
-        chain step for each further one); the first request kept at a position pays it."""
-        fit = self.fit()
-        if fit is None or not requests:
+        rows (module docstring). ``position_costs[j]``: seconds that opening draft position
+        ``j`` adds to the step whatever the number of requests using it (the MTP drafter's
+        catch-up for the first, a chain step for each further one); the first request kept at
+        a position pays it."""
+        if not requests:
             return
-        a, b = fit
+        fit = self.fit()
+        if fit is None:
+            if not self._samples(False) and self.count - self._probed >= self.PROBE_EVERY:
+                self._probed = self.count  # a step without drafts: the decode cost
+                for r in requests:
+                    r.draft_ids = ()
+            return  # (no recent verify step: every draft kept)
+        a, b, v = fit
         n, t = float(rows), a + b * rows
         p = {id(r): self.acceptance(r) for r in requests}
+        items = sorted(((p[id(r)] ** (j + 1), j, i) for i, r in enumerate(requests)
+                        for j in range(len(r.draft_ids))), key=lambda x: (-x[0], x[1]))
+        rates, opened = [n / t if t > 0 else 0.0], set()
+        for gain, j, _ in items:  # the likeliest drafts first, each after its request's earlier
+            t += b + (v if len(rates) == 1 else 0.0) + (
+                position_costs[j] if j < len(position_costs) and j not in opened else 0.0)
+            n += gain
+            opened.add(j)
+            rates.append(n / t)
+        best = max(range(len(rates)), key=rates.__getitem__)  # (ties: fewer drafts)
         keep = dict.fromkeys(p, 0)
-        for j in range(max(len(r.draft_ids) for r in requests)):
-            opening = position_costs[j] if j < len(position_costs) else 0.0
-            for r in sorted(requests, key=lambda r: -p[id(r)]):
-                if keep[id(r)] == j and j < len(r.draft_ids):
-                    gain = p[id(r)] ** (j + 1)
-                    if gain * t > (b + opening) * n:
-                        keep[id(r)] += 1
-                        n, t, opening = n + gain, t + b + opening, 0.0
+        for _, _, i in items[:best]:
+            keep[id(requests[i])] += 1
         for r in requests:
-            r.draft_ids = r.draft_ids[:keep[id(r)]]
+            cut = not keep[id(r)] and bool(r.draft_ids)
+            r.spec_cut = r.spec_cut + 1 if cut else 0
+            if r.spec_cut < self.EXPLORE:  # (else its drafts run once more: is it better now?)
+                r.draft_ids = r.draft_ids[:keep[id(r)]]
+            else:
+                r.spec_cut = 0
 
 
 def draftable(req: Request) -> bool:
