@@ -162,9 +162,10 @@ def test_prefix_cache_a_b_a(mtp_model: Qwen35ForCausalLM) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_the_fused_head_equals_its_steps_bit_for_bit(mtp_dir: Path, dtype: torch.dtype) -> None:
     """The native bundle's head kernels -- ``mtp_head_input`` / ``mtp_head_output`` for a
-    catch-up, ``mtp_chain`` for a whole chain in one call -- give the drafts, the head's hidden
-    and the head's K/V pages of the same head run step by step through the modules, to the bit:
-    two chains, one across a page boundary, one of a single step."""
+    catch-up, ``mtp_chain`` for a whole chain in one call, ``mtp_draft`` for both -- give the
+    drafts, the head's hidden and the head's K/V pages of the same head run step by step
+    through the modules, to the bit: two chains, one across a page boundary, one of a single
+    step."""
     native = backend("native")
     stepwise = dataclasses.replace(native, mtp_head_input=None, mtp_head_output=None,
                                    mtp_chain=None)
@@ -175,22 +176,28 @@ def test_the_fused_head_equals_its_steps_bit_for_bit(mtp_dir: Path, dtype: torch
                                       fill=None, generator=gen, mtp=True)
     hidden = torch.randn(4, cfg.hidden_size, generator=gen).to(dtype)
     tables = [[4, 1, 6], [2]]
-    results = []
-    for bundle in (native, stepwise):
+    ids, results = torch.tensor([9, 4, 1, 6]), []
+    for bundle in (native, stepwise, native):
         model.backend = bundle
         c = cache.clone()
-        meta = StepMetadata.build([3, 1], [12, 4], tables, [0, 1], block_size=16, num_pages=8,
-                                  num_slots=2, verify=[0])  # a catch-up of a verify chunk
-        picks, out = model.forward_mtp(torch.tensor([9, 4, 1, 6]), hidden, meta, c,
-                                       torch.tensor([2, 3]), greedy=True)
-        drafts, state = model.mtp_chain(picks, out[[2, 3]], [15, 5], [4, 1], tables, c)
-        results.append((picks, out, drafts, state, c.key_cache[head_layer],
-                        c.value_cache[head_layer]))
-    for got, want in zip(*results, strict=True):
-        assert torch.equal(got, want)
-    drafts = results[0][2]
-    assert drafts.shape == (2, 4) and bool((drafts[0] >= 0).all())
-    assert drafts[1, 0] >= 0 and bool((drafts[1, 1:] == -1).all())
+        if len(results) < 2:  # the catch-up (forward_mtp), then the chains (mtp_chain)
+            meta = StepMetadata.build([3, 1], [12, 4], tables, [0, 1], block_size=16,
+                                      num_pages=8, num_slots=2, verify=[0])  # a verify chunk's
+            picks, out = model.forward_mtp(ids, hidden, meta, c, torch.tensor([2, 3]),
+                                           greedy=True)
+            drafts, state = model.mtp_chain(picks, out[[2, 3]], [15, 5], [4, 1], tables, c)
+            drafts = torch.cat([picks[:, None], drafts], dim=1)
+        else:  # both in one call
+            fused = model.mtp_draft(ids, hidden, [3, 1], [12, 4], tables, [2, 3], [15, 5],
+                                    [4, 1], tables, c)
+            assert fused is not None
+            drafts, state = fused
+        results.append((drafts, state, c.key_cache[head_layer], c.value_cache[head_layer]))
+    for got, want, one_call in zip(*results, strict=True):
+        assert torch.equal(got, want) and torch.equal(one_call, want)
+    drafts = results[0][0]
+    assert drafts.shape == (2, 5) and bool((drafts[0] >= 0).all())
+    assert bool((drafts[1, :2] >= 0).all()) and bool((drafts[1, 2:] == -1).all())
 
 
 def test_a_failing_drafter_costs_only_its_drafts(mtp_model: Qwen35ForCausalLM) -> None:

@@ -819,11 +819,11 @@ def _run_chain(a: Args) -> None:
 
 CHAIN: list[Corruption] = [
     ("chain past its pages", _set("steps", lambda a: torch.tensor([13, 1])),
-     r"block_table: sequence 0: its last step at position 32 needs page 2 of a table of 2"),
+     r"block_table: sequence 0: position 32 needs page 2 of a table of 2"),
     ("negative steps", _set("steps", lambda a: torch.tensor([3, -1])),
      r"steps: sequence 1: steps and positions must be >= 0"),
     ("steps count", _set("steps", lambda a: torch.tensor([3])),
-     r"steps: size\(0\) must equal the rows of hidden"),
+     r"steps: size\(0\) must equal the chains = 2"),
     ("position dtype", _set("positions", lambda a: a["positions"].int()),
      r"positions: must be Long"),
     ("rope table short", lambda a: a.update(cos=a["cos"][:21].contiguous(),
@@ -843,6 +843,45 @@ CHAIN: list[Corruption] = [
 ]
 
 
+def _draft() -> Args:
+    a = _chain()
+    gen = torch.Generator().manual_seed(15)
+    # the catch-up: sequence 0 verifies 3 rows from position 17, sequence 1 decodes at 3
+    return {**a, "token_ids": torch.tensor([5, 0, 9, 2]),
+            "hidden": torch.randn(4, HID, generator=gen), "q_lens": torch.tensor([3, 1]),
+            "past_lens": torch.tensor([17, 3]), "catch_table": a["block_table"],
+            "picks": torch.tensor([2, 3])}
+
+
+def _run_draft(a: Args) -> None:
+    drafts, state = library().mtp_draft(
+        *[a[n] for n in ("token_ids", "hidden", "q_lens", "past_lens", "catch_table", "picks",
+                         "positions", "steps", "block_table")], BS, a["cos"], a["sin"],
+        *[a[n] for n in ("embed", "norm_embedding", "norm_hidden", "fc")], [],
+        *[a[n] for n in ("input_norm", "q_proj", "k_proj", "v_proj", "q_norm", "k_norm",
+                         "key_cache", "value_cache", "o_proj", "post_norm", "gate_proj",
+                         "up_proj", "down_proj", "heads", "kv_heads")],
+        D ** -0.5, 1e-6, KV_SPLIT, [], a["final_norm"], a["lm_head"], [], 4, True)
+    a["out"] = torch.cat([drafts.flatten().float(), state.flatten()])
+
+
+DRAFT: list[Corruption] = [
+    *[c for c in CHAIN if not c[0].startswith("token")],
+    ("rows and q_lens", _set("q_lens", lambda a: torch.tensor([2, 1])),
+     r"q_lens: must sum to the rows of hidden \(4; got 3\)"),
+    ("empty catch-up sequence", _set("q_lens", lambda a: torch.tensor([4, 0])),
+     r"q_lens: sequence 1: need q_lens >= 1"),
+    ("pick past the rows", _set("picks", lambda a: torch.tensor([2, 4])),
+     r"picks: picks\[1\] = 4 is outside the rows of hidden \[0, 4\)"),
+    ("catch-up past its pages", _set("past_lens", lambda a: torch.tensor([30, 3])),
+     r"block_table: sequence 0: position 32 needs page 2 of a table of 2"),
+    ("catch-up table rows", _set("catch_table", lambda a: a["catch_table"][:1].contiguous()),
+     r"catch_table: size\(0\) must equal the sequences of q_lens"),
+    ("token past the vocabulary", _set("token_ids", lambda a: torch.tensor([5, 0, 9, 10])),
+     r"token_ids: token_ids\[3\] = 10 is outside the vocabulary \[0, 10\)"),
+]
+
+
 OPS: dict[str, tuple[Callable[[], Args], Callable[[Args], None], list[Corruption], str]] = {
     "paged_attention": (_attention, _run_attention, ATTENTION, "out"),
     "gated_delta_decode": (lambda: _gdn(False), _run_gdn, GDN, "pool"),
@@ -857,6 +896,7 @@ OPS: dict[str, tuple[Callable[[], Args], Callable[[Args], None], list[Corruption
     "mtp_head_input": (_head_input, _run_head_input, HEAD_INPUT, "out"),
     "mtp_head_output": (_head_output, _run_head_output, HEAD_OUTPUT, "out"),
     "mtp_chain": (_chain, _run_chain, CHAIN, "out"),
+    "mtp_draft": (_draft, _run_draft, DRAFT, "out"),
     "causal_conv_decode": (lambda: _conv(False), _run_conv, CONV, "pool"),
     "causal_conv_varlen": (lambda: _conv(True), _run_conv, CONV_VARLEN, "pool"),
     "linear_invariant": (_linear, _run_linear, LINEAR, "out"),

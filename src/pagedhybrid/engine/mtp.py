@@ -18,8 +18,8 @@ GenAI's layout). After every step, ``propose``:
    draft ``d1`` (the argmax: a point mass, which ``speculative.verify``'s rejection sampling
    takes as the proposal distribution); then ``k - 1`` one-token head steps feed each draft
    back with the head's own hidden in place of ``h``, one position further on each (their K/V
-   lie past the sequence's length: the next catch-up overwrites them) -- the whole chain one
-   ``runner.MtpChain`` call (the native bundle runs it in one C++ call). The scheduler reserves
+   lie past the sequence's length: the next catch-up overwrites them). Catch-up and chains are
+   one ``runner.MtpCall`` (the native bundle runs them in one C++ call). The scheduler reserves
    ``k - 1`` lookahead positions of pages for that when it can (``SchedulerConfig.lookahead``);
    a chain stops early where the request's pages end.
 
@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedhybrid.engine.request import Request, RequestStatus
-from pagedhybrid.engine.runner import MtpCall, MtpChain
+from pagedhybrid.engine.runner import MtpCall
 from pagedhybrid.kernels.step import StepMetadata
 
 if TYPE_CHECKING:
@@ -114,30 +114,21 @@ class MtpDrafter:
         if not seqs:
             return
         past = [meta.past_lens[b] for b in seqs]
-        picked = runner.forward_mtp(MtpCall(
+        bs, steps, tables = meta.block_size, [], []
+        for req, _, p in drafting:
+            table = self.table(req)  # the chain stops where the request's pages end
+            steps.append(max(0, min(want[id(req)] - 1, len(table) * bs - 1 - p)))
+            tables.append(list(table))
+        drafted = runner.forward_mtp(MtpCall(
             ids, rows, qs, past, meta.block_table[seqs],
             [int(meta.state_slots[b]) for b in seqs], cache.num_slots,
             [i for i, (n, p) in enumerate(zip(qs, past, strict=True)) if n > 1 and p > 0],
-            [r for _, r, _ in drafting]))  # the head's hidden at each last row: the state
-        if not drafting:
-            return
-        chains = [[t] if t >= 0 else [] for t in picked.tolist()]  # d1 of each drafting request
-        self._catch_s.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        bs, live, steps, tables = meta.block_size, [], [], []
-        for i, (req, _, p) in enumerate(drafting):
-            table = self.table(req)  # the chain stops where the request's pages end
-            n = min(want[id(req)] - 1, len(table) * bs - 1 - p) if chains[i] else 0
-            if n > 0:
-                live.append(i)
-                steps.append(n)
-                tables.append(list(table))
-        if live:
-            more = runner.forward_mtp(MtpChain([chains[i][0] for i in live], live,
-                                               [drafting[i][2] + 1 for i in live], steps,
-                                               tables)).tolist()
-            for i, row in zip(live, more, strict=True):
-                chains[i].extend(itertools.takewhile(lambda t: t >= 0, row))
-            self._chain_s.append((time.perf_counter() - t0) / max(steps))
+            [r for _, r, _ in drafting], [p + 1 for _, _, p in drafting], steps,
+            tables)).tolist()
+        if drafting:  # the budget's position costs: the catch-up and each chain step alike
+            share = (time.perf_counter() - t0) / (1 + max(steps))
+            self._catch_s.append(share)
+            self._chain_s.extend([share] * max(steps))
+        chains = [list(itertools.takewhile(lambda t: t >= 0, row)) for row in drafted]
         for (req, _, _), chain in zip(drafting, chains, strict=True):
             self._drafts[id(req)] = (req, req.num_tokens, tuple(chain))

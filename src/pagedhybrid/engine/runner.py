@@ -120,9 +120,12 @@ class StepPlan(NamedTuple):
 
 
 class MtpCall(NamedTuple):
-    """The MTP head's catch-up as every tensor-parallel rank runs it
-    (``ModelRunner.forward_mtp``): ``rows`` of the last step's hidden, ``picks`` the rows the
-    chains start from."""
+    """The MTP drafter's step as every tensor-parallel rank runs it
+    (``ModelRunner.forward_mtp``): the catch-up over ``rows`` of the last step's hidden (with
+    ``token_ids``, per sequence ``q_lens`` rows from ``past_lens`` on the pages of ``tables``,
+    ``slots`` / ``num_slots`` / ``verify`` as ``StepMetadata.build`` takes them), whose picks at
+    catch-up rows ``picks`` are the drafting sequences' first drafts; then each one's chain of
+    ``steps`` head steps from ``positions`` on the pages of ``chain_tables``."""
 
     token_ids: Sequence[int]
     rows: Sequence[int]
@@ -133,19 +136,9 @@ class MtpCall(NamedTuple):
     num_slots: int
     verify: Sequence[int]
     picks: Sequence[int]
-
-
-class MtpChain(NamedTuple):
-    """The MTP drafter's chain as every tensor-parallel rank runs it (``ModelRunner.forward_mtp``,
-    ``Qwen35ForCausalLM.mtp_chain``): row ``r`` of the chain's state feeds its first draft
-    ``token_ids[r]`` back at ``positions[r]`` and runs ``steps[r]`` one-token head steps on the
-    pages of ``tables[r]``."""
-
-    token_ids: Sequence[int]
-    rows: Sequence[int]
     positions: Sequence[int]
     steps: Sequence[int]
-    tables: Sequence[Sequence[int]]
+    chain_tables: Sequence[Sequence[int]]
 
 
 class StepBatch(NamedTuple):
@@ -317,7 +310,6 @@ class ModelRunner:
         # MTP drafter's input (``forward_mtp``)
         self._hidden: tuple[StepMetadata, tuple[Request, ...]] | None = None
         self._head_in: torch.Tensor | None = None
-        self._head_state: torch.Tensor | None = None  # the MTP chain's hidden, per draft row
         self._inputs = (DecodeInputs(config.max_num_seqs)
                         if torch.device(config.device).type == "cpu" else None)
         mc = model.config
@@ -496,35 +488,32 @@ class ModelRunner:
             self._head_in = hidden[0]
 
     @torch.no_grad()
-    def forward_mtp(self, call: MtpCall | MtpChain) -> torch.Tensor:
-        """The MTP head (``mtp.py``'s catch-up or chain) on every rank; the greedy drafts
-        (int64: a row's first maximum, -1 where its logits are not finite) of ``call.picks``
-        (a catch-up, ``[R]``) or of each chain row's steps (``[B, steps]``, -1 past its end).
-        The head's hidden stays here: a catch-up reads the last step's final-norm hidden at
-        ``rows`` and keeps the head's hidden at ``picks`` as the chain's state; a chain reads
-        and updates the state at ``rows``."""
+    def forward_mtp(self, call: MtpCall) -> torch.Tensor:
+        """The MTP head's catch-up and chains (``mtp.py``) on every rank: the greedy drafts,
+        int64 ``[D, 1 + max(steps)]`` (a row's first maximum each; -1 where its logits are not
+        finite, and past its chain's end) -- one native call where the bundle fuses it
+        (``Qwen35ForCausalLM.mtp_draft``), else the catch-up (``forward_mtp``) and the chains
+        (``mtp_chain``)."""
         if self.peers is not None:
             self.peers.send("mtp", call)
         with self._collective():
-            cache = self.cache
-            if isinstance(call, MtpChain):
-                assert self._head_state is not None
-                rows = int_tensor(call.rows, torch.int64)
-                drafts, state = self.model.mtp_chain(
-                    int_tensor(call.token_ids, torch.int64), self._head_state.index_select(0, rows),
-                    call.positions, call.steps, call.tables, cache)
-                self._head_state.index_copy_(0, rows, state)
-                return drafts
+            cache, model = self.cache, self.model
+            assert self._head_in is not None
+            ids = int_tensor(call.token_ids, torch.int64)
+            hidden = self._head_in.index_select(0, int_tensor(call.rows, torch.int64))
+            fused = model.mtp_draft(ids, hidden, call.q_lens, call.past_lens, call.tables,
+                                    call.picks, call.positions, call.steps, call.chain_tables,
+                                    cache)
+            if fused is not None:
+                return fused[0]
             meta = StepMetadata.build(call.q_lens, call.past_lens, call.tables, call.slots,
                                       block_size=cache.block_size, num_pages=cache.num_pages,
                                       num_slots=call.num_slots, verify=call.verify)
-            assert self._head_in is not None
-            rows, picks = int_tensor(call.rows, torch.int64), int_tensor(call.picks, torch.int64)
-            drafts, out = self.model.forward_mtp(int_tensor(call.token_ids, torch.int64),
-                                                 self._head_in.index_select(0, rows), meta,
-                                                 cache, picks, greedy=True)
-            self._head_state = out.index_select(0, picks)
-            return drafts
+            picks = int_tensor(call.picks, torch.int64)
+            first, out = model.forward_mtp(ids, hidden, meta, cache, picks, greedy=True)
+            chains, _ = model.mtp_chain(first, out.index_select(0, picks), call.positions,
+                                        call.steps, call.chain_tables, cache)
+            return torch.cat([first[:, None], chains], dim=1)
 
     def rank_state(self) -> dict[str, Any]:
         """This rank's cache geometry and last step's lengths (the group's invariants: every

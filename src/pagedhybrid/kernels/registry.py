@@ -11,9 +11,10 @@ A ``Backend`` (a kernel bundle) holds, for one implementation family:
   ``pointwise`` (silu and sigmoid) and ``norms`` (RMS, gated RMS and L2 norms; torch's for both
   by default); optionally ``gdn_decode``, the Gated DeltaNet mixer of a decode-only step fused
   into one call, and ``gdn_decode_layer`` / ``attention_decode_layer``, a whole decoder layer of
-  either kind, and ``mtp_head_input`` / ``mtp_head_output`` / ``mtp_chain``, the MTP head around
-  its layer and the drafter's chain (signatures in ``kernels/native/step.py``; each returns None
-  for a step it does not fuse, and the model then runs the ops one by one); ``moe``, a
+  either kind, and ``mtp_head_input`` / ``mtp_head_output`` / ``mtp_chain`` / ``mtp_draft``, the
+  MTP head around its layer, the drafter's chain and its whole step (signatures in
+  ``kernels/native/step.py``; each returns None for a step it does not fuse, and the model then
+  runs the ops one by one); ``moe``, a
   mixture-of-experts block's routed experts (and shared expert) in one call after its router
   (signature in ``kernels/native/moe.py``; None: the layer groups tokens by expert in torch);
   ``quantized_linear``, the product of an int8 / int4 projection weight (``x``, a
@@ -375,6 +376,7 @@ class Backend:
     mtp_head_input: Callable[..., torch.Tensor | None] | None = None
     mtp_head_output: Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None = None
     mtp_chain: Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None = None
+    mtp_draft: Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None = None
     capture: Any = None  # kernels.capsule.StateCapture (this module imports nothing above it)
     moe: MoeFn | None = None  # a mixture-of-experts block's experts in one call
     quantized_linear: QLinearFn | None = None  # x @ W^T of an int8 / int4 weight

@@ -24,7 +24,7 @@ Mixed steps split by sequence; rows of the two groups are disjoint, so they neve
 * mtp_head_input / mtp_head_output -- the MTP head's input before its decoder layer (embedding,
   its two norms, ``fc``) and, for the drafter, what comes after it (the final norm, the LM head
   of the rows it drafts from and their greedy pick), one call each; mtp_chain -- the drafter's
-  whole chain of one-token head steps in one call.
+  whole chain of one-token head steps in one call; mtp_draft -- its catch-up and chain.
 * CAPTURE -- a speculative verify step's recurrent state (``kernels/capsule.py``): the verify
   sequences' tokens through the per-token kernel on copies of their rows, capturing decay, key
   and delta (``gated_delta_capture``), and the accepted tokens replayed into the rows
@@ -273,6 +273,30 @@ def mtp_head_output(h: torch.Tensor, norm: torch.Tensor, eps: float,
         bits)
 
 
+def _head_args(head_input: MtpHeadInput, layer: AttentionLayerWeights, key_cache: torch.Tensor,
+               value_cache: torch.Tensor, final_norm: torch.Tensor, lm_head: torch.Tensor,
+               lm_quant: QuantizedWeight | None, native: bool) -> list[object]:
+    """The head's part of ``mtp_chain`` / ``mtp_draft``'s arguments."""
+    fc_quant = quant_tensors([head_input.fc_quant])[0] if head_input.fc_quant else ()
+    lm = quant_tensors([lm_quant])[0] if lm_quant is not None else ()
+    return [head_input.embed, head_input.norm_embedding, head_input.norm_hidden,
+            head_input.fc if head_input.fc_quant is None else head_input.fc_quant.codes,
+            fc_quant, layer.input_norm, layer.q_proj, layer.k_proj, layer.v_proj, layer.q_norm,
+            layer.k_norm, key_cache, value_cache, layer.o_proj, layer.post_norm, layer.gate_proj,
+            layer.up_proj, layer.down_proj, layer.heads, layer.kv_heads, layer.scale,
+            layer.rms_eps, KV_SPLIT, layer.quant, final_norm,
+            lm_head if lm_quant is None else lm_quant.codes, lm, layer.quant_bits, native]
+
+
+def _head_flag(rows: int, hidden: torch.Tensor, layer: AttentionLayerWeights,
+               key_cache: torch.Tensor,
+               matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
+               ) -> bool | None:
+    if key_cache.dtype != hidden.dtype or not hidden.is_contiguous():
+        return None
+    return _product_flag(rows, hidden.dtype, matmul, bool(layer.quant))
+
+
 def mtp_chain(token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
               steps: torch.Tensor, block_table: torch.Tensor, block_size: int,
               rope: tuple[torch.Tensor, torch.Tensor], head_input: MtpHeadInput,
@@ -280,25 +304,42 @@ def mtp_chain(token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Te
               final_norm: torch.Tensor, lm_head: torch.Tensor, lm_quant: QuantizedWeight | None,
               matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
               ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The MTP drafter's whole chain in one call (``csrc/decode_layer.cpp`` ``mtp_chain``: each
+    """The MTP drafter's chain in one call (``csrc/decode_layer.cpp`` ``mtp_chain``: each
     step ``mtp_head_input``, the head's ``attention_decode_layer`` and ``mtp_head_output``):
     (drafts int64 ``[B, max(steps)]``, -1 past each chain's end; the head's hidden after each
     chain ``[B, hidden]``); None where a step would not fuse (quantized pages, a product form it
     does not take at ``B`` rows)."""
-    native = _product_flag(hidden.shape[0], hidden.dtype, matmul, bool(layer.quant))
-    if native is None or key_cache.dtype != hidden.dtype or not hidden.is_contiguous():
+    native = _head_flag(hidden.shape[0], hidden, layer, key_cache, matmul)
+    if native is None:
         return None
-    fc_quant = quant_tensors([head_input.fc_quant])[0] if head_input.fc_quant else ()
-    lm = quant_tensors([lm_quant])[0] if lm_quant is not None else ()
     return library().mtp_chain(  # type: ignore[attr-defined,no-any-return]
-        token_ids, hidden, positions, steps, block_table, block_size, *rope, head_input.embed,
-        head_input.norm_embedding, head_input.norm_hidden,
-        head_input.fc if head_input.fc_quant is None else head_input.fc_quant.codes, fc_quant,
-        layer.input_norm, layer.q_proj, layer.k_proj, layer.v_proj, layer.q_norm, layer.k_norm,
-        key_cache, value_cache, layer.o_proj, layer.post_norm, layer.gate_proj, layer.up_proj,
-        layer.down_proj, layer.heads, layer.kv_heads, layer.scale, layer.rms_eps, KV_SPLIT,
-        layer.quant, final_norm, lm_head if lm_quant is None else lm_quant.codes, lm,
-        layer.quant_bits, native)
+        token_ids, hidden, positions, steps, block_table, block_size, *rope,
+        *_head_args(head_input, layer, key_cache, value_cache, final_norm, lm_head, lm_quant,
+                    native))
+
+
+def mtp_draft(token_ids: torch.Tensor, hidden: torch.Tensor, q_lens: torch.Tensor,
+              past_lens: torch.Tensor, catch_table: torch.Tensor, picks: torch.Tensor,
+              positions: torch.Tensor, steps: torch.Tensor, block_table: torch.Tensor,
+              block_size: int, rope: tuple[torch.Tensor, torch.Tensor],
+              head_input: MtpHeadInput, layer: AttentionLayerWeights, key_cache: torch.Tensor,
+              value_cache: torch.Tensor, final_norm: torch.Tensor, lm_head: torch.Tensor,
+              lm_quant: QuantizedWeight | None,
+              matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
+              ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The MTP drafter's step in one call (``mtp_draft``): the catch-up over the last step's
+    committed rows (``q_lens`` / ``past_lens`` / ``catch_table`` per sequence), its picks at rows
+    ``picks`` the first drafts, then ``mtp_chain`` from there: (drafts int64
+    ``[D, 1 + max(steps)]``, -1 past each one's end; the head's hidden after each chain); None
+    where it would not fuse (as ``mtp_chain``; the products' form taken at the catch-up's
+    rows)."""
+    native = _head_flag(hidden.shape[0], hidden, layer, key_cache, matmul)
+    if native is None:
+        return None
+    return library().mtp_draft(  # type: ignore[attr-defined,no-any-return]
+        token_ids, hidden, q_lens, past_lens, catch_table, picks, positions, steps, block_table,
+        block_size, *rope, *_head_args(head_input, layer, key_cache, value_cache, final_norm,
+                                       lm_head, lm_quant, native))
 
 
 def _gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,

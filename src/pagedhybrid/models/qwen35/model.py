@@ -197,6 +197,15 @@ class DecoderLayer(nn.Module):
             matmul, cache.checkpoint_pools(i) or (None, None), cache.capsules.get(i))
 
 
+def _table(tables: Sequence[Sequence[int]] | torch.Tensor) -> torch.Tensor:
+    """Page tables as int32 ``[B, M]`` (rows padded with -1)."""
+    if isinstance(tables, torch.Tensor):
+        return tables.to(torch.int32).contiguous()
+    width = max([len(t) for t in tables] + [1])
+    return int_tensor((p for t in tables for p in [*t, *[-1] * (width - len(t))]),
+                      torch.int32).view(len(tables), width)
+
+
 class Qwen35TextModel(nn.Module):
     def __init__(self, config: Qwen35Config, dtype: torch.dtype,
                  parallel: ParallelConfig) -> None:
@@ -579,24 +588,19 @@ class Qwen35ForCausalLM(nn.Module):
         if head is None:
             raise UnsupportedConfiguration("this model was loaded without its MTP head "
                                            "(load(..., mtp=True))")
+        ids = token_ids.tolist()
+        steps = [n if t >= 0 else 0 for t, n in zip(ids, steps, strict=True)]
         b, most = len(steps), max(steps, default=0)
         fused = self.backend.mtp_chain if self.parallel.tp_world_size == 1 else None
         if fused is not None and most:
-            width = max(len(t) for t in tables)
-            table = int_tensor((p for t in tables for p in [*t, *[-1] * (width - len(t))]),
-                               torch.int32).view(b, width)
-            layer, i = head.layer, head.layer.index
             out = fused(token_ids, hidden, int_tensor(positions, torch.int64),
-                        int_tensor(steps, torch.int64), table, cache.block_size,
+                        int_tensor(steps, torch.int64), _table(tables), cache.block_size,
                         self._rope_table_for(max(map(sum, zip(positions, steps, strict=True)))),
-                        head.input_weights(self.model.embed_tokens.weight),
-                        layer.decode_weights(), cache.key_cache[i], cache.value_cache[i],
-                        head.norm.weight, self.lm_head.weight, self.lm_head.quant,
-                        head.fc.matmul)
+                        *self._head_kernel_args(cache))
             if out is not None:
                 return out
         drafts = torch.full((b, most), -1, dtype=torch.int64)
-        state, ids, going = hidden.clone(), token_ids.tolist(), [n > 0 for n in steps]
+        state, going = hidden.clone(), [n > 0 for n in steps]
         for j in range(most):
             live = [r for r in range(b) if going[r] and steps[r] > j]
             if not live:
@@ -614,6 +618,40 @@ class Qwen35ForCausalLM(nn.Module):
                 if going[r]:
                     drafts[r, j] = ids[r] = t
         return drafts, state
+
+    @torch.no_grad()
+    def mtp_draft(self, token_ids: torch.Tensor, hidden: torch.Tensor, q_lens: Sequence[int],
+                  past_lens: Sequence[int], tables: Sequence[Sequence[int]] | torch.Tensor,
+                  picks: Sequence[int], positions: Sequence[int], steps: Sequence[int],
+                  chain_tables: Sequence[Sequence[int]], cache: PagedHybridCache
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The MTP drafter's whole step in one native call (the bundle's ``mtp_draft``): the
+        catch-up -- row ``r`` of sequence ``s`` (``q_lens[s]`` rows from position
+        ``past_lens[s]`` on the pages of ``tables[s]``) reads ``hidden[r]`` and ``token_ids[r]``
+        -- whose greedy picks at rows ``picks`` are the first drafts, then ``mtp_chain`` from
+        each (``positions``, ``steps``, ``chain_tables`` per pick). Returns (drafts int64
+        ``[D, 1 + max(steps)]``, -1 past each one's end; the head's hidden after each chain),
+        or None where the bundle has no such call or would not fuse the step (the caller then
+        runs ``forward_mtp`` and ``mtp_chain``)."""
+        fused = self.backend.mtp_draft if self.parallel.tp_world_size == 1 else None
+        if fused is None or self.mtp is None:
+            return None
+        reach = max([p + q for p, q in zip(past_lens, q_lens, strict=True)]
+                    + [p + n for p, n in zip(positions, steps, strict=True)])
+        return fused(token_ids, hidden, int_tensor(q_lens, torch.int64),
+                     int_tensor(past_lens, torch.int64), _table(tables),
+                     int_tensor(picks, torch.int64), int_tensor(positions, torch.int64),
+                     int_tensor(steps, torch.int64), _table(chain_tables), cache.block_size,
+                     self._rope_table_for(reach), *self._head_kernel_args(cache))
+
+    def _head_kernel_args(self, cache: PagedHybridCache) -> tuple[object, ...]:
+        """The MTP head's tensors as ``mtp_chain`` / ``mtp_draft`` take them after the rope."""
+        head = self.mtp
+        assert head is not None
+        layer, i = head.layer, head.layer.index
+        return (head.input_weights(self.model.embed_tokens.weight), layer.decode_weights(),
+                cache.key_cache[i], cache.value_cache[i], head.norm.weight, self.lm_head.weight,
+                self.lm_head.quant, head.fc.matmul)
 
     def _rope_rows(self, meta: StepMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[N, rotary_dim]`` of the step's positions, read from a table of every
