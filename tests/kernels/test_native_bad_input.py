@@ -806,14 +806,19 @@ def _chain() -> Args:
             "lm_head": torch.randn(10, HID, generator=gen), "out": None}
 
 
+def _head(a: Args) -> list[Any]:
+    """The MTP head's arguments of mtp_chain / mtp_draft after the rope tables."""
+    return [*[a[n] for n in ("embed", "norm_embedding", "norm_hidden", "fc")], [],
+            *[a[n] for n in ("input_norm", "q_proj", "k_proj", "v_proj", "q_norm", "k_norm",
+                             "key_cache", "value_cache", "o_proj", "post_norm", "gate_proj",
+                             "up_proj", "down_proj", "heads", "kv_heads")],
+            D ** -0.5, 1e-6, KV_SPLIT, [], a["final_norm"], a["lm_head"], [], 4, True]
+
+
 def _run_chain(a: Args) -> None:
     drafts, state = library().mtp_chain(
         *[a[n] for n in ("token_ids", "hidden", "positions", "steps", "block_table")], BS,
-        a["cos"], a["sin"], *[a[n] for n in ("embed", "norm_embedding", "norm_hidden", "fc")], [],
-        *[a[n] for n in ("input_norm", "q_proj", "k_proj", "v_proj", "q_norm", "k_norm",
-                         "key_cache", "value_cache", "o_proj", "post_norm", "gate_proj",
-                         "up_proj", "down_proj", "heads", "kv_heads")],
-        D ** -0.5, 1e-6, KV_SPLIT, [], a["final_norm"], a["lm_head"], [], 4, True)
+        a["cos"], a["sin"], *_head(a))
     a["out"] = torch.cat([drafts.flatten().float(), state.flatten()])
 
 
@@ -857,11 +862,7 @@ def _run_draft(a: Args) -> None:
     drafts, state = library().mtp_draft(
         *[a[n] for n in ("token_ids", "hidden", "q_lens", "past_lens", "catch_table", "picks",
                          "positions", "steps", "block_table")], BS, a["cos"], a["sin"],
-        *[a[n] for n in ("embed", "norm_embedding", "norm_hidden", "fc")], [],
-        *[a[n] for n in ("input_norm", "q_proj", "k_proj", "v_proj", "q_norm", "k_norm",
-                         "key_cache", "value_cache", "o_proj", "post_norm", "gate_proj",
-                         "up_proj", "down_proj", "heads", "kv_heads")],
-        D ** -0.5, 1e-6, KV_SPLIT, [], a["final_norm"], a["lm_head"], [], 4, True)
+        *_head(a))
     a["out"] = torch.cat([drafts.flatten().float(), state.flatten()])
 
 

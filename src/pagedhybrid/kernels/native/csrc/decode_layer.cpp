@@ -757,28 +757,25 @@ std::tuple<at::Tensor, at::Tensor> mtp_draft_op(
 }  // namespace
 }  // namespace pagedhybrid
 
+// the head's arguments of mtp_chain / mtp_draft (PH_HEAD_ARGS) and their results
+#define PH_HEAD_SCHEMA                                                                         \
+  "Tensor embed, Tensor norm_embedding, Tensor norm_hidden, Tensor fc, Tensor[] fc_quant, "    \
+  "Tensor input_norm, Tensor q_proj, Tensor k_proj, Tensor v_proj, Tensor q_norm, "            \
+  "Tensor k_norm, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor o_proj, "               \
+  "Tensor post_norm, Tensor gate_proj, Tensor up_proj, Tensor down_proj, int heads, "          \
+  "int kv_heads, float scale, float rms_eps, int split, Tensor[] quant, Tensor final_norm, "   \
+  "Tensor lm_head, Tensor[] lm_quant, int quant_bits, bool native_linear) -> (Tensor, Tensor)"
+
 TORCH_LIBRARY_FRAGMENT(PH_NS, m) {
   m.def(
       "mtp_chain(Tensor token_ids, Tensor hidden, Tensor positions, Tensor steps, "
       "Tensor block_table, int block_size, Tensor cos, Tensor sin, "
-      "Tensor embed, Tensor norm_embedding, Tensor norm_hidden, Tensor fc, Tensor[] fc_quant, "
-      "Tensor input_norm, Tensor q_proj, Tensor k_proj, Tensor v_proj, Tensor q_norm, "
-      "Tensor k_norm, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor o_proj, "
-      "Tensor post_norm, Tensor gate_proj, Tensor up_proj, Tensor down_proj, int heads, "
-      "int kv_heads, float scale, float rms_eps, int split, Tensor[] quant, Tensor final_norm, "
-      "Tensor lm_head, Tensor[] lm_quant, int quant_bits, bool native_linear) "
-      "-> (Tensor, Tensor)");
+      PH_HEAD_SCHEMA);
   m.def(
       "mtp_draft(Tensor token_ids, Tensor hidden, Tensor q_lens, Tensor past_lens, "
       "Tensor catch_table, Tensor picks, Tensor positions, Tensor steps, Tensor block_table, "
       "int block_size, Tensor cos, Tensor sin, "
-      "Tensor embed, Tensor norm_embedding, Tensor norm_hidden, Tensor fc, Tensor[] fc_quant, "
-      "Tensor input_norm, Tensor q_proj, Tensor k_proj, Tensor v_proj, Tensor q_norm, "
-      "Tensor k_norm, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor o_proj, "
-      "Tensor post_norm, Tensor gate_proj, Tensor up_proj, Tensor down_proj, int heads, "
-      "int kv_heads, float scale, float rms_eps, int split, Tensor[] quant, Tensor final_norm, "
-      "Tensor lm_head, Tensor[] lm_quant, int quant_bits, bool native_linear) "
-      "-> (Tensor, Tensor)");
+      PH_HEAD_SCHEMA);
   m.def(
       "mtp_head_output(Tensor h, Tensor norm, float rms_eps, Tensor? picks, Tensor lm_head, "
       "bool native_linear, Tensor[] quant, int quant_bits) -> (Tensor, Tensor)");
