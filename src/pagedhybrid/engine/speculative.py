@@ -17,7 +17,9 @@ prior of 0.9 worth two judgements, so that a newcomer gets drafts and its accept
 learnt). Opening draft position ``j`` costs its ``position_costs[j]`` once (the MTP head's
 catch-up and chain steps), the first draft of a step ``v``, each draft row ``b``. The budget
 adds drafts likeliest first (a request's ``j``-th after its earlier ones) and keeps the prefix
-whose expected tokens per second of step time is highest: on a weights-bound step
+whose expected tokens per second of step time is highest, where that beats no drafts by
+``MARGIN`` (10%: the linear model misjudges the larger row counts, whose products change form
+-- measured: batch-4 n-gram steps at 0.79x where it promised 3% more): on a weights-bound step
 (``a`` >> ``b * rows``, a small batch) a good guesser's drafts are kept; on a compute-bound one
 (a large batch: each row costs about what a token is worth) none are, and neither are the
 drafts of a request whose guesses keep failing. The fit needs steps of both kinds and
@@ -26,8 +28,9 @@ drafts of a request whose guesses keep failing. The fit needs steps of both kind
 recent decode step (a lone request verifying every step) one step in ``PROBE_EVERY`` runs
 without drafts (the MTP head skips its catch-up there); without a recent verify step every
 draft is kept (exploration); and a request whose drafts were cut ``EXPLORE`` steps in a row
-keeps them once, so that a request whose guesses got better (n-gram lookup once the text
-repeats) is measured again. Measured before this model: at T = 0.7 the built-in model's MTP
+keeps them once -- all such requests on one step in ``EXPLORE``, which alone pays the verify
+path, and only where the drafts would pay if every one were accepted -- so that a request
+whose guesses got better (n-gram lookup once the text repeats) is measured again. Measured before this model: at T = 0.7 the built-in model's MTP
 head ran a lone stream at 0.70x, the budget having no fit and keeping every draft.
 ``adaptive: false`` (our key) verifies every draft.
 
@@ -149,7 +152,9 @@ class DraftBudget:
     REMEMBER = 256  # steps the last MIN_SPREAD steps of each kind and row count stay usable
     PROBE_EVERY = 4  # without a recent decode step, one step in this many runs without drafts
     PRIOR = (1.8, 2.0)  # (accepted, judgements) a request starts with: p = 0.9
-    EXPLORE = 8  # a request whose drafts were cut this many steps in a row keeps them once
+    MARGIN = 1.1  # drafts are kept where the model promises at least this much more per second
+    EXPLORE = 8  # a request whose drafts were cut this many steps in a row keeps them once,
+    # on the next step whose count is a multiple of this (all such requests on the same step)
 
     def __init__(self) -> None:
         self.count = 0  # steps observed
@@ -228,16 +233,24 @@ class DraftBudget:
             opened.add(j)
             rates.append(n / t)
         best = max(range(len(rates)), key=rates.__getitem__)  # (ties: fewer drafts)
+        if rates[best] < self.MARGIN * rates[0]:  # within the model's error: not worth a risk
+            best = 0
         keep = dict.fromkeys(p, 0)
         for _, _, i in items[:best]:
             keep[id(requests[i])] += 1
+        # one step in EXPLORE for every such request, and only where drafts could pay at all
+        # (every one accepted): else re-checking costs a verify step and can change nothing
+        drafts = sum(len(r.draft_ids) for r in requests)
+        costs = sum(position_costs[:max(len(r.draft_ids) for r in requests)])
+        recheck = self.count % self.EXPLORE == 0 and \
+            (rows + drafts) / (a + b * (rows + drafts) + v + costs) > rates[0]
         for r in requests:
             cut = not keep[id(r)] and bool(r.draft_ids)
             r.spec_cut = r.spec_cut + 1 if cut else 0
-            if r.spec_cut < self.EXPLORE:  # (else its drafts run once more: is it better now?)
-                r.draft_ids = r.draft_ids[:keep[id(r)]]
-            else:
+            if recheck and r.spec_cut >= self.EXPLORE:  # its drafts run once more: better now?
                 r.spec_cut = 0
+            else:
+                r.draft_ids = r.draft_ids[:keep[id(r)]]
 
 
 def draftable(req: Request) -> bool:
