@@ -30,8 +30,9 @@ without drafts (the MTP head skips its catch-up there); without a recent verify 
 draft is kept (exploration); and a request whose drafts were cut ``EXPLORE`` steps in a row
 keeps them once -- all such requests on one step in ``EXPLORE``, which alone pays the verify
 path, and only where the drafts would pay if every one were accepted -- so that a request
-whose guesses got better (n-gram lookup once the text repeats) is measured again. Measured before this model: at T = 0.7 the built-in model's MTP
-head ran a lone stream at 0.70x, the budget having no fit and keeping every draft.
+whose guesses got better (n-gram lookup once the text repeats) is measured again. (Before this
+model, at T = 0.7 the built-in model's MTP head ran a lone stream at 0.70x: the budget had no
+fit and kept every draft.)
 ``adaptive: false`` (our key) verifies every draft.
 
 One step with speculation (engine -> scheduler -> runner -> scheduler):
