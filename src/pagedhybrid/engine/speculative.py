@@ -154,7 +154,7 @@ class DraftBudget:
     PROBE_EVERY = 4  # without a recent decode step, one step in this many runs without drafts
     PRIOR = (1.8, 2.0)  # (accepted, judgements) a request starts with: p = 0.9
     MARGIN = 1.1  # drafts are kept where the model promises at least this much more per second
-    EXPLORE = 8  # a request whose drafts were cut this many steps in a row keeps them once,
+    EXPLORE = 32  # a request whose drafts were cut this many steps in a row keeps them once,
     # on the next step whose count is a multiple of this (all such requests on the same step)
 
     def __init__(self) -> None:
