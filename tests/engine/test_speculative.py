@@ -365,6 +365,20 @@ def test_a_lone_stream_probes_for_the_decode_cost() -> None:
     assert len(good.draft_ids) == 3
 
 
+def test_a_newcomer_is_judged_by_recent_verdicts() -> None:
+    """A request without verdicts of its own starts from the engine's recent acceptance (0.9
+    before any), and its own verdicts take over."""
+    budget = DraftBudget()
+    fresh = Request("f", (1,), SamplingParams(), 0, torch.Generator())
+    assert budget.acceptance(fresh) == pytest.approx(0.9)
+    for _ in range(200):  # drafts lately: one in four kept, then a rejection
+        budget.judge(1, True)
+        budget.judge(0, True)
+    assert budget.acceptance(fresh) == pytest.approx(1 / 3, abs=0.02)
+    fresh.spec_accepted = 60  # its own guesses are good
+    assert budget.acceptance(fresh) > 0.95
+
+
 def test_position_costs_stop_a_chain_where_it_stops_paying() -> None:
     """A cost per opened draft position (the MTP head's catch-up and chain steps): on a
     weights-bound batch-1 step cheap positions are opened, one that costs more than the

@@ -399,6 +399,10 @@ class Engine:
             # the step without the drafter's time: the budget counts that per draft position
             self.draft_budget.observe(sched.num_batched_tokens, t2 - t0 - t_draft,
                                       any(s.drafts for s in sched.sequences))
+        for s in sched.sequences:  # the verdicts on this step's drafts: newcomers' prior
+            kept = result.sampled.get(s.request.request_id)
+            if s.drafts and kept:
+                self.draft_budget.judge(len(kept) - 1, len(kept) - 1 < len(s.drafts))
 
     def _fail_step(self, sched: SchedulerOutput | None, exc: Exception) -> list[RequestOutput]:
         """A step raised: fail its requests (all running ones when scheduling itself raised),

@@ -12,10 +12,11 @@ step's time as ``a + b * rows``, plus ``v`` when any request verifies drafts (th
 own cost: capture, rejection sampling, the commit), fitted robustly on its recent steps of
 decodes and verify chunks only (a prefill chunk's rows run another path at another cost),
 without the drafter's own time; each request's ``j``-th draft is accepted with probability
-``p^j`` (``p``: its accepted drafts over accepted plus rejections so far, with an optimistic
-prior of 0.9 worth two judgements, so that a newcomer gets drafts and its acceptance is
-learnt). Opening draft position ``j`` costs its ``position_costs[j]`` once (the MTP head's
-catch-up and chain steps), the first draft of a step ``v``, each draft row ``b``. The budget
+``p^j`` (``p``: its accepted drafts over accepted plus rejections so far, after a prior worth
+two judgements: the engine's recent acceptance over every request, 0.9 before any -- so that a
+newcomer is judged by what drafts have been worth lately, and its own acceptance is learnt).
+Opening draft position ``j`` costs its ``position_costs[j]`` once (the MTP head's catch-up and
+chain steps), the first draft of a step ``v``, each draft row ``b``. The budget
 adds drafts likeliest first (a request's ``j``-th after its earlier ones) and keeps the prefix
 whose expected tokens per second of step time is highest, where that beats no drafts by
 ``MARGIN`` (10%: the linear model misjudges the larger row counts, whose products change form
@@ -152,7 +153,8 @@ class DraftBudget:
     MIN_SPREAD = 4  # steps off the most common row counts needed for a slope
     REMEMBER = 256  # steps the last MIN_SPREAD steps of each kind and row count stay usable
     PROBE_EVERY = 4  # without a recent decode step, one step in this many runs without drafts
-    PRIOR = (1.8, 2.0)  # (accepted, judgements) a request starts with: p = 0.9
+    PRIOR = (1.8, 2.0)  # (accepted, judgements) before any verdict: p = 0.9
+    DECAY = 0.98  # the engine's recent verdicts: each step's weight decays by this
     MARGIN = 1.1  # drafts are kept where the model promises at least this much more per second
     EXPLORE = 32  # a request whose drafts were cut this many steps in a row keeps them once,
     # on the next step whose count is a multiple of this (all such requests on the same step)
@@ -162,6 +164,7 @@ class DraftBudget:
         self.steps: deque[tuple[int, int, bool, float]] = deque(maxlen=self.WINDOW)
         self.kept: dict[tuple[bool, int], deque[tuple[int, int, bool, float]]] = {}
         self._probed = 0  # the step count at the last probe
+        self.verdicts = (0.0, 0.0)  # recent (accepted drafts, judgements), decayed
 
     def observe(self, rows: int, seconds: float, verifying: bool) -> None:
         """A step of ``rows`` token rows took ``seconds``; ``verifying``: it verified drafts."""
@@ -198,12 +201,18 @@ class DraftBudget:
         a = max(td - b * rd, 0.0)
         return a, b, max(tv - b * rv - a, 0.0)
 
-    @classmethod
-    def acceptance(cls, req: Request) -> float:
-        """The request's draft acceptance probability so far (``PRIOR`` included)."""
-        accepted, judged = cls.PRIOR
-        return (req.spec_accepted + accepted) / (req.spec_accepted + req.spec_rejections
-                                                 + judged)
+    def judge(self, accepted: int, rejected: bool) -> None:
+        """A verify chunk kept ``accepted`` drafts and (``rejected``) then refused one."""
+        self.verdicts = (self.DECAY * self.verdicts[0] + accepted,
+                         self.DECAY * self.verdicts[1] + accepted + rejected)
+
+    def acceptance(self, req: Request) -> float:
+        """The request's draft acceptance probability so far, after a prior worth ``PRIOR[1]``
+        judgements: the engine's recent acceptance (``judge``), ``PRIOR`` before any."""
+        accepted, judged = self.verdicts
+        p0 = (accepted + self.PRIOR[0]) / (judged + self.PRIOR[1])
+        w = self.PRIOR[1]
+        return (req.spec_accepted + w * p0) / (req.spec_accepted + req.spec_rejections + w)
 
     def trim(self, requests: Sequence[Request], rows: int,
              position_costs: Sequence[float] = ()) -> None:
