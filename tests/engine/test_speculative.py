@@ -353,10 +353,11 @@ def test_a_lone_stream_probes_for_the_decode_cost() -> None:
         n = len(poor.draft_ids)
         budget.observe(1 + n, a + b * (1 + n) + (v if n else 0.0), n > 0)
     assert kept[:5] == [3, 3, 3, 3, 0]  # drafts kept until a probe gives the decode cost
+    assert kept[5:8] == [3, 3, 3]  # (and until the next fit, REFIT steps on)
     assert budget.fit() == pytest.approx((a + b, 0.0, v + 3 * b))  # (no spread: b counts in v)
     # then the fit says: not worth it for this request -- but for a re-check on a step whose
     # count is a multiple of EXPLORE once it was cut EXPLORE steps in a row
-    assert [i for i, n in enumerate(kept) if i > 4 and n] == [64, 96]
+    assert [i for i, n in enumerate(kept) if i >= 4 + DraftBudget.REFIT and n] == [64, 96]
     assert set(kept[5:]) == {0, 3}
     good = Request("g", (1,), SamplingParams(), 0, torch.Generator())
     good.spec_accepted = 30

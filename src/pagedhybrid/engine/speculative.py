@@ -156,6 +156,7 @@ class DraftBudget:
     PRIOR = (1.8, 2.0)  # (accepted, judgements) before any verdict: p = 0.9
     DECAY = 0.98  # the engine's recent verdicts: each step's weight decays by this
     MARGIN = 1.1  # drafts are kept where the model promises at least this much more per second
+    REFIT = 4  # steps between fits
     EXPLORE = 32  # a request whose drafts were cut this many steps in a row keeps them once,
     # on the next step whose count is a multiple of this (all such requests on the same step)
 
@@ -165,6 +166,7 @@ class DraftBudget:
         self.kept: dict[tuple[bool, int], deque[tuple[int, int, bool, float]]] = {}
         self._probed = 0  # the step count at the last probe
         self.verdicts = (0.0, 0.0)  # recent (accepted drafts, judgements), decayed
+        self._fit: tuple[int, tuple[float, float, float] | None] | None = None  # (count, fit)
 
     def observe(self, rows: int, seconds: float, verifying: bool) -> None:
         """A step of ``rows`` token rows took ``seconds``; ``verifying``: it verified drafts."""
@@ -183,7 +185,13 @@ class DraftBudget:
         """``(a, b, v)`` of ``seconds ~ a + b * rows (+ v when verifying)``, robustly: each
         kind's median time at its most common row count, and the median slope of the other
         steps from those (one slow call cannot tilt it; 0 with fewer than ``MIN_SPREAD``);
-        None without recent steps of both kinds."""
+        None without recent steps of both kinds. Refitted every ``REFIT`` steps (a fit costs
+        ~50 us of python: 2-3% of a small model's decode step)."""
+        if self._fit is None or self.count - self._fit[0] >= self.REFIT:
+            self._fit = (self.count, self._refit())
+        return self._fit[1]
+
+    def _refit(self) -> tuple[float, float, float] | None:
         kinds = [self._samples(False), self._samples(True)]
         if not all(kinds):
             return None
