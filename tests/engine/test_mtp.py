@@ -198,6 +198,10 @@ def test_the_fused_head_equals_its_steps_bit_for_bit(mtp_dir: Path, dtype: torch
     drafts = results[0][0]
     assert drafts.shape == (2, 5) and bool((drafts[0] >= 0).all())
     assert bool((drafts[1, :2] >= 0).all()) and bool((drafts[1, 2:] == -1).all())
+    model.backend = native  # a catch-up with nothing to draft from picks nothing
+    picks, out = model.forward_mtp(ids, hidden, meta, cache.clone(),
+                                   torch.zeros(0, dtype=torch.int64), greedy=True)
+    assert picks.shape == (0,) and out.shape == hidden.shape
 
 
 def test_a_failing_drafter_costs_only_its_drafts(mtp_model: Qwen35ForCausalLM) -> None:

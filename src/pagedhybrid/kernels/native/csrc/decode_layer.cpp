@@ -454,6 +454,8 @@ std::tuple<at::Tensor, at::Tensor> mtp_head_output(const at::Tensor& h, const at
     }
     at::Tensor out = norm(h, norm_w, rms_eps);
     const at::Tensor rows = picks ? out.index_select(0, *picks) : out;
+    if (rows.size(0) == 0)  // nothing drafted from (a catch-up alone): no product to run
+      return {out, at::empty({0}, h.options().dtype(at::kLong))};
     const at::Tensor logits = product(rows, lm, native_linear).to(at::kFloat).contiguous();
     return {out, greedy_rows(logits)};
   });
