@@ -63,16 +63,16 @@ class MtpDrafter:
     ``table(request)`` is the request's current page table. ``budget(requests, costs)``, when
     given, cuts each request's ``draft_ids`` (placeholders, ``k`` of them) before the head runs,
     knowing what each draft position costs whatever the number of requests using it
-    (``DraftBudget.trim``'s ``position_costs``: the catch-up's median time for the first, a
-    chain step's for each further one): the chain runs only as far as some request keeps
-    drafts, and a step where no draft pays for itself skips the head altogether."""
+    (``DraftBudget.trim``'s ``position_costs``: a head step's recent median time each -- the
+    catch-up opens the first, a chain step each further one): the chain runs only as far as
+    some request keeps drafts, and a step where no draft pays for itself skips the head
+    altogether."""
 
     def __init__(self, runner: ModelRunner, table: Callable[[Request], Sequence[int]],
                  budget: Budget | None = None) -> None:
         self.runner, self.table, self.budget = runner, table, budget
         self._drafts: dict[int, tuple[Request, int, tuple[int, ...]]] = {}
-        self._catch_s: deque[float] = deque(maxlen=32)  # recent catch-up times
-        self._chain_s: deque[float] = deque(maxlen=32)  # recent chain step times
+        self._head_s: deque[float] = deque(maxlen=32)  # recent times of a head step
 
     def propose(self, requests: Sequence[Request], k: int) -> None:
         step = self.runner.take_step()
@@ -80,8 +80,8 @@ class MtpDrafter:
         if self.budget is not None and requests:
             for r in requests:
                 r.draft_ids = (0,) * k  # lengths only: cut by the budget
-            costs = [statistics.median(q) if q else 0.0 for q in (self._catch_s, self._chain_s)]
-            self.budget(requests, [costs[0]] + [costs[1]] * (k - 1))
+            cost = statistics.median(self._head_s) if self._head_s else 0.0
+            self.budget(requests, [cost] * k)
             want = {id(r): len(r.draft_ids) for r in requests}
         if step is not None and (not requests or any(want.values())):
             self._step(*step, want)
@@ -126,9 +126,7 @@ class MtpDrafter:
             [r for _, r, _ in drafting], [p + 1 for _, _, p in drafting], steps,
             tables)).tolist()
         if drafting:  # the budget's position costs: the catch-up and each chain step alike
-            share = (time.perf_counter() - t0) / (1 + max(steps))
-            self._catch_s.append(share)
-            self._chain_s.extend([share] * max(steps))
+            self._head_s.append((time.perf_counter() - t0) / (1 + max(steps)))
         chains = [list(itertools.takewhile(lambda t: t >= 0, row)) for row in drafted]
         for (req, _, _), chain in zip(drafting, chains, strict=True):
             self._drafts[id(req)] = (req, req.num_tokens, tuple(chain))

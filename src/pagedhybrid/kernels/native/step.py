@@ -237,6 +237,17 @@ def attention_decode_layer(h: torch.Tensor, w: AttentionLayerWeights, cos: torch
         w.quant_bits)
 
 
+def _held(weight: torch.Tensor, quant: QuantizedWeight | None
+          ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], int]:
+    """One projection as the fused kernels take it: its weight, no quantised tensors and 0
+    bits -- or, held in 8 / 4 bits, its codes in the weight's place with ``quant_tensors``'
+    (codes, scales, zeros) and bits."""
+    if quant is None:
+        return weight, (), 0
+    tensors, bits = quant_tensors([quant])
+    return quant.codes, tensors, bits
+
+
 def mtp_head_input(token_ids: torch.Tensor, hidden: torch.Tensor, w: MtpHeadInput,
                    meta: StepMetadata,
                    matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
@@ -247,10 +258,10 @@ def mtp_head_input(token_ids: torch.Tensor, hidden: torch.Tensor, w: MtpHeadInpu
     native = _native_product(hidden, meta, matmul, w.fc_quant is not None)
     if native is None or w.embed.dtype != hidden.dtype:
         return None
-    quant, bits = quant_tensors([w.fc_quant]) if w.fc_quant is not None else ((), 0)
+    fc, quant, bits = _held(w.fc, w.fc_quant)
     return library().mtp_head_input(  # type: ignore[attr-defined]
-        token_ids, hidden, w.embed, w.norm_embedding, w.norm_hidden,
-        w.fc if w.fc_quant is None else w.fc_quant.codes, w.eps, native, quant, bits)
+        token_ids, hidden, w.embed, w.norm_embedding, w.norm_hidden, fc, w.eps, native, quant,
+        bits)
 
 
 def mtp_head_output(h: torch.Tensor, norm: torch.Tensor, eps: float,
@@ -267,25 +278,23 @@ def mtp_head_output(h: torch.Tensor, norm: torch.Tensor, eps: float,
     native = _product_flag(rows, h.dtype, matmul, lm_quant is not None)
     if native is None or not h.is_contiguous():
         return None
-    quant, bits = quant_tensors([lm_quant]) if lm_quant is not None else ((), 0)
+    lm, quant, bits = _held(lm_head, lm_quant)
     return library().mtp_head_output(  # type: ignore[attr-defined,no-any-return]
-        h, norm, eps, picks, lm_head if lm_quant is None else lm_quant.codes, native, quant,
-        bits)
+        h, norm, eps, picks, lm, native, quant, bits)
 
 
 def _head_args(head_input: MtpHeadInput, layer: AttentionLayerWeights, key_cache: torch.Tensor,
                value_cache: torch.Tensor, final_norm: torch.Tensor, lm_head: torch.Tensor,
                lm_quant: QuantizedWeight | None, native: bool) -> list[object]:
     """The head's part of ``mtp_chain`` / ``mtp_draft``'s arguments."""
-    fc_quant = quant_tensors([head_input.fc_quant])[0] if head_input.fc_quant else ()
-    lm = quant_tensors([lm_quant])[0] if lm_quant is not None else ()
-    return [head_input.embed, head_input.norm_embedding, head_input.norm_hidden,
-            head_input.fc if head_input.fc_quant is None else head_input.fc_quant.codes,
-            fc_quant, layer.input_norm, layer.q_proj, layer.k_proj, layer.v_proj, layer.q_norm,
+    fc, fc_quant, _ = _held(head_input.fc, head_input.fc_quant)
+    lm, lm_tensors, _ = _held(lm_head, lm_quant)
+    return [head_input.embed, head_input.norm_embedding, head_input.norm_hidden, fc, fc_quant,
+            layer.input_norm, layer.q_proj, layer.k_proj, layer.v_proj, layer.q_norm,
             layer.k_norm, key_cache, value_cache, layer.o_proj, layer.post_norm, layer.gate_proj,
             layer.up_proj, layer.down_proj, layer.heads, layer.kv_heads, layer.scale,
-            layer.rms_eps, KV_SPLIT, layer.quant, final_norm,
-            lm_head if lm_quant is None else lm_quant.codes, lm, layer.quant_bits, native]
+            layer.rms_eps, KV_SPLIT, layer.quant, final_norm, lm, lm_tensors, layer.quant_bits,
+            native]
 
 
 def _head_flag(rows: int, hidden: torch.Tensor, layer: AttentionLayerWeights,

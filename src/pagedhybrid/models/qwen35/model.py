@@ -538,10 +538,7 @@ class Qwen35ForCausalLM(nn.Module):
         the head's hidden ``[N, hidden]``); with ``greedy``, each of those rows' first maximum
         (int64 ``[R]``, -1 for a row with a NaN or an infinity: a drafter's pick) in place of
         its logits."""
-        head = self.mtp
-        if head is None:
-            raise UnsupportedConfiguration("this model was loaded without its MTP head "
-                                           "(load(..., mtp=True))")
+        head = self._head()
         backend = self.backend
         cos, sin = self._rope_rows(meta)
         single = self.parallel.tp_world_size == 1
@@ -584,10 +581,7 @@ class Qwen35ForCausalLM(nn.Module):
         a non-finite row ends its chain. Returns (drafts int64 ``[B, max(steps)]``, -1 past
         each chain's end; the head's hidden after each chain ``[B, hidden]``). The native
         bundle runs it in one call (``mtp_chain``), here step by step otherwise."""
-        head = self.mtp
-        if head is None:
-            raise UnsupportedConfiguration("this model was loaded without its MTP head "
-                                           "(load(..., mtp=True))")
+        self._head()
         ids = token_ids.tolist()
         steps = [n if t >= 0 else 0 for t, n in zip(ids, steps, strict=True)]
         b, most = len(steps), max(steps, default=0)
@@ -644,10 +638,16 @@ class Qwen35ForCausalLM(nn.Module):
                      int_tensor(steps, torch.int64), _table(chain_tables), cache.block_size,
                      self._rope_table_for(reach), *self._head_kernel_args(cache))
 
+    def _head(self) -> MtpHead:
+        """The MTP head, or ``UnsupportedConfiguration`` naming how to load it."""
+        if self.mtp is None:
+            raise UnsupportedConfiguration("this model was loaded without its MTP head "
+                                           "(load(..., mtp=True))")
+        return self.mtp
+
     def _head_kernel_args(self, cache: PagedHybridCache) -> tuple[object, ...]:
         """The MTP head's tensors as ``mtp_chain`` / ``mtp_draft`` take them after the rope."""
-        head = self.mtp
-        assert head is not None
+        head = self._head()
         layer, i = head.layer, head.layer.index
         return (head.input_weights(self.model.embed_tokens.weight), layer.decode_weights(),
                 cache.key_cache[i], cache.value_cache[i], head.norm.weight, self.lm_head.weight,

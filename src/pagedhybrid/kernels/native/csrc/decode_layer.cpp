@@ -497,12 +497,16 @@ struct Head {
                            quant_bits);
   }
 
-  // Checks before any page is written: the head's output weights, every page sequence b reads
-  // or writes up to position last[b] (table row b) mapped, and the rope table long enough.
-  void check(const char* op, const at::Tensor& hidden, const int32_t* bt, int64_t width,
-             int64_t block_size, const std::vector<int64_t>& last, const at::Tensor& cos) const {
+  // The head's output weights (final norm, LM head), checked before any page is written.
+  void check_output(const char* op, const at::Tensor& hidden) const {
     check_quant(op, lm_quant, 1);
     check_head_output(op, hidden, final_norm, proj(lm_head, lm_quant, quant_bits, 0));
+  }
+
+  // Checks before any page is written: every page sequence b reads or writes up to position
+  // last[b] (table row b) mapped, and the rope table long enough.
+  void check_pages(const char* op, const int32_t* bt, int64_t width, int64_t block_size,
+                   const std::vector<int64_t>& last, const at::Tensor& cos) const {
     PH_CHECK(key_cache.dim() == 4, op, "key_cache", "must be [P, bs, Hkv, D] pages (got shape ",
              shape_of(key_cache), ")");
     PH_CHECK(block_size >= 1, op, "block_size", "must be >= 1 (got ", block_size, ")");
@@ -624,8 +628,9 @@ std::tuple<at::Tensor, at::Tensor> mtp_chain(const at::Tensor& token_ids,
       last[b] = st[b] > 0 ? pos[b] + st[b] - 1 : -1;
       most = std::max(most, st[b]);
     }
-    head.check(op, hidden, block_table.data_ptr<int32_t>(), block_table.size(1), block_size,
-               last, cos);
+    head.check_output(op, hidden);
+    head.check_pages(op, block_table.data_ptr<int32_t>(), block_table.size(1), block_size, last,
+                     cos);
     PH_CHECK(sin.sizes() == cos.sizes(), op, "sin", "must have cos's shape");
     at::Tensor drafts = at::full({batch, most}, -1, positions.options());
     at::Tensor state = hidden.clone();
@@ -675,7 +680,8 @@ std::tuple<at::Tensor, at::Tensor> mtp_draft(
              total, ")");
     const int32_t* ct = catch_table.data_ptr<int32_t>();
     const int64_t cw = catch_table.size(1);
-    head.check(op, hidden, ct, cw, block_size, last, cos);
+    head.check_output(op, hidden);
+    head.check_pages(op, ct, cw, block_size, last, cos);
     const int64_t *pk = picks.data_ptr<int64_t>(), *pos = positions.data_ptr<int64_t>();
     const int64_t* st = steps.data_ptr<int64_t>();
     std::vector<int64_t> chain_last(static_cast<size_t>(drafting));
@@ -686,8 +692,8 @@ std::tuple<at::Tensor, at::Tensor> mtp_draft(
       chain_last[d] = st[d] > 0 ? pos[d] + st[d] - 1 : -1;
       most = std::max(most, st[d]);
     }
-    head.check(op, hidden, block_table.data_ptr<int32_t>(), block_table.size(1), block_size,
-               chain_last, cos);
+    head.check_pages(op, block_table.data_ptr<int32_t>(), block_table.size(1), block_size,
+                     chain_last, cos);
     PH_CHECK(sin.sizes() == cos.sizes(), op, "sin", "must have cos's shape");
     // the catch-up: one packed step of every sequence's committed rows
     const auto i64 = positions.options(), i32 = i64.dtype(at::kInt);
