@@ -314,6 +314,9 @@ def test_linear_fast_form(form: str, wdtype: torch.dtype, m: int, k: int, n: int
         lib.linear(xw, w, outw)
         tol = 1e-2 if wdtype == torch.bfloat16 else 2e-3  # out rounded once to wdtype
         torch.testing.assert_close(outw.double(), xw.double() @ w.double().T, rtol=tol, atol=tol)
+        wide = torch.empty(m, n)  # the rows widened exactly: fp32 rows give the same bits
+        lib.linear(xw.float(), w, wide)
+        assert torch.equal(outw, wide.to(wdtype))
         inv = torch.empty(m, n, dtype=wdtype)  # the invariant form rounds the same way
         lib.linear_invariant(xw, w, inv)
         one = torch.empty(1, n, dtype=wdtype)

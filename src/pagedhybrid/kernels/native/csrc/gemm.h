@@ -207,6 +207,23 @@ inline void micro_rows(int rows, const TX* x, int64_t ldx, const float* panel, i
 template <typename TX, typename TW, typename TO>
 inline void gemm_panel(const TX* x, int64_t ldx, int64_t rows, const TW* w, int cols, int64_t k,
                        TO* out, int64_t ldo) {
+  if constexpr (!std::is_same_v<TX, float>) {  // bf16 / fp16 rows widened first (exactly): the
+    // micro-kernel's broadcasts are then loads, not a scalar widening each (16 x [4096, 256]
+    // bf16 on AVX2: 504 -> 328 us; the same products, so the same bits)
+    thread_local std::vector<float> xf;
+    xf.resize(static_cast<size_t>(rows * k));
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t e = 0; e < k; e += kLanes) {
+        const int n = static_cast<int>(std::min<int64_t>(kLanes, k - e));
+        if (n == kLanes) {
+          store(xf.data() + r * k + e, load(x + r * ldx + e));
+        } else {
+          store_first(xf.data() + r * k + e, load_first(x + r * ldx + e, n), n);
+        }
+      }
+    gemm_panel<float, TW, TO>(xf.data(), k, rows, w, cols, k, out, ldo);
+    return;
+  }
   thread_local std::vector<float> panel, tile;
   panel.resize(static_cast<size_t>(kDepth * kPanel));
   tile.resize(static_cast<size_t>(kPackTaskRows * kPanel));
