@@ -307,14 +307,15 @@ def test_the_draft_budget_keeps_drafts_that_pay_for_their_rows(
     """The step-time model (a + b rows, + v on a verify step, fitted) and each request's
     acceptance decide: a weights-bound step (a >> b rows) keeps a good guesser's drafts, a
     compute-bound one (a large batch, a ~ 0) keeps none, and a request whose guesses keep
-    failing loses its drafts first; without a recent verify step every draft is kept. In the
-    engine the budget trims what the drafter proposed."""
+    failing loses its drafts first; without a recent verify step the likeliest request's drafts
+    are kept (one request's rows: a scout, never the whole batch's). In the engine the budget
+    trims what the drafter proposed."""
     good, bad = (Request(x, (1,), SamplingParams(), 0, torch.Generator()) for x in "gb")
     good.spec_accepted, bad.spec_rejections = 30, 30  # p ~ 0.97 and ~ 0.06
     assert _budget(10e-3, 0.5e-3, 1e-3).fit() == pytest.approx((10e-3, 0.5e-3, 1e-3))
     for budget, batch, want in ((_budget(10e-3, 0.5e-3), 1, (4, 0)),  # weights-bound, batch 1
                                 (_budget(0.1e-3, 2e-3), 16, (0, 0)),  # compute-bound, batch 16
-                                (DraftBudget(), 16, (4, 4))):  # no fit yet: explore
+                                (DraftBudget(), 16, (4, 0))):  # no fit: the likeliest explores
         for r in (good, bad):
             r.draft_ids = (1, 2, 3, 4)
         budget.trim([good, bad], batch)
@@ -338,10 +339,10 @@ def test_the_draft_budget_keeps_drafts_that_pay_for_their_rows(
 
 def test_a_lone_stream_probes_for_the_decode_cost() -> None:
     """A lone request whose every step verifies k drafts gives the fit no decode step: one step
-    in PROBE_EVERY runs without drafts until the fit has one; then the verify path's own cost v
-    counts against the first draft of a step -- a request whose drafts are mostly rejected
-    loses them (but for one step in EXPLORE, which measures it again), a good guesser keeps
-    them."""
+    in PROBE_EVERY runs without drafts until the fit has MIN_SPREAD of them; then the verify
+    steps' extra time (charged to their extra rows: every verify step has the same count)
+    counts against the drafts -- a request whose drafts are mostly rejected loses them (but
+    for one step in EXPLORE, which measures it again), a good guesser keeps them."""
     a, b, v = 4e-3, 0.2e-3, 3e-3
     budget, kept = DraftBudget(), []
     poor = Request("p", (1,), SamplingParams(), 0, torch.Generator())
@@ -352,18 +353,62 @@ def test_a_lone_stream_probes_for_the_decode_cost() -> None:
         kept.append(len(poor.draft_ids))
         n = len(poor.draft_ids)
         budget.observe(1 + n, a + b * (1 + n) + (v if n else 0.0), n > 0)
-    assert kept[:5] == [3, 3, 3, 3, 0]  # drafts kept until a probe gives the decode cost
-    assert kept[5:8] == [3, 3, 3]  # (and until the next fit, REFIT steps on)
-    assert budget.fit() == pytest.approx((a + b, 0.0, v + 3 * b))  # (no spread: b counts in v)
+    # drafts kept until MIN_SPREAD probes give the decode cost (one noisy step is no fit)
+    assert kept[:20] == [3, 3, 3, 3] + [0, 3, 3, 3] * DraftBudget.MIN_SPREAD
+    # (no spread within a kind: the verify steps' extra time is charged to their extra rows)
+    assert budget.fit() == pytest.approx((a - v / 3, b + v / 3, 0.0))
     # then the fit says: not worth it for this request -- but for a re-check on a step whose
     # count is a multiple of EXPLORE once it was cut EXPLORE steps in a row
-    assert [i for i, n in enumerate(kept) if i >= 4 + DraftBudget.REFIT and n] == [64, 96]
-    assert set(kept[5:]) == {0, 3}
+    assert [i for i, n in enumerate(kept) if i >= 20 and n] == [64, 96]
     good = Request("g", (1,), SamplingParams(), 0, torch.Generator())
     good.spec_accepted = 30
     good.draft_ids = (1, 2, 3)
     budget.trim([good], 1)
     assert len(good.draft_ids) == 3
+
+
+def test_a_large_batch_is_scouted_and_widened_a_step_at_a_time() -> None:
+    """On a batch of 16 the budget never bets the whole batch on two row counts: without a
+    verify step one request scouts; a fit from 16-row decodes and 19-row verifies (no spread
+    within a kind: their difference is charged to the rows) keeps drafts only up to twice the
+    widest verify step's rows; a batch that outgrew them can still draft one request's
+    rows; and a re-check reopens one request's drafts, not every cut one's."""
+    def batch(n: int, accepted: int, rejected: int) -> list[Request]:
+        out = []
+        for i in range(n):
+            r = Request(f"r{i}", (1,), SamplingParams(), 0, torch.Generator())
+            r.spec_accepted, r.spec_rejections = accepted, rejected
+            r.draft_ids = (1, 2, 3)
+            out.append(r)
+        return out
+
+    budget = DraftBudget()
+    for _ in range(8):
+        budget.observe(16, 15e-3, False)
+    reqs = batch(16, 30, 1)
+    budget.trim(reqs, 16)
+    assert sorted(len(r.draft_ids) for r in reqs) == [0] * 15 + [3]  # one scout
+    for _ in range(DraftBudget.MIN_SPREAD):
+        budget.observe(19, 15.3e-3, True)
+    assert budget.fit() == pytest.approx((15e-3 - 16 * 0.1e-3, 0.1e-3, 0.0))
+    reqs = batch(16, 30, 1)
+    budget.trim(reqs, 16)  # every draft would pay (0.1 ms a row); 2 * 19 - 16 rows are trusted
+    assert sum(len(r.draft_ids) for r in reqs) == 22
+    lone = DraftBudget()  # fitted on a lone stream's steps (1 and 4 rows), then 16 requests
+    for _ in range(DraftBudget.MIN_SPREAD):
+        lone.observe(1, 10e-3, False)
+        lone.observe(4, 10.3e-3, True)
+    reqs = batch(16, 30, 1)
+    lone.trim(reqs, 16)
+    assert sum(len(r.draft_ids) for r in reqs) == 3  # one request's worth, to measure
+    poor, kept = batch(16, 1, 30), []  # p ~ 0.06: cut, but for re-checks
+    for _ in range(2 * DraftBudget.EXPLORE):
+        for r in poor:
+            r.draft_ids = (1, 2, 3)
+        budget.trim(poor, 16)
+        kept.append(sum(1 for r in poor if r.draft_ids))
+        budget.count += 1  # (the fit stands: no new steps observed)
+    assert sorted(set(kept)) == [0, 1] and sum(kept) == 1  # one re-check of one request
 
 
 def test_a_newcomer_is_judged_by_recent_verdicts() -> None:

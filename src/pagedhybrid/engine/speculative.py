@@ -23,17 +23,22 @@ whose expected tokens per second of step time is highest, where that beats no dr
 -- measured: batch-4 n-gram steps at 0.79x where it promised 3% more): on a weights-bound step
 (``a`` >> ``b * rows``, a small batch) a good guesser's drafts are kept; on a compute-bound one
 (a large batch: each row costs about what a token is worth) none are, and neither are the
-drafts of a request whose guesses keep failing. The fit needs steps of both kinds and
-``MIN_SPREAD`` off the most common row counts for its slope (0 until then); the last
-``MIN_SPREAD`` steps of each kind and row count stay usable ``REMEMBER`` steps. Without a
-recent decode step (a lone request verifying every step) one step in ``PROBE_EVERY`` runs
-without drafts (the MTP head skips its catch-up there); without a recent verify step every
-draft is kept (exploration); and a request whose drafts were cut ``EXPLORE`` steps in a row
-keeps them once -- all such requests on one step in ``EXPLORE``, which alone pays the verify
-path, and only where the drafts would pay if every one were accepted -- so that a request
-whose guesses got better (n-gram lookup once the text repeats) is measured again. (Before this
-model, at T = 0.7 the built-in model's MTP head ran a lone stream at 0.70x: the budget had no
-fit and kept every draft.)
+drafts of a request whose guesses keep failing. The fit needs ``MIN_SPREAD`` recent steps of
+each kind (one noisy step is no fit), and ``MIN_SPREAD`` off the most common row counts for its
+slope -- until then the verify steps' extra time over the decode steps' is charged to their
+extra rows; the last ``MIN_SPREAD`` steps of each kind and row count stay usable ``REMEMBER``
+steps. The model is trusted up to twice the widest verify step it was fitted on (or one
+request's drafts more): a wider step is taken only after a narrower one was measured. Without
+enough decode steps (a lone request verifying every step) one step in ``PROBE_EVERY`` runs
+without drafts (the MTP head skips its catch-up there); without enough verify steps only the
+likeliest request's drafts are kept (a scout: one request's rows, not the whole batch's); and
+one step in ``EXPLORE`` the request whose drafts were cut longest (``EXPLORE`` steps at least)
+keeps them once -- where they would pay if every one were accepted -- so that a request whose
+guesses got better (n-gram lookup once the text repeats) is measured again. (Before this model,
+at T = 0.7 the built-in model's MTP head ran a lone stream at 0.70x: the budget had no fit and
+kept every draft; before the scout, the reach and the one-request re-check, a batch of 16
+verified every request's drafts whenever the fit lapsed or a re-check came round: MTP at batch
+16 ran at 0.90-0.96x.)
 ``adaptive: false`` (our key) verifies every draft.
 
 One step with speculation (engine -> scheduler -> runner -> scheduler):
@@ -167,6 +172,7 @@ class DraftBudget:
         self._probed = 0  # the step count at the last probe
         self.verdicts = (0.0, 0.0)  # recent (accepted drafts, judgements), decayed
         self._fit: tuple[int, tuple[float, float, float] | None] | None = None  # (count, fit)
+        self._widest = 0  # the most rows of a verify step the fit has seen
 
     def observe(self, rows: int, seconds: float, verifying: bool) -> None:
         """A step of ``rows`` token rows took ``seconds``; ``verifying``: it verified drafts."""
@@ -193,8 +199,9 @@ class DraftBudget:
 
     def _refit(self) -> tuple[float, float, float] | None:
         kinds = [self._samples(False), self._samples(True)]
-        if not all(kinds):
+        if min(len(k) for k in kinds) < self.MIN_SPREAD:  # (one noisy step is no fit)
             return None
+        self._widest = max(r for r, _ in kinds[1])
         bases, slopes = [], []
         for samples in kinds:
             counts: dict[int, int] = {}
@@ -204,8 +211,11 @@ class DraftBudget:
             base = statistics.median(t for r, t in samples if r == r0)
             bases.append((r0, base))
             slopes += [(t - base) / (r - r0) for r, t in samples if r != r0]
-        b = max(0.0, statistics.median(slopes)) if len(slopes) >= self.MIN_SPREAD else 0.0
         (rd, td), (rv, tv) = bases
+        if len(slopes) >= self.MIN_SPREAD:
+            b = max(0.0, statistics.median(slopes))
+        else:  # no spread: the verify steps' extra time is charged to their extra rows
+            b = max(0.0, (tv - td) / (rv - rd)) if rv != rd else 0.0
         a = max(td - b * rd, 0.0)
         return a, b, max(tv - b * rv - a, 0.0)
 
@@ -233,11 +243,16 @@ class DraftBudget:
             return
         fit = self.fit()
         if fit is None:
-            if not self._samples(False) and self.count - self._probed >= self.PROBE_EVERY:
+            probe = len(self._samples(False)) < self.MIN_SPREAD and \
+                self.count - self._probed >= self.PROBE_EVERY
+            if probe:
                 self._probed = self.count  # a step without drafts: the decode cost
-                for r in requests:
+            scout = None if probe else max(requests, key=lambda r: (bool(r.draft_ids),
+                                                                    self.acceptance(r)))
+            for r in requests:  # (no recent verify step: the likeliest request's drafts kept)
+                if r is not scout:
                     r.draft_ids = ()
-            return  # (no recent verify step: every draft kept)
+            return
         a, b, v = fit
         n, t = float(rows), a + b * rows
         p = {id(r): self.acceptance(r) for r in requests}
@@ -250,25 +265,30 @@ class DraftBudget:
             n += gain
             opened.add(j)
             rates.append(n / t)
-        best = max(range(len(rates)), key=rates.__getitem__)  # (ties: fewer drafts)
+        # the model is trusted up to twice the widest recent verify step's rows (or one
+        # request's drafts more): a step past them is measured before a wider one is taken
+        # (from a scout's 19 rows on a batch of 16 to 38, then 76 -- never from two row counts
+        # straight to the whole batch's)
+        reach = max(2 * self._widest - rows, max(len(r.draft_ids) for r in requests))
+        best = max(range(min(len(rates), reach + 1)), key=rates.__getitem__)  # (ties: fewer)
         if rates[best] < self.MARGIN * rates[0]:  # within the model's error: not worth a risk
             best = 0
         keep = dict.fromkeys(p, 0)
         for _, _, i in items[:best]:
             keep[id(requests[i])] += 1
-        # one step in EXPLORE for every such request, and only where drafts could pay at all
-        # (every one accepted): else re-checking costs a verify step and can change nothing
-        drafts = sum(len(r.draft_ids) for r in requests)
-        costs = sum(position_costs[:max(len(r.draft_ids) for r in requests)])
-        recheck = self.count % self.EXPLORE == 0 and \
-            (rows + drafts) / (a + b * (rows + drafts) + v + costs) > rates[0]
         for r in requests:
-            cut = not keep[id(r)] and bool(r.draft_ids)
-            r.spec_cut = r.spec_cut + 1 if cut else 0
-            if recheck and r.spec_cut >= self.EXPLORE:  # its drafts run once more: better now?
-                r.spec_cut = 0
-            else:
-                r.draft_ids = r.draft_ids[:keep[id(r)]]
+            r.spec_cut = r.spec_cut + 1 if not keep[id(r)] and r.draft_ids else 0
+        # one step in EXPLORE re-checks the request cut longest (EXPLORE steps at least), and
+        # only where its drafts could pay at all (every one accepted): else re-checking costs
+        # a verify step and can change nothing
+        due = max(requests, key=lambda r: r.spec_cut)
+        d = len(due.draft_ids)
+        if self.count % self.EXPLORE == 0 and due.spec_cut >= self.EXPLORE and \
+                (rows + d) / (a + b * (rows + d) + v + sum(position_costs[:d])) > rates[0]:
+            due.spec_cut = 0  # its drafts run once more: better now?
+            keep[id(due)] = d
+        for r in requests:
+            r.draft_ids = r.draft_ids[:keep[id(r)]]
 
 
 def draftable(req: Request) -> bool:
