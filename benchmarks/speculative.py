@@ -17,10 +17,14 @@ temperature (0 and 0.7, seeded) and side (speculation off / each method, in alte
 ``--repeats`` times): decode tok/s (tokens after each request's first, over the time from the
 last first token to the end), the median inter-token latency per request, and for the method
 sides the acceptance rate per draft position (accepted drafts at position ``j`` over verify
-chunks). The engine's default keeps only the drafts its step-time model says pay for their rows
+chunks); speedups as the ratio of the medians and as the median of each repeat's own ratio
+(``speedup_paired``: every repeat runs each side in turn, so the machine's drift cancels).
+The engine's default keeps only the drafts its step-time model says pay for their rows
 (``DraftBudget``); ``--force-16`` also measures batch 16 with every draft verified (``adaptive:
-false``). Reports the capsule memory per state slot against
-per-token copies of the recurrent state. Medians of the repeats; writes JSON.
+false``) and with a second engine without speculation (``off_control``: what the same
+comparison gives between two equal engines on this machine, the noise floor). Reports the
+capsule memory per state slot against per-token copies of the recurrent state. Medians of the
+repeats; writes JSON.
 
     python benchmarks/speculative.py [--models builtin small] [--out FILE]
 """
@@ -135,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
                 sides[f"{m}_forced"] = load_engine(
                     folder, dtype=dtype, max_num_seqs=16, num_blocks=512,
                     speculative_config={**spec, "adaptive": False})
+        if args.force_16:  # a second engine without drafts: the noise floor of a ratio
+            sides["off_control"] = load_engine(folder, dtype=dtype, max_num_seqs=16,
+                                               num_blocks=512)
         cfg = sides["off"].model.config
         memory[name] = {"capsule_bytes_per_slot": capsule_bytes(cfg, args.k + 1,
                                                                  sides["off"].model.dtype),
@@ -149,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                     runs: dict[str, list[dict[str, float]]] = {s: [] for s in sides}
                     for _ in range(args.repeats):
                         for side, engine in sides.items():
-                            if side.endswith("_forced") and batch < 16:
+                            if side.endswith(("_forced", "_control")) and batch < 16:
                                 continue
                             runs[side].append(measure(engine, texts, params))
                     for side, rs in runs.items():
@@ -170,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
             base = next(b for b in rows if b["side"] == "off" and all(
                 b[k] == r[k] for k in ("model", "workload", "batch", "temperature")))
             r["speedup"] = r["decode_tok_s"] / base["decode_tok_s"]
+            # each repeat runs every side in turn: the median of the repeats' own ratios
+            # (the machine's drift between repeats cancels)
+            r["speedup_paired"] = statistics.median(
+                a / b for a, b in zip(r["runs_tok_s"], base["runs_tok_s"], strict=True))
     cpu = next((line.split(":", 1)[1].strip() for line in
                 Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
@@ -177,13 +188,15 @@ def main(argv: list[str] | None = None) -> int:
            "max_tokens": MAX_TOKENS, "memory": memory, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
-    print("\nmodel     workload    batch temp  off tok/s  on tok/s  speedup  accept/pos side")
+    print("\nmodel     workload    batch temp  off tok/s  on tok/s  speedup  paired  "
+          "accept/pos side")
     for r in rows:
         if r["side"] == "off":
             continue
         base = r["decode_tok_s"] / r["speedup"]
         print(f"{r['model']:9} {r['workload']:11} {r['batch']:5} {r['temperature']:4} "
-              f"{base:9.1f} {r['decode_tok_s']:9.1f} {r['speedup']:7.2f}x  "
+              f"{base:9.1f} {r['decode_tok_s']:9.1f} {r['speedup']:7.2f}x "
+              f"{r['speedup_paired']:6.2f}x  "
               f"{r['accept_per_pos']} {r['side']}")
     return 0
 

@@ -27,7 +27,9 @@ With the engine's draft budget on (``adaptive``), the budget decides before the 
 many drafts each request gets, counting the catch-up's and each chain step's time as costs of
 the positions they open: the chain stops at the last position some request keeps, and where no
 draft pays (a large, compute-bound batch) the step skips the head altogether -- its K/V at that
-step's positions stay stale, which later drafts may pay for in acceptance, never in output. A
+step's positions stay stale, which later drafts may pay for in acceptance, never in output; so
+does a request whose drafts were all cut on a step where others keep theirs (its catch-up is
+skipped: one request re-checked on a batch of 16 catches up one row, not sixteen). A
 request with no drafts this step keeps none; one that was not in the step (no new hidden) keeps
 the drafts it got when it was, while it still has exactly those tokens. Requests that finished
 in the step are skipped. With prefix caching, a hit's pages hold the K/V the head wrote for the
@@ -103,8 +105,8 @@ class MtpDrafter:
             start = meta.past_lens[b]
             n = req.num_computed_tokens - start  # the rows it committed
             if (req.status is not RequestStatus.RUNNING or not 0 < n <= meta.q_lens[b]
-                    or len(req.token_ids) <= start + n):
-                continue
+                    or len(req.token_ids) <= start + n or want.get(id(req)) == 0):
+                continue  # (a request drafted for whose drafts were all cut: no catch-up)
             seqs.append(b)
             qs.append(n)
             rows.extend(range(meta.cu_seqlens[b], meta.cu_seqlens[b] + n))
