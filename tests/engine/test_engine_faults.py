@@ -115,9 +115,9 @@ def test_a_row_whose_sampling_raises_fails_alone(llm: LLM,
     assert final["ok2"].token_ids == want["And the earth"]
 
 
-def test_rows_sampled_again_after_a_failed_batch_draw_the_same_noise(
+def test_rows_sampled_again_after_a_failed_batch_draw_the_same_uniforms(
         llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The batch draws every row's noise before it fails; the rows sampled one by one after it
+    """The batch draws every row's uniform before it fails; the rows sampled one by one after it
     start from their generators' earlier states, so a seeded request is as when alone."""
     import pagedhybrid.engine.runner as engine_mod
 
@@ -126,7 +126,7 @@ def test_rows_sampled_again_after_a_failed_batch_draw_the_same_noise(
     real = engine_mod.sample
 
     def late(logits, params, gens, *rest):  # type: ignore[no-untyped-def]
-        out = real(logits, params, gens, *rest)  # noise drawn for every row
+        out = real(logits, params, gens, *rest)  # a uniform drawn for every row
         if any(p.seed == 666 for p in params):
             raise ValueError("bad row")
         return out

@@ -7,7 +7,15 @@ import math
 import pytest
 import torch
 
-from pagedhybrid.engine.sampling import GREEDY, SamplingParams, _filtered_probs, sample
+from pagedhybrid.engine.sampling import (
+    DRAW_BLOCK,
+    DRAW_DIRECT,
+    GREEDY,
+    SamplingParams,
+    _filtered_probs,
+    draw,
+    sample,
+)
 from pagedhybrid.errors import ContractViolation
 
 
@@ -63,23 +71,47 @@ def test_top_p_over_a_flat_wide_row_widens_its_search() -> None:
 def test_sampling_at_248k_allocates_at_most_one_working_copy(
         name: str, params: SamplingParams, copies: int) -> None:
     """At Qwen3.5's vocabulary (248,320) a step's sampling allocates no ``[rows, V]`` fp32
-    buffer for greedy rows and logprobs, and one (the working copy) for random rows; the noise
-    buffer is the caller's, reused from step to step. (The sort-based sampler allocated 14.)"""
+    buffer for greedy rows and logprobs, and one (the working copy) for random rows: the draw
+    works on sums of blocks and one block a row. (The sort-based sampler allocated 14.)"""
     from torch.profiler import ProfilerActivity, profile
 
     rows, vocab = 8, 248_320
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)).mul_(4.0)
     gens = [torch.Generator().manual_seed(i) for i in range(rows)]
-    noise = torch.empty(0)
-    first = sample(logits, [params] * rows, gens, noise=noise)  # sizes the noise buffer
+    first = sample(logits, [params] * rows, gens)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        again = sample(logits, [params] * rows, gens, noise=noise)
+        again = sample(logits, [params] * rows, gens)
     big = [(e.name, e.self_cpu_memory_usage) for e in prof.events()
            if e.self_cpu_memory_usage >= rows * vocab * 4]
     assert len(big) == copies, (name, big)
     assert len(again) == len(first) == rows
     if params.greedy:
         assert [t.token_id for t in again] == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("vocab", [2 * DRAW_BLOCK + 300, DRAW_DIRECT + DRAW_BLOCK + 300])
+def test_draw_follows_the_odds_and_never_takes_a_zero(vocab: int) -> None:
+    """``draw`` (one float64 uniform a row: the inverse CDF, for a large vocabulary over block
+    sums and then one block): frequencies follow unnormalised odds spread over blocks with a
+    partial last block, a token of probability 0 is never drawn (not at a block's edge
+    either), and a seeded row draws the same token alone or in a batch."""
+    odds = torch.zeros(vocab)
+    where = [0, DRAW_BLOCK - 1, DRAW_BLOCK, 2 * DRAW_BLOCK + 17, vocab - 1]
+    odds[where] = torch.tensor([3.0, 1.0, 2.0, 0.5, 1.5])  # sum 8, never normalised
+    gen = torch.Generator().manual_seed(3)
+    n = 8000
+    got = torch.cat([draw(odds.expand(8, vocab), [gen] * 8) for _ in range(n // 8)])
+    assert set(got.tolist()) <= set(where)
+    for token, w in zip(where, odds[where].tolist(), strict=True):
+        freq = float((got == token).float().mean())
+        assert abs(freq - w / 8.0) < 4 * math.sqrt(w / 8.0 * (1 - w / 8.0) / n), (token, freq)
+    last = torch.zeros(1, vocab)
+    last[0, -1] = 1e-30  # the whole mass on the last token, tiny
+    assert draw(last, [torch.Generator().manual_seed(0)]).tolist() == [vocab - 1]
+    rows = torch.rand(5, vocab, generator=torch.Generator().manual_seed(1))
+    alone = [int(draw(rows[i:i + 1], [torch.Generator().manual_seed(i)])[0]) for i in range(5)]
+    batch = draw(rows, [torch.Generator().manual_seed(i) for i in range(5)]).tolist()
+    assert batch == alone
 
 
 def test_greedy_is_argmax() -> None:

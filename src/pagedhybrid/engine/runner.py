@@ -302,7 +302,6 @@ class ModelRunner:
         self.eos_token_ids = tuple(eos_token_ids)
         # the EOS ids inside the logits' vocabulary (the grammars' and min_tokens' EOS)
         self._eos = [t for t in self.eos_token_ids if 0 <= t < model.config.vocab_size]
-        self._noise = torch.empty(0)  # the random rows' exponential draws, reused every step
         self._last: StepBatch | None = None  # the last step (its successor reuses its tensors)
         spec = config.speculative
         self._mtp = spec is not None and spec.method == "mtp"
@@ -453,7 +452,7 @@ class ModelRunner:
                 s.request.matcher, s.drafts, logits.shape[1], eos) for s in seqs]
             for s, kept in zip(seqs, verify(logits, [s.request for s in seqs],
                                             [s.drafts for s in seqs],
-                                            [r for _, r in step.verify], self._noise, masks),
+                                            [r for _, r in step.verify], masks),
                                strict=True):
                 if not isinstance(kept, str) and s.request.matcher is not None:
                     kept = advance(s.request.matcher, kept, eos)
@@ -553,7 +552,7 @@ class ModelRunner:
         """Tokens of ``reqs`` from their logits ``rows [S, V]``; a request whose logits are not
         all finite, or whose sampling raises, fails alone: on a raise the rows are sampled one
         by one from the generator states they had before the failed batch, so a seeded request
-        draws the same noise either way."""
+        draws the same uniforms either way."""
         vocab, eos = rows.shape[1], self._eos
         banned = [([*r.params.stop_token_ids, *(() if r.params.ignore_eos else eos)]
                    if r.num_output_tokens < r.params.min_tokens else [])
@@ -561,7 +560,7 @@ class ModelRunner:
                      else []) for r in reqs]
         params = [r.params for r in reqs]
         gens = [r.generator for r in reqs]
-        # only random rows draw noise: their generators' states, to restore if the batch fails
+        # only random rows draw: their generators' states, to restore if the batch fails
         states = [(g, g.get_state()) for g, p in zip(gens, params, strict=True) if not p.greedy]
         allowed = None  # structured outputs: the grammars' tokens, every token elsewhere
         constrained = [j for j, r in enumerate(reqs) if r.matcher is not None]
@@ -571,15 +570,15 @@ class ModelRunner:
         toks: list[SampledToken | str | None]  # a token, the reason sampling raised, or None
         try:
             toks = list(sample(rows, params, gens, reqs, banned if any(banned) else None,
-                               self._noise, allowed))
+                               allowed))
         except Exception:  # find the row that fails, keep the others
             for g, st in states:
-                g.set_state(st)  # the batch may have drawn some rows' noise already
+                g.set_state(st)  # the batch may have drawn some rows' uniforms already
             toks = []
             for j in range(len(reqs)):
                 try:
                     toks.extend(sample(rows[j:j + 1], params[j:j + 1], gens[j:j + 1],
-                                       reqs[j:j + 1], banned[j:j + 1], self._noise,
+                                       reqs[j:j + 1], banned[j:j + 1],
                                        None if allowed is None else allowed[j:j + 1]))
                 except Exception as exc:
                     toks.append(f"sampling failed: {type(exc).__name__}: {exc}")

@@ -30,12 +30,16 @@ not depend on the other rows (batch-invariant), in vLLM v1's order:
    probability; top-p zeroes tokens after the shortest prefix (by descending probability) whose
    mass reaches ``p`` (always at least one token), the prefix found from ``topk`` of a growing
    width (1024, x4, ...; the whole row only for a flat distribution), never a sort of the row;
-5. each random row draws its own exponential noise ``q ~ Exp(1)^V`` from its own generator
-   (the request's seeded ``torch.Generator``, or the engine's shared one) into a buffer the
-   caller keeps across steps (``noise``), and picks ``argmax(probs / q)`` (the exponential-race
-   form of categorical sampling; no renormalisation needed). A request draws exactly V numbers
-   per generated token from its own generator, so a seeded request samples the same tokens
-   whatever else is in the batch (given the same logits).
+5. each random row draws one uniform ``u`` (float64) from its own generator (the request's
+   seeded ``torch.Generator``, or the engine's shared one) and takes the token where the row's
+   cumulative probability first exceeds ``u`` times its total (``draw``: inverse-CDF sampling
+   in float64; past ``DRAW_DIRECT`` tokens in two levels -- sums of blocks of ``DRAW_BLOCK``
+   tokens, then the one block's tokens -- so no ``[rows, V]`` buffer beyond the working copy;
+   no renormalisation needed). A
+   request draws exactly one number per generated token from its own generator, so a seeded
+   request samples the same tokens whatever else is in the batch (given the same logits).
+   (The exponential race it replaces drew V numbers a token: 91 us a row at V = 4096 and
+   ~5 ms at Qwen3.5's 248k on one EPYC core -- a fifth of the built-in model's batch-1 step.)
 
 Logprobs are always those of the raw model distribution (before processors and penalties).
 """
@@ -306,39 +310,88 @@ def _top_p_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         width = min(4 * width, vocab)
 
 
-def _filtered_probs(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor,
-                    top_p: torch.Tensor, min_p: torch.Tensor | None = None, *,
+def _filtered_probs(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor | None,
+                    top_p: torch.Tensor | None, min_p: torch.Tensor | None = None, *,
                     inplace: bool = False) -> torch.Tensor:
-    """Temperature, min-p, top-k and top-p applied row-wise; probabilities in vocab order.
-    Works in one copy of ``logits`` (in ``logits`` itself with ``inplace``)."""
+    """Temperature, min-p, top-k and top-p applied row-wise (None: no row filters that way);
+    probabilities in vocab order. Works in one copy of ``logits`` (in ``logits`` itself with
+    ``inplace``)."""
     vocab = logits.shape[1]
     t = temps[:, None].to(logits.dtype)
     probs = logits.div_(t) if inplace else logits / t  # [R, V]: the one working copy
     probs.sub_(probs.amax(dim=1, keepdim=True)).exp_()
     probs.div_(probs.sum(dim=1, keepdim=True))  # softmax(l / T), in place
+    filtered = False
     if min_p is not None and bool((min_p > 0).any()):
         probs.masked_fill_(probs < probs.amax(dim=1, keepdim=True) * min_p[:, None], 0.0)
-    limited = (top_k > 0) & (top_k < vocab)  # [R]
-    if bool(limited.any()):
+        filtered = True
+    limited = None if top_k is None else (top_k > 0) & (top_k < vocab)  # [R]
+    if top_k is not None and limited is not None and bool(limited.any()):
         widest = int(top_k[limited].max())
         kth = probs.topk(widest, dim=1).values.gather(
             1, (top_k.clamp(1, widest) - 1)[:, None])  # [R, 1]: the k-th largest
         probs.masked_fill_(probs < kth.masked_fill_(~limited[:, None], 0.0), 0.0)
-    if bool((top_p < 1.0).any()):
-        probs.div_(probs.sum(dim=1, keepdim=True))
+        filtered = True
+    if top_p is not None and bool((top_p < 1.0).any()):
+        if filtered:
+            probs.div_(probs.sum(dim=1, keepdim=True))
         probs.masked_fill_(probs < _top_p_floor(probs, top_p), 0.0)
-    return probs.div_(probs.sum(dim=1, keepdim=True))
+        filtered = True
+    return probs.div_(probs.sum(dim=1, keepdim=True)) if filtered else probs
 
 
 def params_probs(logits: torch.Tensor, params: Sequence[SamplingParams], *,
                  inplace: bool = False) -> torch.Tensor:
     """``_filtered_probs`` of ``logits [R, V]`` with each row's own ``params`` (temperature,
     top-k, top-p, min-p)."""
+    vocab = logits.shape[1]  # (a filter no row uses is not built: a step's ops are dear)
     return _filtered_probs(
         logits, torch.tensor([p.temperature for p in params], dtype=torch.float32),
-        torch.tensor([p.top_k for p in params], dtype=torch.int64),
-        torch.tensor([p.top_p for p in params], dtype=torch.float32),
-        torch.tensor([p.min_p for p in params], dtype=torch.float32), inplace=inplace)
+        torch.tensor([p.top_k for p in params], dtype=torch.int64)
+        if any(0 < p.top_k < vocab for p in params) else None,
+        torch.tensor([p.top_p for p in params], dtype=torch.float32)
+        if any(p.top_p < 1.0 for p in params) else None,
+        torch.tensor([p.min_p for p in params], dtype=torch.float32)
+        if any(p.min_p > 0 for p in params) else None, inplace=inplace)
+
+
+DRAW_BLOCK = 1024  # tokens per block of draw's first level
+DRAW_DIRECT = 32768  # vocabularies up to this size are drawn in one level
+
+
+def draw(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """``[R]`` int64: a token per row of ``probs [R, V]`` (non-negative, a positive sum; need
+    not be normalised) with exactly those odds, from one float64 uniform of the row's own
+    generator (module docstring, step 5; the path depends on V alone, never on the batch).
+    Never a zero-probability token."""
+    rows, vocab = probs.shape
+    u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])
+    if vocab <= DRAW_DIRECT:  # one level: the rows' whole CDF (R x V float64: small)
+        cdf = probs.double().cumsum_(dim=1)
+        pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)
+        pick.clamp_(max=vocab - 1)
+        for r in (probs.gather(1, pick)[:, 0] <= 0).nonzero().flatten().tolist():
+            pick[r, 0] = int(probs[r].nonzero().max())  # (past the mass by a rounding)
+        return pick[:, 0]
+    full, tail = divmod(vocab, DRAW_BLOCK)
+    sums = torch.empty(rows, full + (tail > 0), dtype=torch.float64)  # [R, blocks]
+    for r in range(rows if full else 0):  # (a row at a time: the sum widens its input first)
+        sums[r, :full] = probs[r, :full * DRAW_BLOCK].view(full, DRAW_BLOCK).sum(
+            dim=1, dtype=torch.float64)
+    if tail:
+        sums[:, full] = probs[:, full * DRAW_BLOCK:].sum(dim=1, dtype=torch.float64)
+    cdf = sums.cumsum(dim=1)
+    target = u * cdf[:, -1]  # [R], in [0, total)
+    block = torch.searchsorted(cdf, target[:, None], right=True).clamp_(max=sums.shape[1] - 1)
+    rest = target - (cdf.gather(1, block) - sums.gather(1, block))[:, 0]  # into that block
+    at = block * DRAW_BLOCK + torch.arange(DRAW_BLOCK)  # [R, B]: the block's token ids
+    inside = probs.gather(1, at.clamp(max=vocab - 1)).masked_fill_(at >= vocab, 0.0)
+    pick = torch.searchsorted(inside.double().cumsum_(dim=1), rest[:, None], right=True)
+    pick.clamp_(max=DRAW_BLOCK - 1)
+    zero = inside.gather(1, pick)[:, 0] <= 0  # past the block's mass by a rounding: its last
+    for r in zero.nonzero().flatten().tolist():  # token with any
+        pick[r, 0] = int(inside[r].nonzero().max())
+    return (at.gather(1, pick))[:, 0]
 
 
 def logprob_dicts(logits: torch.Tensor, tokens: Sequence[int], k: int
@@ -365,15 +418,12 @@ def logprob_dicts(logits: torch.Tensor, tokens: Sequence[int], k: int
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
            generators: Sequence[torch.Generator], history: Sequence[TokenHistory] | None = None,
            banned: Sequence[Sequence[int]] | None = None,
-           noise: torch.Tensor | None = None,
            allowed: torch.Tensor | None = None) -> list[SampledToken | None]:
     """Pick one token per row of ``logits`` ``[B, V]`` (see the module docstring); None for a
     row whose raw logits hold a NaN or an infinity (its request fails alone).
     ``history`` (one per row) feeds the penalties, ``banned`` (one list per row) the ids that
     may not be sampled now, ``allowed`` (bool ``[B, V]``) the only ids that may (a grammar's
-    mask, ``structured.py``); ``noise`` is a float32 buffer kept across steps for the random
-    rows' draws (resized as needed; a fresh one when None). Logprobs are the raw
-    distribution's."""
+    mask, ``structured.py``). Logprobs are the raw distribution's."""
     rows = logits.shape[0]
     if len(params) != rows or len(generators) != rows or (
             history is not None and len(history) != rows) or (
@@ -394,16 +444,9 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
         idx = torch.tensor(random_rows)
         probs = params_probs(proc if every else proc[idx], [params[i] for i in random_rows],
                              inplace=not every or proc is not raw)  # [R, V]: never the caller's
-        vocab = raw.shape[1]
-        buf = torch.empty(0) if noise is None else noise
-        if buf.numel() < len(random_rows) * vocab:
-            buf.resize_(len(random_rows) * vocab)
-        race = buf[:len(random_rows) * vocab].view(len(random_rows), vocab)  # [R, V]
-        for j, i in enumerate(random_rows):  # each row from its own stream
-            race[j].exponential_(generator=generators[i])
         if tokens is picked:
             tokens = picked.clone()
-        tokens[idx] = probs.div_(race).argmax(dim=-1)
+        tokens[idx] = draw(probs, [generators[i] for i in random_rows])
     if tokens is not picked:  # a row with non-finite raw logits is refused however it sampled
         tokens = tokens.masked_fill_(picked < 0, -1)
     ids = tokens.tolist()  # the step's one host copy of the tokens

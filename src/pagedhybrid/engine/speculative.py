@@ -58,8 +58,9 @@ One step with speculation (engine -> scheduler -> runner -> scheduler):
    probability ``p_i(d)`` (the draft is a point mass) and, at the first rejection, sample from
    ``p_i`` with ``d`` removed (the residual distribution), else a bonus token from the last
    row -- rejection sampling, so every token has exactly the target distribution ``p`` (the
-   request's processed, filtered distribution). Each random verify draws its uniforms and one
-   exponential race from the request's own generator, so seeded runs repeat;
+   request's processed, filtered distribution). Each random verify draws its uniforms (one per
+   draft, one for the token it samples: ``sampling.draw``) from the request's own generator,
+   so seeded runs repeat;
 4. the scheduler appends the tokens, and the runner commits the accepted ones' states
    (``PagedHybridCache.commit_verified``; prefix-cache checkpoints inside them are saved
    there). Attention needs no rollback: a rejected token's K/V rows lie past the sequence's
@@ -87,6 +88,7 @@ import torch
 from pagedhybrid.engine.request import Request
 from pagedhybrid.engine.sampling import (
     SampledToken,
+    draw,
     logprob_dicts,
     params_probs,
     process_logits,
@@ -352,7 +354,7 @@ class NgramDrafter:
 
 
 def verify(logits: torch.Tensor, reqs: Sequence[Request], drafts: Sequence[Sequence[int]],
-           first_rows: Sequence[int], noise: torch.Tensor,
+           first_rows: Sequence[int],
            masks: Sequence[torch.Tensor | None] | None = None
            ) -> list[list[SampledToken] | str]:
     """The tokens each verify request keeps (module docstring, step 3): request ``r``'s chunk
@@ -400,7 +402,7 @@ def verify(logits: torch.Tensor, reqs: Sequence[Request], drafts: Sequence[Seque
             continue
         try:
             picks = (_greedy(d, best[mine.start:mine.stop]) if req.params.greedy else
-                     _rejection(d, probs, [where[i] for i in mine], req.generator, noise))
+                     _rejection(d, probs, [where[i] for i in mine], req.generator))
             k = req.params.logprobs
             lps = (logprob_dicts(rows[mine.start:mine.start + len(picks)], picks, k)
                    if k is not None else [None] * len(picks))
@@ -418,7 +420,7 @@ def _greedy(drafts: Sequence[int], best: Sequence[int]) -> list[int]:
 
 
 def _rejection(drafts: Sequence[int], probs: torch.Tensor | None, rows: Sequence[int],
-               gen: torch.Generator, noise: torch.Tensor) -> list[int]:
+               gen: torch.Generator) -> list[int]:
     assert probs is not None
     k = len(drafts)
     if k:
@@ -431,8 +433,4 @@ def _rejection(drafts: Sequence[int], probs: torch.Tensor | None, rows: Sequence
     if a < k:  # the residual max(0, p - q) of a point-mass draft: p without the draft token
         dist = dist.clone()
         dist[drafts[a]] = 0.0
-    vocab = dist.shape[0]
-    if noise.numel() < vocab:
-        noise.resize_(vocab)
-    race = noise[:vocab].exponential_(generator=gen)
-    return [*drafts[:a], int(dist.div(race).argmax())]
+    return [*drafts[:a], int(draw(dist[None], [gen])[0])]
