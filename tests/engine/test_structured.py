@@ -160,9 +160,10 @@ def test_speculation_drafts_under_the_grammar_exactly_and_preemption_keeps_it() 
                          ).values())
     for o in outs:
         jsonschema.validate(json.loads(o.text), PERSON)  # type: ignore[attr-defined]
-    tight = load_engine(None, num_blocks=12, block_size=16, max_num_seqs=4)
-    outs = list(generate(tight, [(PROMPT, constrained({"json": PERSON}, s)) for s in range(4)]
-                         ).values())
+    # 8 pages of 16: a request alone always fits (8 prompt + 120 tokens), four do not
+    tight = load_engine(None, num_blocks=8, block_size=16, max_num_seqs=4)
+    outs = list(generate(tight, [(PROMPT, constrained({"json": PERSON}, s, 120))
+                                 for s in range(4)]).values())
     assert tight.stats.preemptions > 0
     for o in outs:
         jsonschema.validate(json.loads(o.text), PERSON)  # type: ignore[attr-defined]
