@@ -368,11 +368,7 @@ def draw(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Te
     u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])
     if vocab <= DRAW_DIRECT:  # one level: the rows' whole CDF (R x V float64: small)
         cdf = probs.double().cumsum_(dim=1)
-        pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)
-        pick.clamp_(max=vocab - 1)
-        for r in (probs.gather(1, pick)[:, 0] <= 0).nonzero().flatten().tolist():
-            pick[r, 0] = int(probs[r].nonzero().max())  # (past the mass by a rounding)
-        return pick[:, 0]
+        return _first_past(probs, cdf, u * cdf[:, -1])[:, 0]
     full, tail = divmod(vocab, DRAW_BLOCK)
     sums = torch.empty(rows, full + (tail > 0), dtype=torch.float64)  # [R, blocks]
     for r in range(rows if full else 0):  # (a row at a time: the sum widens its input first)
@@ -382,16 +378,21 @@ def draw(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Te
         sums[:, full] = probs[:, full * DRAW_BLOCK:].sum(dim=1, dtype=torch.float64)
     cdf = sums.cumsum(dim=1)
     target = u * cdf[:, -1]  # [R], in [0, total)
-    block = torch.searchsorted(cdf, target[:, None], right=True).clamp_(max=sums.shape[1] - 1)
+    block = _first_past(sums, cdf, target)  # [R, 1]
     rest = target - (cdf.gather(1, block) - sums.gather(1, block))[:, 0]  # into that block
     at = block * DRAW_BLOCK + torch.arange(DRAW_BLOCK)  # [R, B]: the block's token ids
     inside = probs.gather(1, at.clamp(max=vocab - 1)).masked_fill_(at >= vocab, 0.0)
-    pick = torch.searchsorted(inside.double().cumsum_(dim=1), rest[:, None], right=True)
-    pick.clamp_(max=DRAW_BLOCK - 1)
-    zero = inside.gather(1, pick)[:, 0] <= 0  # past the block's mass by a rounding: its last
-    for r in zero.nonzero().flatten().tolist():  # token with any
-        pick[r, 0] = int(inside[r].nonzero().max())
-    return (at.gather(1, pick))[:, 0]
+    return at.gather(1, _first_past(inside, inside.double().cumsum_(dim=1), rest))[:, 0]
+
+
+def _first_past(weights: torch.Tensor, cdf: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``[R, 1]``: per row, the first column whose cumulative weight ``cdf`` exceeds ``target``
+    -- where a rounding puts ``target`` past the row's mass, its last column with any weight
+    (never a column of weight 0)."""
+    pick = torch.searchsorted(cdf, target[:, None], right=True).clamp_(max=weights.shape[1] - 1)
+    for r in (weights.gather(1, pick)[:, 0] <= 0).nonzero().flatten().tolist():
+        pick[r, 0] = int(weights[r].nonzero().max())
+    return pick
 
 
 def logprob_dicts(logits: torch.Tensor, tokens: Sequence[int], k: int

@@ -251,7 +251,7 @@ class DraftBudget:
                 self._probed = self.count  # a step without drafts: the decode cost
             scout = None if probe else max(requests, key=lambda r: (bool(r.draft_ids),
                                                                     self.acceptance(r)))
-            for r in requests:  # (no recent verify step: the likeliest request's drafts kept)
+            for r in requests:  # (too few verify steps: the likeliest request's drafts kept)
                 if r is not scout:
                     r.draft_ids = ()
             return

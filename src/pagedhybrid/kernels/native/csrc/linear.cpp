@@ -44,6 +44,16 @@ constexpr int64_t kColsPerTask = 32;  // weight rows per task
 template <typename TX, typename TW, typename TO>
 void linear_rows(const TX* xp, const at::Tensor& w, at::Tensor& out, int64_t m, int64_t k);
 
+// x's bf16 / fp16 rows widened to fp32 (exactly), once for every task that reads them
+template <typename TX>
+std::vector<float> widened(const at::Tensor& x) {
+  const int64_t n = x.numel();
+  std::vector<float> xf(static_cast<size_t>(n));
+  const TX* xp = x.data_ptr<TX>();
+  for (int64_t i = 0; i < n; ++i) xf[i] = to_float(xp[i]);
+  return xf;
+}
+
 // Several bf16 / fp16 rows are widened to fp32 once (exactly) first: each register block then
 // loads them as they are instead of widening them again for every weight block (the same
 // products, so the same bits; a 4-row [4096, 256] product: 167 -> 127 us on one EPYC core).
@@ -52,9 +62,7 @@ void linear_impl(const at::Tensor& x, const at::Tensor& w, at::Tensor& out) {
   const int64_t m = x.size(0), k = x.size(1);
   if constexpr (!std::is_same_v<TX, float>) {
     if (m >= 2) {
-      std::vector<float> xf(static_cast<size_t>(m * k));
-      const TX* xp = x.data_ptr<TX>();
-      for (int64_t i = 0; i < m * k; ++i) xf[i] = to_float(xp[i]);
+      const std::vector<float> xf = widened<TX>(x);
       linear_rows<float, TW, TO>(xf.data(), w, out, m, k);
       return;
     }
@@ -136,16 +144,14 @@ void linear(const at::Tensor& x, const at::Tensor& w, at::Tensor out) {
     using TX = decltype(xtag);
     using TW = decltype(wtag);
     const int64_t m = x.size(0), k = x.size(1);
-    if (m >= kPackRows && std::is_same_v<TX, float>) {
-      linear_packed<TX, TW, TX>(x.data_ptr<TX>(), w, out, m, k);
-    } else if (m >= kPackRows) {  // bf16 / fp16 rows widened once for every panel's task (else
-      // gemm_panel widens them per task: 16 x [4096, 256] bf16 on AVX2 378 -> 328 us)
-      std::vector<float> xf(static_cast<size_t>(m * k));
-      const TX* xp = x.data_ptr<TX>();
-      for (int64_t i = 0; i < m * k; ++i) xf[i] = to_float(xp[i]);
-      linear_packed<float, TW, TX>(xf.data(), w, out, m, k);
-    } else {
+    if (m < kPackRows) {
       linear_impl<TX, TW, TX>(x, w, out);
+    } else if constexpr (std::is_same_v<TX, float>) {
+      linear_packed<float, TW, TX>(x.data_ptr<float>(), w, out, m, k);
+    } else {  // bf16 / fp16 rows widened once for every panel's task (else gemm_panel widens
+      // them per task: 16 x [4096, 256] bf16 on AVX2 378 -> 328 us)
+      const std::vector<float> xf = widened<TX>(x);
+      linear_packed<float, TW, TX>(xf.data(), w, out, m, k);
     }
   });
 }
