@@ -2,21 +2,23 @@
 (llguidance and xgrammar side by side), and whether compiling holds up other requests.
 
 1. ``decode``: built-in model, batches of 1 / 16 / 64 requests decoding 64 tokens each, greedy;
-   side ``off``: unconstrained; the others: every request constrained by a grammar that never
-   ends early (the batch keeps its size): ``regex`` ``[a-z ]{300}`` and ``json_string`` (a JSON
-   object whose string field runs on) -- decode tok/s and the step time, medians of
-   ``--repeats`` alternating runs.
+   sides ``off`` and ``off_control``: unconstrained; the others: every request constrained by
+   a grammar that never ends early (the batch keeps its size): ``regex`` ``[a-z ]{300}`` and
+   ``json_string`` (a JSON object whose string field runs on) -- decode tok/s and the step
+   time, medians of ``--repeats`` alternating runs, and the slowdowns paired within a repeat.
 2. ``libraries``: on the built-in model's tokenizer, llguidance (what the engine uses) and, when
-   it is installed, xgrammar (``pip install --no-deps xgrammar``; it is no dependency of this
-   package): the tokenizer view's build time, compile time of JSON schemas (2 / 8 / 32
-   properties) and of the regex, and the mask time per step of B matchers (B = 1 / 16 / 64)
+   it is installed, xgrammar (``pip install --no-deps xgrammar apache-tvm-ffi``: no
+   dependency of this package): the tokenizer view's build time, compile time of JSON schemas
+   (2 / 8 / 32 properties) and of the regex, and the mask time per step of B matchers (B = 1 /
+   16 / 64)
    sampling from random logits through the mask -- the same work for both.
 3. ``ttft``: 32 unconstrained requests arriving every 10 ms, alone and again beside 8
    constrained ones arriving among them, each with a grammar never seen before (JSON schemas of
    32 properties, and one lexeme of 60,000 words that takes ~0.5 s to compile): the
-   unconstrained requests' time to first token, median and p90 (goal: within 10%); and beside
-   the same constrained requests with their grammars compiled already (the same load without
-   compiling: what compiling itself costs the others).
+   unconstrained requests' time to first token, median and p90 (goal: within 10%); beside the
+   same 8 requests unconstrained (the same load, no grammar: ``compiling_vs_plain`` is what the
+   grammars cost the others) and constrained with their grammars compiled already (masks, no
+   compiling); and the 8 requests' own TTFT.
 
 States the CPU; writes JSON.
 
@@ -32,12 +34,12 @@ import statistics
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from pagedhybrid.engine import SamplingParams, load_engine
 from pagedhybrid.engine.structured import Grammars, StructuredOutputs, allowed_tokens, consume
 from pagedhybrid.kernels.native import cpu_form
+from pagedhybrid.kernels.native.sampling import greedy_rows
 from pagedhybrid.models.qwen35 import default_model_dir, load_tokenizer
 
 PROMPT = "And the LORD said unto Moses,"
@@ -73,8 +75,12 @@ def decode_rate(engine, batch: int, params: SamplingParams) -> tuple[float, floa
 
 
 def decode_section(engine, batches: list[int], repeats: int) -> list[dict]:
-    """Per batch: unconstrained (``off``) and under each grammar, alternating runs."""
-    sides = {"off": None, "regex": {"regex": REGEX}, "json_string": {"json": LONG_STRING}}
+    """Per batch: unconstrained (``off``), again unconstrained (``off_control``: the noise
+    floor of the comparison) and under each grammar, in turn within each repeat; a side's
+    ``slowdown_paired`` is the median over repeats of its slowdown against that repeat's
+    ``off`` run (this machine's drift between repeats is larger than the mask's cost)."""
+    sides = {"off": None, "off_control": None, "regex": {"regex": REGEX},
+             "json_string": {"json": LONG_STRING}}
     rows = []
     for batch in batches:
         runs: dict[str, list[tuple[float, float]]] = {s: [] for s in sides}
@@ -88,6 +94,8 @@ def decode_section(engine, batches: list[int], repeats: int) -> list[dict]:
             row[f"{side}_step_ms"] = statistics.median(r[1] for r in rs)
             if side != "off":  # the mask's share of the decode time
                 row[f"{side}_slowdown"] = 1 - row[f"{side}_tok_s"] / row["off_tok_s"]
+                row[f"{side}_slowdown_paired"] = statistics.median(
+                    1 - r[0] / o[0] for r, o in zip(rs, runs["off"], strict=True))
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -108,8 +116,8 @@ class _Llguidance:
     def matcher(self, compiled):
         return compiled.deep_copy()
 
-    def masks(self, ms) -> np.ndarray:
-        return allowed_tokens(ms, self.vocab, self.eos).numpy()
+    def masks(self, ms) -> torch.Tensor:
+        return allowed_tokens(ms, self.vocab, self.eos)
 
     def accept(self, m, token: int) -> bool:
         return consume(m, token, self.eos) and not m.is_stopped()
@@ -138,12 +146,11 @@ class _Xgrammar:
     def matcher(self, compiled):
         return self.xgr.GrammarMatcher(compiled)
 
-    def masks(self, ms) -> np.ndarray:
+    def masks(self, ms) -> torch.Tensor:
         bits = self.xgr.allocate_token_bitmask(len(ms), self.vocab)
         for i, m in enumerate(ms):
             m.fill_next_token_bitmask(bits, i)
-        return np.unpackbits(bits.numpy().view(np.uint8), axis=1,
-                             bitorder="little")[:, :self.vocab].view(np.bool_)
+        return bits
 
     def accept(self, m, token: int) -> bool:
         return bool(m.accept_token(token)) and not m.is_terminated()
@@ -175,10 +182,9 @@ def library_section(batches: list[int], steps: int = 40) -> list[dict]:
             spent = []
             for _ in range(steps):
                 t0 = time.perf_counter()
-                allowed = torch.from_numpy(np.ascontiguousarray(lib.masks(ms)))
+                allowed = lib.masks(ms)  # packed, as the sampler reads it
                 spent.append(time.perf_counter() - t0)
-                logits = torch.randn(batch, vocab, generator=gen)
-                picks = logits.masked_fill(~allowed, float("-inf")).argmax(-1).tolist()
+                picks = greedy_rows(torch.randn(batch, vocab, generator=gen), allowed).tolist()
                 for i, (m, t) in enumerate(zip(ms, picks, strict=True)):
                     if not lib.accept(m, t):
                         ms[i] = lib.matcher(compiled)  # ended: a fresh one keeps B
@@ -188,18 +194,20 @@ def library_section(batches: list[int], steps: int = 40) -> list[dict]:
     return out
 
 
-def ttft_run(engine, constrained: bool, salt: int) -> list[float]:
-    """TTFT (s) of the unconstrained requests: 32 arriving every 10 ms, and with
-    ``constrained`` 8 more among them, each with a grammar never compiled before."""
+def ttft_run(engine, beside: str | None, salt: int) -> tuple[list[float], list[float]]:
+    """TTFT (s) of the unconstrained requests -- 32 arriving every 10 ms -- and of 8 more
+    among them (``beside``): ``"constrained"``, each with a grammar never compiled before
+    (unless ``salt`` repeats), or ``"plain"``, the same 8 requests unconstrained."""
     arrivals = [(0.010 * i, f"u{salt}-{i}", SamplingParams(temperature=0.0, max_tokens=24,
                                                            ignore_eos=True))
                 for i in range(32)]
-    if constrained:
+    if beside:
         words = " | ".join(f'"w{salt}x{i}"' for i in range(60000))
         specs = [{"json": schema(32, salt=salt * 10 + j)} for j in range(7)]
         specs.append({"grammar": f"start: W\nW: {words}"})
         arrivals += [(0.010 * (4 * j + 1) + 0.005, f"c{salt}-{j}", SamplingParams(
-            temperature=1.0, seed=j, max_tokens=24, structured_outputs=spec))
+            temperature=1.0, seed=j, max_tokens=24,
+            structured_outputs=spec if beside == "constrained" else None))
             for j, spec in enumerate(specs)]
     arrivals.sort(key=lambda a: a[0])
     added: dict[str, float] = {}
@@ -217,27 +225,39 @@ def ttft_run(engine, constrained: bool, salt: int) -> list[float]:
         for o in engine.step():
             if o.request_id not in first and o.token_ids:
                 first[o.request_id] = time.perf_counter()
-    return [first[r] - added[r] for r in added if r.startswith("u")]
+    return ([first[r] - added[r] for r in added if r.startswith("u")],
+            [first[r] - added[r] for r in added if r.startswith("c")])
 
 
 def ttft_section(repeats: int) -> dict:
-    """TTFT alone, beside constrained requests whose grammars are compiled already (``warm``:
-    the same load, no compiling) and beside ones compiling (new grammars)."""
+    """TTFT of the unconstrained requests alone, beside the 8 others unconstrained
+    (``beside_plain``: the same load, no grammar), beside them constrained with their grammars
+    compiled already (``beside_warm``: masks, no compiling) and beside them compiling (new
+    grammars); and the 8 others' own TTFT (what their compiling costs them)."""
     engine = load_engine(None, num_blocks=1024, max_num_seqs=64)
-    runs: dict[str, list[float]] = {"alone": [], "beside_warm": [], "beside_compiling": []}
-    ttft_run(engine, True, 100)  # warm-up, and the grammars of the warm runs
+    sides = {"alone": (None, None), "beside_plain": ("plain", None),
+             "beside_warm": ("constrained", 100), "beside_compiling": ("constrained", None)}
+    runs: dict[str, list[float]] = {s: [] for s in sides}
+    own: dict[str, list[float]] = {s: [] for s in sides}
+    ttft_run(engine, "constrained", 100)  # warm-up, and the grammars of the warm runs
     for k in range(repeats):
-        runs["alone"] += ttft_run(engine, False, k)
-        runs["beside_warm"] += ttft_run(engine, True, 100)
-        runs["beside_compiling"] += ttft_run(engine, True, k)
+        for side, (beside, salt) in sides.items():
+            mine, theirs = ttft_run(engine, beside, k if salt is None else salt)
+            runs[side] += mine
+            own[side] += theirs
     out: dict = {}
     for side, ts in runs.items():
         ts = sorted(ts)
         out[side] = {"p50_ms": 1e3 * statistics.median(ts),
                      "p90_ms": 1e3 * ts[int(0.9 * (len(ts) - 1))]}
-    for side in ("beside_warm", "beside_compiling"):
+        if own[side]:
+            out[side]["beside_p50_ms"] = 1e3 * statistics.median(own[side])
+    for side in ("beside_plain", "beside_warm", "beside_compiling"):
         for q in ("p50", "p90"):
             out[f"{side}_{q}_ratio"] = out[side][f"{q}_ms"] / out["alone"][f"{q}_ms"]
+    for q in ("p50", "p90"):  # what the grammars cost the others, the load being the same
+        out[f"compiling_vs_plain_{q}"] = (out["beside_compiling"][f"{q}_ms"]
+                                          / out["beside_plain"][f"{q}_ms"])
     out["compiling_vs_warm_p50"] = (out["beside_compiling"]["p50_ms"]
                                     / out["beside_warm"]["p50_ms"])
     print(json.dumps(out), flush=True)

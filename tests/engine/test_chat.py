@@ -30,6 +30,7 @@ from pagedhybrid.engine.chat_parser import ChatParser
 from pagedhybrid.engine.request import InvalidRequest
 from pagedhybrid.engine.structured import Grammars, StructuredOutputs, allowed_tokens
 from pagedhybrid.errors import ContractViolation
+from pagedhybrid.kernels.native.sampling import unpack_bitmask
 from pagedhybrid.models.qwen35.synthetic import QWEN35_CHAT_TEMPLATE
 
 WEATHER = {"type": "function", "function": {
@@ -195,10 +196,11 @@ def test_grammars_apply_after_the_reasoning(engine: Engine) -> None:
     # every token of text (not the special ones, nor a byte that cannot begin a character)
     text = [t for t in range(vocab) if tok.decode([t]) and "\ufffd" not in tok.decode([t])]
     for t in tok.encode("{not json} at all", add_special_tokens=False):
-        assert bool(allowed_tokens([m], vocab)[0][text].all())  # free text, any text token
+        free = unpack_bitmask(allowed_tokens([m], vocab), vocab)[0]
+        assert bool(free[text].all())  # free text, any text token
         assert m.consume_token(t)
     assert m.consume_tokens(tok.encode("</think>\n\n", add_special_tokens=False))
-    allowed = allowed_tokens([m], vocab)[0]
+    allowed = unpack_bitmask(allowed_tokens([m], vocab), vocab)[0]
     assert allowed.sum() < vocab // 8  # JSON now: '{' and the tokens that begin it
     assert all(tok.decode([t]).lstrip().startswith("{") for t in allowed.nonzero().flatten()
                .tolist())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -119,6 +120,37 @@ def test_greedy_is_argmax() -> None:
     out = sample(logits, [GREEDY] * 5, [torch.Generator()] * 5)
     assert [o.token_id for o in out] == logits.argmax(-1).tolist()
     assert all(o.logprobs is None for o in out)
+
+
+def test_a_packed_grammar_mask_bounds_every_kind_of_row() -> None:
+    """``allowed`` comes packed (int32 [B, ceil(V / 32)]): greedy rows take the argmax over the
+    allowed tokens, penalized and random rows only ever draw allowed ones, an unmasked row (all
+    bits set) is untouched, and a greedy row whose mask allows nothing comes back None (its
+    request fails alone: the runner names the grammar)."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(5, 70, generator=g)
+    ok = torch.zeros(5, 70, dtype=torch.bool)
+    ok[0, [3, 40, 69]] = True
+    ok[1] = True
+    ok[2, [5, 6]] = True
+    ok[3, 33:38] = True
+    bits = torch.zeros(5, 96, dtype=torch.int64)
+    bits[:, :70] = ok.long()
+    packed = (bits.view(5, 3, 32) << torch.arange(32)).sum(-1)
+    packed = torch.where(packed >= 1 << 31, packed - (1 << 32), packed).to(torch.int32)
+    masked = logits.masked_fill(~ok, -float("inf"))
+    out = sample(logits, [GREEDY] * 5, [torch.Generator()] * 5, allowed=packed)
+    assert [o and o.token_id for o in out] == [*masked[:4].argmax(-1).tolist(), None]
+    hot = SamplingParams(temperature=5.0, seed=2)
+    pen = SamplingParams(temperature=0.0, repetition_penalty=1.5)
+    for _ in range(40):
+        out = sample(logits[:4], [hot, GREEDY, pen, hot], [torch.Generator()] * 4,
+                     history=[SimpleNamespace(prompt_token_ids=[], output_token_ids=t)
+                              for t in ([], [], [5], [])], allowed=packed[:4])
+        assert all(ok[i, o.token_id] for i, o in enumerate(out)), out
+        assert out[1].token_id == logits[1].argmax().item()
+    assert {sample(logits[3:4], [hot], [torch.Generator().manual_seed(s)],
+                   allowed=packed[3:4])[0].token_id for s in range(60)} == set(range(33, 38))
 
 
 def test_sampling_frequencies_follow_the_distribution() -> None:

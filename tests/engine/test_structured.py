@@ -216,6 +216,32 @@ def test_compilation_never_holds_up_the_batch(engine: Engine) -> None:
     assert at_first is not None and at_first >= 8, at_first  # free decoded while it compiled
     assert re.fullmatch(r"w[0-9]+x[0-9]+", done["slow"].text)  # type: ignore[attr-defined]
     assert len(done["free"].token_ids) == 24  # type: ignore[attr-defined]
+def test_a_grammar_compiled_already_needs_no_wait_for_the_compile_thread(engine: Engine) -> None:
+    """The common case -- every request with the same schema -- is no trip through the
+    low-priority compile thread: once compiled, a request's matcher is there when it is added
+    (a fresh copy in the start state), while a schema whose properties come in another order
+    is another grammar (the order orders the output)."""
+    from pagedhybrid.engine.structured import GrammarCompiler
+
+    vocab = engine.model.config.vocab_size
+    compiler = GrammarCompiler(engine.tokenizer, vocab)
+    schema = {"type": "object", "properties": {"b": {"type": "integer"},
+                                               "a": {"type": "boolean"}}, "required": ["b", "a"]}
+    first = compiler.submit(StructuredOutputs(json=schema)).result(timeout=60)
+    assert first.consume_tokens(engine.tokenizer.encode('{"b": 1', add_special_tokens=False))
+    again = compiler.submit(StructuredOutputs(json=dict(schema)))
+    assert again.done()
+    m = again.result()
+    assert m is not first and not m.is_stopped()
+    assert m.consume_tokens(engine.tokenizer.encode('{"b": 12, "a": true}',
+                                                    add_special_tokens=False))
+    swapped = {**schema, "properties": dict(reversed(list(schema["properties"].items())))}
+    other = compiler.submit(StructuredOutputs(json=swapped)).result(timeout=60)
+    assert other.try_consume_tokens(engine.tokenizer.encode('{"b"', add_special_tokens=False)
+                                    ) < len(engine.tokenizer.encode('{"b"',
+                                                                    add_special_tokens=False))
+
+
 @pytest.mark.parametrize(("spec", "field"), [
     ({"regex": "a", "choice": ["b"]}, "structured_outputs"),
     ({}, "structured_outputs"),

@@ -728,6 +728,32 @@ def _greedy() -> Args:
             "out": torch.zeros(3, dtype=torch.int64)}
 
 
+def _bitmask() -> Args:
+    """A grammar's packed mask over 37 tokens (two int32 words a row), and logits for it."""
+    return {"logits": torch.randn(3, 37, generator=torch.Generator().manual_seed(6)),
+            "allowed": torch.tensor([[-1, 31], [0x5555, 0], [0, 16]], dtype=torch.int32),
+            "out": torch.zeros(3, dtype=torch.int64)}
+
+
+BITMASK: list[Corruption] = [
+    ("allowed dtype", _set("allowed", lambda a: a["allowed"].long()),
+     r"allowed: must be Int \(got Long\)"),
+    ("allowed too narrow", _set("allowed", lambda a: a["allowed"][:, :1].contiguous()),
+     r"allowed: must be int32 \[R, ceil\(V / 32\)\] for logits \[3, 37\]"),
+    ("allowed rows", _set("allowed", lambda a: a["allowed"][:2].contiguous()),
+     r"allowed: must be int32 \[R, ceil\(V / 32\)\]"),
+    ("allowed not contiguous", _set("allowed", lambda a: torch.zeros(2, 3, dtype=torch.int32)
+                                    .t()), r"allowed: must be contiguous"),
+    ("logits dtype", _set("logits", lambda a: a["logits"].bfloat16()),
+     r"logits: must be Float \(got BFloat16\)"),
+]
+
+
+def _apply_bitmask(a: Args) -> None:
+    library().apply_token_bitmask_(a["logits"], a["allowed"])
+    a["out"].copy_(a["logits"].argmax(dim=-1))
+
+
 GREEDY: list[Corruption] = [
     ("logits dtype", _set("logits", lambda a: a["logits"].bfloat16()),
      r"logits: must be Float \(got BFloat16\)"),
@@ -911,6 +937,9 @@ OPS: dict[str, tuple[Callable[[], Args], Callable[[Args], None], list[Corruption
                           POINTWISE, "out"),
     "greedy_rows": (_greedy, lambda a: a["out"].copy_(library().greedy_rows(a["logits"])),
                     GREEDY, "out"),
+    "greedy_rows_masked": (_bitmask, lambda a: a["out"].copy_(
+        library().greedy_rows(a["logits"], a["allowed"])), BITMASK, "out"),
+    "apply_token_bitmask_": (_bitmask, _apply_bitmask, BITMASK, "out"),
     "rms_norm": (_norm, lambda a: library().rms_norm(a["x"], a["w"], a["out"], 1e-6, True),
                  WEIGHTED, "out"),
     "gated_rms_norm": (_norm, lambda a: library().gated_rms_norm(a["x"], a["gate"], a["w"],
@@ -937,7 +966,7 @@ def test_bad_input_is_refused_by_name(op: str, case: Corruption) -> None:
     before = {k: v.clone() for k, v in a.items() if isinstance(v, torch.Tensor)}
     mutate(a)
     written = {k: v.clone() for k, v in a.items() if isinstance(v, torch.Tensor)}
-    with pytest.raises(ValueError, match=rf"^pagedhybrid\.{op}: {message}"):
+    with pytest.raises(ValueError, match=rf"^pagedhybrid\.{op.removesuffix('_masked')}: {message}"):
         run(a)
     for k, v in a.items():  # refused before anything was written
         if isinstance(v, torch.Tensor):
@@ -974,7 +1003,7 @@ def test_every_exported_op_is_covered() -> None:
     for path in CSRC.glob("*.cpp"):
         defs |= set(re.findall(r'm\.def\(\s*"(\w+)\(', path.read_text()))
     info = {"cpu_form", "bf16_dot", "int8_dot", "vector_lanes", "num_threads"}  # no arguments
-    assert defs - info - {"set_num_threads"} == set(OPS), defs
+    assert defs - info - {"set_num_threads"} == set(OPS) - {"greedy_rows_masked"}, defs
 
 
 def test_the_pool_thread_count_is_clamped_and_reverts_to_torchs() -> None:

@@ -26,6 +26,11 @@ from pagedhybrid.kernels import native
 from pagedhybrid.kernels import step_reference as ref_step
 from pagedhybrid.kernels.native import dense
 from pagedhybrid.kernels.native import step as native_step
+from pagedhybrid.kernels.native.sampling import (
+    apply_token_bitmask_,
+    greedy_rows,
+    unpack_bitmask,
+)
 from pagedhybrid.kernels.step import StepMetadata
 
 HERE = native.runnable_forms()
@@ -355,6 +360,40 @@ def test_greedy_rows_is_argmax_or_minus_one(form: str, vocab: int) -> None:
     assert out.tolist() == want.tolist()
     for r in range(8):
         assert lib.greedy_rows(x[r:r + 1].contiguous()).item() == out[r].item()
+
+
+@pytest.mark.parametrize("form", HERE)
+@pytest.mark.parametrize("vocab", [1, 31, 32, 33, 4096, 4101])
+def test_a_packed_grammar_mask_picks_and_refuses_as_the_unpacked_one(form: str,
+                                                                     vocab: int) -> None:
+    """A grammar's packed mask (int32 [R, ceil(V / 32)]): greedy_rows takes the first maximum
+    over the allowed tokens (-1 for a non-finite row or nothing allowed; bits past the
+    vocabulary never count) and apply_token_bitmask_ writes -inf over exactly the refused
+    tokens -- what masked_fill of the unpacked bool mask gives, in whole words, partial words
+    and the tail."""
+    lib = native.form_library(form)
+    g = torch.Generator().manual_seed(vocab)
+    words = -(-vocab // 32)
+    x = (torch.randn(8, vocab, generator=g) * 4).round()  # ties within allowed tokens
+    bits = torch.randint(-(1 << 31), 1 << 31, (8, words), generator=g).to(torch.int32)
+    bits[0] = -1  # everything allowed
+    bits[1] = 0  # nothing allowed
+    bits[2] = 0
+    bits[2, -1] = torch.tensor((vocab - 1) % 32).exp2().long().to(torch.int32)  # the last token
+    x[3, 0] = float("nan")  # allowed or not, the row is refused
+    bits[4, -1] = -1  # the tail's word all set, bits past the vocabulary too
+    x[5] = 2.0  # all tied: the first allowed
+    ok = unpack_bitmask(bits, vocab)
+    want = x.masked_fill(~ok, -float("inf")).argmax(dim=-1)
+    want[~ok.any(dim=-1) | ~torch.isfinite(x).all(dim=-1)] = -1
+    assert lib.greedy_rows(x, bits).tolist() == want.tolist()
+    assert greedy_rows(x.double(), bits).tolist() == want.tolist()  # torch's, for fp64
+    y = x.clone()
+    lib.apply_token_bitmask_(y, bits)
+    masked = x.masked_fill(~ok, -float("inf"))
+    assert torch.equal(y.nan_to_num(7.0), masked.nan_to_num(7.0))
+    z = apply_token_bitmask_(x.double(), bits)  # torch's rule
+    assert torch.equal(z.float().nan_to_num(7.0), masked.nan_to_num(7.0))
 
 
 @pytest.mark.parametrize("form", HERE)

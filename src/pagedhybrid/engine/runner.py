@@ -562,7 +562,7 @@ class ModelRunner:
         gens = [r.generator for r in reqs]
         # only random rows draw: their generators' states, to restore if the batch fails
         states = [(g, g.get_state()) for g, p in zip(gens, params, strict=True) if not p.greedy]
-        allowed = None  # structured outputs: the grammars' tokens, every token elsewhere
+        allowed = None  # structured outputs: the grammars' packed masks, every token elsewhere
         constrained = [j for j, r in enumerate(reqs) if r.matcher is not None]
         if constrained:
             allowed = allowed_tokens([reqs[j].matcher for j in constrained], vocab, eos,
@@ -583,7 +583,7 @@ class ModelRunner:
                 except Exception as exc:
                     toks.append(f"sampling failed: {type(exc).__name__}: {exc}")
         if allowed is not None:
-            for j in (~allowed.any(dim=1)).nonzero().flatten().tolist():
+            for j in (allowed == 0).all(dim=1).nonzero().flatten().tolist():
                 toks[j] = "structured output: the grammar allows no token here"
         sampled: dict[str, list[SampledToken]] = {}
         failed: list[tuple[Request, str]] = []

@@ -55,7 +55,7 @@ import torch
 
 from pagedhybrid.engine.structured import StructuredOutputs
 from pagedhybrid.errors import ContractViolation
-from pagedhybrid.kernels.native.sampling import greedy_rows
+from pagedhybrid.kernels.native.sampling import apply_token_bitmask_, greedy_rows
 
 INT64 = (-(2 ** 63), 2 ** 63 - 1)
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value
@@ -421,10 +421,12 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
            banned: Sequence[Sequence[int]] | None = None,
            allowed: torch.Tensor | None = None) -> list[SampledToken | None]:
     """Pick one token per row of ``logits`` ``[B, V]`` (see the module docstring); None for a
-    row whose raw logits hold a NaN or an infinity (its request fails alone).
+    row whose raw logits hold a NaN or an infinity (its request fails alone), or whose mask
+    allows no token.
     ``history`` (one per row) feeds the penalties, ``banned`` (one list per row) the ids that
-    may not be sampled now, ``allowed`` (bool ``[B, V]``) the only ids that may (a grammar's
-    mask, ``structured.py``). Logprobs are the raw distribution's."""
+    may not be sampled now, ``allowed`` (the packed int32 ``[B, ceil(V / 32)]`` mask of
+    ``structured.allowed_tokens``) the only ids that may. Logprobs are the raw
+    distribution's."""
     rows = logits.shape[0]
     if len(params) != rows or len(generators) != rows or (
             history is not None and len(history) != rows) or (
@@ -434,12 +436,14 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     if history is None and any(p.penalized for p in params):
         raise ContractViolation("sample", "history", "is needed by penalized rows", None)
     raw = logits.float()  # [B, V] (the logits themselves when they are fp32)
-    picked = greedy_rows(raw)  # [B]: raw argmax, -1 for a row with a non-finite logit
     proc = process_logits(raw, params, history, banned)  # [B, V] (a copy only if processed)
-    if allowed is not None:
-        proc = (raw.clone() if proc is raw else proc).masked_fill_(~allowed, float("-inf"))
-    tokens = picked if proc is raw else proc.argmax(dim=-1)  # [B] greedy choice first
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    # [B]: the argmax (over the allowed tokens where a mask comes and nothing else is done to
+    # the logits), -1 for a row with a non-finite logit or no allowed token
+    picked = greedy_rows(raw, allowed if proc is raw and not random_rows else None)
+    if allowed is not None and (proc is not raw or random_rows):
+        proc = apply_token_bitmask_(raw.clone() if proc is raw else proc, allowed)
+    tokens = picked if proc is raw else proc.argmax(dim=-1)  # [B] greedy choice first
     if random_rows:
         every = len(random_rows) == rows
         idx = torch.tensor(random_rows)

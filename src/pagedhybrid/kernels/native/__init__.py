@@ -16,8 +16,10 @@ Ops (registered as ``torch.ops.pagedhybrid_<form>.*``; ``library()`` is the chos
   bf16 or fp16 activations and weights widened exactly; ``dense.py``): the fast form, and the
   form with one fixed reduction order per output element (``invariant.py``);
   ``silu_invariant`` / ``sigmoid_invariant``;
-* ``greedy_rows`` -- the sampler's greedy pick: each fp32 logits row's first maximum, -1 for a
-  row holding a NaN or an infinity (``sampling.py``).
+* ``greedy_rows`` -- the sampler's greedy pick: each fp32 logits row's first maximum (over the
+  tokens a grammar's packed bitmask allows, when one is given), -1 for a row holding a NaN or
+  an infinity or allowing nothing; ``apply_token_bitmask_`` -- ``-inf`` over the tokens such a
+  mask refuses, in place (``sampling.py``).
 
 Every op checks its arguments before it touches memory -- shapes, dtypes, the head ratio,
 contiguity, every page-table entry it reads inside the page pool, state slots in range and

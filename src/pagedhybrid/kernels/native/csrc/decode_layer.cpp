@@ -457,7 +457,7 @@ std::tuple<at::Tensor, at::Tensor> mtp_head_output(const at::Tensor& h, const at
     if (rows.size(0) == 0)  // nothing drafted from (a catch-up alone): no product to run
       return {out, at::empty({0}, h.options().dtype(at::kLong))};
     const at::Tensor logits = product(rows, lm, native_linear).to(at::kFloat).contiguous();
-    return {out, greedy_rows(logits)};
+    return {out, greedy_rows(logits, c10::nullopt)};
   });
 }
 

@@ -39,7 +39,9 @@ PH_LOCAL void rms_norm(const at::Tensor& x, const at::Tensor& w, at::Tensor out,
 
 // sampling.cpp: int64 [R], the first maximum of each row of fp32 logits [R, V] (-1: a row with
 // a NaN or an infinity)
-PH_LOCAL at::Tensor greedy_rows(const at::Tensor& logits);
+PH_LOCAL at::Tensor greedy_rows(const at::Tensor& logits,
+                                const c10::optional<at::Tensor>& allowed);
+PH_LOCAL void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& allowed);
 
 // paged_attention.cpp: out float32 [N, Hq, D] = attention of q float32 over the pages
 PH_LOCAL void paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
