@@ -25,7 +25,7 @@
 //   3. per (expert, row chunk, hidden tile): y = h . down_e^T times the pair's routing weight
 //      into ys [T k, H] (the shared expert's times its sigmoid gate into ys_shared [T, H]);
 //   4. per token: its k rows of ys summed in ascending expert order, then the shared row added.
-// No expert weight is copied; the scratch is O(T k (H + I)).
+// No expert weight is copied; the scratch is O(T k (H + I)), kept by the calling thread.
 //
 // Forms: the fast form multiplies an expert's rows with gemm.h's packed micro-kernel when it
 // has kPackRows rows or more (prefill), else with the streaming dot-product kernel (decode:
@@ -139,17 +139,23 @@ void moe_impl(const at::Tensor& x, const at::Tensor& index, const at::Tensor& we
       pos_of[p] = pos;
     }
   }
-  const auto opts = x.options();
-  at::Tensor xs = at::empty({pairs, hidden}, opts), hs = at::empty({pairs, inter}, opts);
-  at::Tensor ys = at::empty({pairs, hidden}, opts);
-  at::Tensor hs_shared = at::empty({shared ? t_rows : 0, s_inter}, opts);
-  at::Tensor ys_shared = at::empty({shared ? t_rows : 0, hidden}, opts);
-  std::vector<float> gate_of(static_cast<size_t>(shared ? t_rows : 0));
-  TX* xsp = xs.data_ptr<TX>();
-  TX* hsp = hs.data_ptr<TX>();
-  TX* ysp = ys.data_ptr<TX>();
-  TX* hssp = shared ? hs_shared.data_ptr<TX>() : nullptr;
-  TX* yssp = shared ? ys_shared.data_ptr<TX>() : nullptr;
+  // the scratch: kept by the calling thread from call to call (grown, never shrunk), so that a
+  // prefill chunk's ~T k (2H + I) elements are not fresh pages each layer (allocations past
+  // glibc's 32 MiB mmap ceiling were mapped, zeroed by the kernel and unmapped every call: ~10%
+  // of a 2048-token call)
+  thread_local std::vector<TX> scratch;
+  const int64_t ns = shared ? t_rows : 0;
+  const int64_t need = pairs * (2 * hidden + inter) + ns * (s_inter + hidden);
+  if (static_cast<int64_t>(scratch.size()) < need) {
+    scratch = std::vector<TX>();  // the old pages go before the new ones come
+    scratch.resize(static_cast<size_t>(need));
+  }
+  TX* xsp = scratch.data();
+  TX* hsp = xsp + pairs * hidden;
+  TX* ysp = hsp + pairs * inter;
+  TX* hssp = shared ? ysp + pairs * hidden : nullptr;
+  TX* yssp = shared ? hssp + ns * s_inter : nullptr;
+  std::vector<float> gate_of(static_cast<size_t>(ns));
 
   // 1. the permute, and the shared expert's gate (one dot per token, rounded as a product)
   const TW* sgate = shared ? shared[3].data_ptr<TW>() : nullptr;
