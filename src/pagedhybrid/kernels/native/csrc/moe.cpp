@@ -51,7 +51,8 @@ namespace {
 
 constexpr const char* kOp = "moe_experts";
 constexpr int64_t kStreamRows = 64;  // rows per streaming task
-constexpr int64_t kTileCols = 32;    // output columns per streaming task
+constexpr int64_t kTileCols = 128;  // output columns per streaming task (32 -> 128: an MoE
+                                    // layer at 8 / 32 tokens ~17% / ~12% faster, 4 paired runs)
 
 struct Task {
   int64_t job;   // expert id, or E for the shared expert
