@@ -21,15 +21,15 @@ from pagedhybrid.kernels.native import library, status
 
 
 @functools.cache
-def _op() -> Any:
-    """The native op, looked up once (None: the library is not loaded)."""
-    return library().greedy_rows if status().available else None
+def _op(name: str) -> Any:
+    """The native op ``name``, looked up once (None: the library is not loaded)."""
+    return getattr(library(), name) if status().available else None
 
 
 def greedy_rows(logits: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
     """int64 ``[R]``: each row's first maximum (over the tokens the packed mask ``allowed``
     allows, when given), ``-1`` for a row with a non-finite value or nothing allowed."""
-    op = _op()
+    op = _op("greedy_rows")
     if op is not None and logits.dtype == torch.float32 and logits.shape[1] > 0:
         return op(logits.contiguous(), allowed)  # type: ignore[no-any-return]
     bad = ~torch.isfinite(logits).all(dim=-1)
@@ -42,8 +42,8 @@ def greedy_rows(logits: torch.Tensor, allowed: torch.Tensor | None = None) -> to
 def apply_token_bitmask_(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """``logits`` (fp32 ``[R, V]``) with ``-inf`` over the tokens the packed mask refuses, in
     place."""
-    op = status().available and library().apply_token_bitmask_
-    if op and logits.dtype == torch.float32 and logits.is_contiguous():
+    op = _op("apply_token_bitmask_")
+    if op is not None and logits.dtype == torch.float32 and logits.is_contiguous():
         op(logits, allowed)
         return logits
     return logits.masked_fill_(~unpack_bitmask(allowed, logits.shape[1]), float("-inf"))

@@ -25,7 +25,8 @@
 namespace pagedhybrid {
 namespace {
 
-int64_t pick_row(const float* x, int64_t v) {
+// The row's maximum into *best; false where it holds a NaN or an infinity (one pass).
+bool max_if_finite(const float* x, int64_t v, float* best) {
   VF top = bcast(-__builtin_inff());
   VF nan_if_bad = zero();
   int64_t j = 0;
@@ -34,15 +35,21 @@ int64_t pick_row(const float* x, int64_t v) {
     top = vmax(top, a);
     nan_if_bad = add(nan_if_bad, sub(a, a));
   }
-  float best = reduce_max(top);
+  *best = reduce_max(top);
   bool finite = std::isfinite(reduce_add(nan_if_bad));
-  for (int64_t t = j; t < v; ++t) {
-    finite = finite && std::isfinite(x[t]);
-    best = x[t] > best ? x[t] : best;
+  for (; j < v; ++j) {
+    finite = finite && std::isfinite(x[j]);
+    *best = x[j] > *best ? x[j] : *best;
   }
-  if (!finite) return -1;
+  return finite;
+}
+
+int64_t pick_row(const float* x, int64_t v) {
+  float best;
+  if (!max_if_finite(x, v, &best)) return -1;
   const VF want = bcast(best);
-  for (j = 0; j + kLanes <= v; j += kLanes) {
+  int64_t j = 0;
+  for (; j + kLanes <= v; j += kLanes) {
     const int lane = first_equal(load(x + j), want);
     if (lane >= 0) return j + lane;
   }
@@ -51,22 +58,11 @@ int64_t pick_row(const float* x, int64_t v) {
   return -1;  // not reached: best is one of the row's values
 }
 
-bool row_finite(const float* x, int64_t v) {
-  VF nan_if_bad = zero();
-  int64_t j = 0;
-  for (; j + kLanes <= v; j += kLanes) {
-    const VF a = load(x + j);
-    nan_if_bad = add(nan_if_bad, sub(a, a));
-  }
-  bool finite = std::isfinite(reduce_add(nan_if_bad));
-  for (; j < v; ++j) finite = finite && std::isfinite(x[j]);
-  return finite;
-}
-
 // The first maximum over the tokens `bits` allows (-1: none allowed or a non-finite value).
 int64_t pick_allowed(const float* x, int64_t v, const uint32_t* bits) {
-  if (!row_finite(x, v)) return -1;
-  float best = -__builtin_inff();
+  float best;  // the whole row's maximum: only its finite check is wanted here
+  if (!max_if_finite(x, v, &best)) return -1;
+  best = -__builtin_inff();
   int64_t at = -1;
   for (int64_t w = 0; w * 32 < v; ++w) {
     uint32_t word = bits[w];
