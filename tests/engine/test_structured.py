@@ -242,6 +242,39 @@ def test_a_grammar_compiled_already_needs_no_wait_for_the_compile_thread(engine:
                                                                     add_special_tokens=False))
 
 
+@pytest.mark.parametrize("spec", [{"regex": "[a-z ]{60}"}, {"regex": "[A-Za-z0-9 ,.]{0,60}"},
+                                  {"regex": "(Moses|[A-Z][a-z]+) said [0-9]{2,5}"},
+                                  {"json": PERSON}, {"choice": ["the LORD", "Moses"]}])
+def test_word_slices_change_no_mask(engine: Engine, spec: dict) -> None:
+    """The word-shaped token slices (``WORD_SLICES``) are a speed-up only: along random
+    walks through the grammar, every step's mask equals the one llguidance computes with its
+    default slices alone."""
+    import llguidance
+    import torch
+
+    from pagedhybrid.engine.structured import WORD_SLICES, Grammars, allowed_tokens, consume
+    from pagedhybrid.kernels.native.sampling import unpack_bitmask
+
+    vocab = engine.model.config.vocab_size
+    eos = tuple(engine.tokenizer.eos_token_ids)
+    fast = Grammars(engine.tokenizer, vocab, eos)
+    plain = Grammars(engine.tokenizer, vocab, eos)
+    plain.tokenizer = plain.tokenizer.with_slices(llguidance.LLTokenizer.general_slices())
+    assert fast.tokenizer is not plain.tokenizer and WORD_SLICES
+    gen = torch.Generator().manual_seed(len(json.dumps(spec)))
+    for _walk in range(6):
+        a, b = fast.matcher(StructuredOutputs(**spec)), plain.matcher(StructuredOutputs(**spec))
+        for _step in range(40):
+            ma, mb = allowed_tokens([a], vocab, eos), allowed_tokens([b], vocab, eos)
+            assert torch.equal(ma, mb)
+            choices = torch.nonzero(unpack_bitmask(ma, vocab)[0]).flatten()
+            if not len(choices):
+                break
+            token = int(choices[torch.randint(len(choices), (1,), generator=gen)])
+            if token in eos or not (consume(a, token, eos) and consume(b, token, eos)):
+                break
+
+
 @pytest.mark.parametrize(("spec", "field"), [
     ({"regex": "a", "choice": ["b"]}, "structured_outputs"),
     ({}, "structured_outputs"),

@@ -9,11 +9,12 @@
   not implement are refused (not ignored).
 * ``Grammars(tokenizer, vocab_size)`` -- llguidance's view of the engine's tokenizer (a
   ``tokenizer.json`` through the ``tokenizers`` library, or the 256-byte tokenizer of the test
-  checkpoints) and ``matcher(spec)``: a new matcher of the spec's grammar, each distinct
-  grammar compiled once (a request deep-copies the compiled matcher). A grammar llguidance
-  refuses -- a malformed schema, an unsupported keyword, a regex that does not compile, a Lark
-  error -- raises ``ContractViolation`` with llguidance's message (the engine and the server
-  name their own field).
+  checkpoints; word-shaped token slices, ``WORD_SLICES``, beside its own) and
+  ``matcher(spec)``: a new matcher of the spec's grammar, each distinct grammar compiled once
+  (a request deep-copies the compiled matcher). A grammar llguidance refuses -- a malformed
+  schema, an unsupported keyword, a regex that does not compile, a Lark error -- raises
+  ``ContractViolation`` with llguidance's message (the engine and the server name their own
+  field).
 * ``check(spec)`` -- llguidance's check of a grammar, no tokenizer needed (front ends: the server,
   ``LLM``); ``GrammarCompiler`` -- the engine's: grammars compiled on a thread of their own (the
   request waits in the queue until its matcher is ready, never the batch; a grammar that does
@@ -51,6 +52,14 @@ OP = "StructuredOutputs"
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 GRAMMAR_NICE = 19  # the grammar thread's nice value: compiling takes only what steps leave
+# Token slices llguidance adds in bulk where the lexer allows all of them (its own are JSON
+# string pieces): the word shapes of a BPE vocabulary -- lower-case and capitalised, with and
+# without the leading space -- and digit runs. A regex or Lark class over letters then costs a
+# bit-or per slice instead of a walk of those tokens (batch 16 of `[a-z ]{300}`: 0.51 -> 0.22 ms a
+# step, `[A-Za-z0-9 ,.]{300}` 0.59 -> 0.22 ms, JSON unchanged). Longer bounds ({1,12}) are not
+# taken by llguidance's subsumption check and gain nothing.
+WORD_SLICES = ("[a-z]{1,8}", "[ ][a-z]{1,8}", "[A-Z][a-z]{0,8}", "[ ][A-Z][a-z]{0,8}",
+               "[0-9]{1,4}")
 
 
 @dataclass(frozen=True)
@@ -149,6 +158,8 @@ class Grammars:
         else:  # the byte tokenizer: 256 byte tokens, then its specials
             self.tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(
                 _ByteView(eos, tokenizer.bos_token_id, vocab_size)), n_vocab=vocab_size)
+        self.tokenizer = self.tokenizer.with_slices(
+            list(WORD_SLICES) + llguidance.LLTokenizer.general_slices())
         self.vocab_size = vocab_size
         self._compiled: dict[str, Any] = {}
 
