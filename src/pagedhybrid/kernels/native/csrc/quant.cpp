@@ -43,6 +43,11 @@ constexpr int kAct = 32;              // activation sub-block (elements per acti
 constexpr int64_t kRowsPerTask = 64;  // rows of x per task
 constexpr int64_t kColsPerTask = 16;  // weight rows per task
 constexpr int kRowBlock = 4;          // rows sharing one weight load
+// at one task of rows (decode) a task takes at least kTaskBytes of codes: 16 weight rows of a
+// 1024-wide int4 weight are 8 KiB, and claiming 2000 such tasks for a [32000, 1024] LM head
+// (the claims' shared counter, short streams) read it at 12-13 GB/s from memory against 18-22
+// GB/s with 32 KiB tasks; tg128 of the 141M benchmark model in int4 128 -> 175 tok/s
+constexpr int64_t kTaskBytes = 32768;
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const c10::BFloat16* p) {
@@ -355,18 +360,20 @@ template <int BITS, typename TO>
 void product(const Rows& x, int64_t m, const std::vector<Weight>& ws, int64_t block) {
   const int64_t row_bytes = x.width * BITS / 8;
   const int64_t row_tasks = (m + kRowsPerTask - 1) / kRowsPerTask;
+  const int64_t cols = row_tasks > 1 ? kColsPerTask  // a task's weight rows
+                                     : std::max<int64_t>(kColsPerTask, kTaskBytes / row_bytes);
   std::vector<int64_t> first(ws.size() + 1, 0);  // each weight's first task
   int64_t total_n = 0;
   for (size_t j = 0; j < ws.size(); ++j) {
-    first[j + 1] = first[j] + row_tasks * ((ws[j].n + kColsPerTask - 1) / kColsPerTask);
+    first[j + 1] = first[j] + row_tasks * ((ws[j].n + cols - 1) / cols);
     total_n += ws[j].n;
   }
   parallel_items(first.back(), 1, m * total_n * x.width, [&](int64_t item) {
     const size_t j = std::upper_bound(first.begin(), first.end(), item) - first.begin() - 1;
     const Weight& w = ws[j];
     const int64_t task = item - first[j], n = w.n;
-    const int64_t c0 = (task / row_tasks) * kColsPerTask, r0 = (task % row_tasks) * kRowsPerTask;
-    const int64_t c1 = std::min(n, c0 + kColsPerTask), r1 = std::min(m, r0 + kRowsPerTask);
+    const int64_t c0 = (task / row_tasks) * cols, r0 = (task % row_tasks) * kRowsPerTask;
+    const int64_t c1 = std::min(n, c0 + cols), r1 = std::min(m, r0 + kRowsPerTask);
     TO* out = static_cast<TO*>(w.out);
     for (int64_t c = c0; c < c1; ++c) {
       const uint8_t* wc = w.codes + c * row_bytes;
