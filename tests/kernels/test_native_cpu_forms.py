@@ -127,8 +127,6 @@ def test_forcing_a_form_and_saying_which_runs(form: str) -> None:
         assert native.library().cpu_form() == form
         assert dense.preferred_linear(torch.bfloat16) is timed_choice(form)
         assert dense.preferred_linear(torch.float32) is fp32_choice()
-        assert (dense.preferred_pack(torch.bfloat16) is not None) == (form == "avx512_bf16")
-        assert dense.preferred_pack(torch.float32) is None
     st = native.status()  # unforced: the fastest
     assert st.isa == HERE[0] and not st.forced and "(" in native.cpu_form()
 
@@ -537,64 +535,38 @@ def test_decode_linear_in_every_form(dtype: torch.dtype) -> None:
                                            atol=tol)
 
 
-def test_preferred_pack_packs_the_large_bf16_weights(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where bf16 pairs multiply in hardware, bf16 weights of PACK_MIN_BYTES or more are packed
-    and smaller ones kept as they are; fp32 / fp16 weights and forms without BF16 dot
-    instructions keep plain weights."""
-    monkeypatch.setattr(dense, "bf16_dot", lambda: True)
-    pack = dense.preferred_pack(torch.bfloat16)
-    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():  # oneDNN cannot reorder bf16 here
-        assert pack is None  # (an AVX2-only CPU: the reorder raises; weights stay plain)
-    else:
-        assert pack is not None
-        large = torch.ones(dense.PACK_MIN_BYTES // 128, 64, dtype=torch.bfloat16)  # the bound
-        small = torch.ones(dense.PACK_MIN_BYTES // 128 - 1, 64, dtype=torch.bfloat16)
-        got = pack(large)
-        assert got.is_mkldnn and got.shape == large.shape and torch.equal(got.to_dense(), large)
-        assert pack(small) is small
-    assert dense.preferred_pack(torch.float32) is None
-    assert dense.preferred_pack(torch.float16) is None
-    monkeypatch.setattr(dense, "bf16_dot", lambda: False)
-    assert dense.preferred_pack(torch.bfloat16) is None
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_packed_weights_multiply_as_the_plain_ones(dtype: torch.dtype) -> None:
-    """A packed weight (``dense.pack``) is the plain one exactly (``to_dense``) and every
-    product function gives with it what it gives with the plain weight: oneDNN's GEMM on the
-    packed layout below WIDEN_ROWS rows (torch's product, within rounding), the same widened
-    GEMM bit for bit from there on where the function widens, in every form; activations in
-    another dtype multiply with the plain form."""
-    gen = torch.Generator().manual_seed(12)
-    w = (torch.randn(80, 136, generator=gen) * 0.1).to(dtype)
-    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        with pytest.raises(RuntimeError, match="bf16 path needs the cpu support"):
-            dense.pack(w)  # why preferred_pack keeps plain weights on such a CPU (AVX2 only)
-        return
-    p = dense.pack(w)
-    assert p.is_mkldnn and p.dtype == dtype and p.shape == w.shape
-    assert torch.equal(p.to_dense(), w)
-    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
-    for rows in (1, dense.DECODE_ROWS - 1, 16, dense.WIDEN_ROWS + 5):
-        x = torch.randn(rows, 136, generator=gen).to(dtype)
-        want = F.linear(x, w)
-        torch.testing.assert_close(dense.packed_linear(x, p).float(), want.float(), rtol=tol,
-                                   atol=tol)
-        lead = dense.packed_linear(x.view(1, rows, 136), p)
-        assert lead.shape == (1, rows, 80) and torch.equal(lead[0], dense.packed_linear(x, p))
+def test_bf16_pairs_are_exact_products_in_one_order_per_element() -> None:
+    """bf16 rows against bf16 weights: every form's native kernels (decode_linear, linear,
+    linear_invariant) agree with the float64 product within bf16 rounding; each row's result is
+    the same bits whatever else is in the call (1 to 70 rows, K with and without a 32-element
+    tail); on the avx512_bf16 form the pairs run by vdpbf16ps -- a subnormal activation counts
+    as 0 there (the instruction flushes it), as it does in no widening form -- and decode_linear
+    keeps the native kernel up to PAIR_ROWS rows."""
+    gen = torch.Generator().manual_seed(31)
+    for k in (64, 136, 1000):
+        w = (torch.randn(72, k, generator=gen) * 0.1).bfloat16()
+        x = torch.randn(70, k, generator=gen).bfloat16()
+        want = x.double() @ w.double().T
         for form in HERE:
             with forced(form):
-                for fn in (dense.decode_linear, dense.mixed_linear, dense.linear):
-                    got, plain = fn(x, p), fn(x, w)
-                    assert got.dtype == dtype and got.shape == (rows, 80)
-                    if dense.product_form(fn, dtype, rows) == "widened":
-                        assert torch.equal(got, plain), (form, fn.__name__, rows)
-                    else:
-                        assert torch.equal(got, dense.packed_linear(x, p))
-                        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
-    if dtype == torch.bfloat16:
-        x = torch.randn(3, 136, generator=gen)  # fp32 activations on the bf16 weight
-        assert torch.equal(dense.linear(x, p), dense.linear(x, w))
+                alone = [dense.invariant_linear(x[r:r + 1], w) for r in range(len(x))]
+                for rows in (1, 2, 5, 8, 9, 16, 33, 63, 70):
+                    inv = dense.invariant_linear(x[:rows], w)
+                    assert all(torch.equal(inv[r], alone[r][0]) for r in range(rows)), (form, k)
+                    fast = dense.linear(x[:rows], w)
+                    if rows < dense.PAIR_ROWS and form == "avx512_bf16":  # the same kernel
+                        assert torch.equal(fast, inv), (form, k, rows)
+                    for got in (inv, fast, dense.decode_linear(x[:rows], w)):
+                        torch.testing.assert_close(got.double(), want[:rows], rtol=1e-2,
+                                                   atol=1e-2)
+                pairs = dense.product_form(dense.decode_linear, torch.bfloat16, 40) == "native"
+                assert pairs == (form == "avx512_bf16")
+                tiny = torch.zeros(1, k, dtype=torch.bfloat16)
+                tiny[0, 0] = 2.0 ** -130  # subnormal in bf16
+                big = torch.zeros(1, k, dtype=torch.bfloat16)
+                big[0, 0] = 2.0 ** 100
+                got = float(dense.invariant_linear(tiny, big)[0, 0])
+                assert got == (0.0 if form == "avx512_bf16" else 2.0 ** -30), (form, got)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)

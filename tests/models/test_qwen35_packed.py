@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from qwen35_tiny import HFSequence, build_hf_model, save_checkpoint, tiny_hf_config
+from qwen35_tiny import HFSequence
 
 from pagedhybrid.errors import ContractViolation
 from pagedhybrid.kernels.backend import backend
@@ -271,7 +271,6 @@ def test_ops_are_called_through_the_backend_seam(tiny_checkpoint):
 def test_large_pools_are_zero_and_cost_nothing_until_used() -> None:
     """A cache of 2 GiB is allocated without writing it: resident memory grows only by the
     pages a sequence touches, and every pool reads as zeros."""
-    from pathlib import Path
 
     from pagedhybrid.models.qwen35.synthetic import tiny_byte_config
 
@@ -298,25 +297,19 @@ def test_large_pools_are_zero_and_cost_nothing_until_used() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("batch", [1, 3, 9])
-@pytest.mark.parametrize("product", ["preferred", "native", "packed", "int4", "int8:32:asym"])
+@pytest.mark.parametrize("product", ["preferred", "native", "int4", "int8:32:asym"])
 def test_fused_decode_layers_equal_the_modules_bit_for_bit(tiny_checkpoint, dtype, batch,
                                                           product):
     """A decode step through the native bundle's fused decoder layers (Gated DeltaNet and full
     attention, and the fused mixer) gives the logits, pages and state pools of the same step run
     module by module, to the bit, at batch sizes on both sides of the product's native / torch
-    GEMM switch, with the products this CPU form prefers, with the native kernel throughout
-    (what a CPU without BF16 dot instructions runs bf16 with) and with every projection weight
-    packed for oneDNN (what a BF16 form holds its large weights as), and with int4 / int8
-    weights (``--quantization``: the integer kernel in both); the fused path is taken (not
-    silently skipped) for every layer."""
+    GEMM switch, with the products this CPU form prefers (bf16 pairs by vdpbf16ps where it has
+    AVX512-BF16), with the native kernel throughout (what a CPU without BF16 dot instructions
+    runs bf16 with), and with int4 / int8 weights (``--quantization``: the integer kernel in
+    both); the fused path is taken (not silently skipped) for every layer."""
     native = backend("native")
-    if product == "packed" and not _packs(dtype):
-        return
     if product == "native":
         native = dataclasses.replace(native, linear_for=lambda dtype: dense.linear)
-    if product == "packed":  # fp32 too: oneDNN packs either dtype
-        native = dataclasses.replace(native, pack_for=lambda dtype: dense.pack,
-                                     linear_for=lambda dtype: dense.decode_linear)
     unfused = dataclasses.replace(native, gdn_decode_layer=None, gdn_decode=None,
                                   attention_decode_layer=None)
     fused_calls: list[tuple[str, bool]] = []
@@ -353,8 +346,6 @@ def test_fused_decode_layers_equal_the_modules_bit_for_bit(tiny_checkpoint, dtyp
             c = cache.clone()
             results.append((model.forward_packed(step, c), c))
         (got, got_cache), (want, want_cache) = results
-        packed = {n for n, p in model.named_parameters() if p.is_mkldnn}
-        assert packed == (_packable(model) if product == "packed" else set()), packed
         assert torch.equal(got, want)
         for pools in ("key_cache", "value_cache", "conv_state", "recurrent_state"):
             for i, t in getattr(want_cache, pools).items():
@@ -422,77 +413,6 @@ def test_fused_layers_verify_drafts_as_the_modules_do(tiny_checkpoint, dtype):
     for i, caps in want_cache.capsules.items():
         for name, t in caps._asdict().items():
             assert torch.equal(getattr(got_cache.capsules[i], name)[[1, 2]], t[[1, 2]]), name
-
-
-def _packs(dtype: torch.dtype) -> bool:
-    """Whether oneDNN packs ``dtype`` weights on this CPU; where it cannot (bf16 on an AVX2-only
-    CPU), that the reorder refuses -- why the engine keeps such weights plain there."""
-    if dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return True
-    with pytest.raises(RuntimeError, match="bf16 path needs the cpu support"):
-        dense.pack(torch.ones(64, 64, dtype=dtype))
-    assert dense.preferred_pack(dtype) is None
-    return False
-
-
-def _packable(model) -> set[str]:
-    """The parameter names of every projection weight (the LM head's included)."""
-    return {f"{n}.weight" for n, m in model.named_modules() if hasattr(m, "matmul")}
-
-
-@pytest.fixture(scope="module")
-def tied_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    hf = build_hf_model(tiny_hf_config(tie_word_embeddings=True), seed=3)
-    return save_checkpoint(hf, tmp_path_factory.mktemp("tied"))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("tied", [False, True])
-def test_weights_are_held_as_each_bundle_packs_them(tiny_checkpoint, tied_checkpoint, dtype,
-                                                    tied):
-    """A bundle that packs gets every projection weight packed; a tied LM head gets a packed
-    copy of the embedding table, which stays plain for the embedding's rows; a bundle that does
-    not pack gets them all plain again, exactly, and the head tied again; the logits follow
-    (equal where the products are the same, close across product forms)."""
-    if not _packs(dtype):
-        return
-    native = backend("native")
-    packing = dataclasses.replace(native, pack_for=lambda dtype: dense.pack,
-                                  linear_for=lambda dtype: dense.mixed_linear)
-    model = load(tied_checkpoint if tied else tiny_checkpoint.path, dtype=dtype, backend=native)
-    cfg = model.config
-    assert cfg.tie_word_embeddings == tied
-    plain = {n: p.clone() for n, p in model.named_parameters()}
-    table = model.model.embed_tokens.weight
-    prompts = [[1, 2, 3, 4, 5], [6, 7]]
-
-    def logits(bundle):
-        model.backend = bundle
-        cache = PagedHybridCache.allocate(cfg, num_pages=4, block_size=BLOCK, num_slots=2,
-                                          dtype=dtype)
-        prefill = model.forward_packed(
-            PackedBatch.from_sequences(prompts, [0, 0], [[0, 1], [2, 3]], [0, 1]), cache)
-        step = model.forward_packed(PackedBatch.from_sequences([[8], [9]], [5, 2], [[0, 1], [2, 3]],
-                                                               [0, 1]), cache)
-        return torch.cat([prefill, step])
-
-    first = logits(packing)
-    held = dict(model.named_parameters())
-    packed = {n for n, p in held.items() if p.is_mkldnn}
-    assert packed == _packable(model) and len(packed) > 4 * cfg.num_hidden_layers
-    head = plain["model.embed_tokens.weight" if tied else "lm_head.weight"]
-    assert all(torch.equal(held[n].to_dense(), head if n == "lm_head.weight" else plain[n])
-               for n in packed)
-    assert model.model.embed_tokens.weight is table and not table.is_mkldnn
-    for bundle in (native, backend("torch")):
-        got = logits(bundle)
-        assert not any(p.is_mkldnn for p in model.parameters())
-        assert all(torch.equal(p, plain[n]) for n, p in model.named_parameters())
-        assert (model.lm_head.weight is table) == tied
-        # bf16: the products round differently (oneDNN's packed GEMM, the native kernel, torch's)
-        atol, rtol = (0.25, 5e-2) if dtype == torch.bfloat16 else (1e-4, 1e-4)
-        torch.testing.assert_close(got, first, rtol=rtol, atol=atol)
-    assert torch.equal(logits(packing), first)
 
 
 def test_fused_decode_layers_follow_a_replaced_parameter(tiny_checkpoint):

@@ -21,7 +21,6 @@ LOAD_RSS_BOUND = 1.2  # RSS growth while loading and reading, in units of the we
 _LOAD = """
 import json, sys, torch
 from pagedhybrid.kernels.backend import backend
-from pagedhybrid.kernels.native import dense
 from pagedhybrid.models.qwen35 import load
 
 def status():
@@ -38,17 +37,14 @@ total = sum(float(p.detach().reshape(-1)[::4096 // p.element_size()].double().su
             for p in model.parameters())
 read = status()
 weights = sum(p.numel() * p.element_size() for p in model.parameters())
-# the native bundle holds the large bf16 projections packed where the CPU multiplies bf16 pairs
-# (kernels/native/dense.py): each packed copy replaces its mapped pages, never adds to them
-table = model.model.embed_tokens.weight
-large = sum(1 for m in model.modules() if hasattr(m, "matmul")
-            and m.weight.numel() * m.weight.element_size() >= dense.PACK_MIN_BYTES)
+# the native bundle multiplies the weights as they are mapped (kernels/native/dense.py): setting
+# it copies nothing, and the tied LM head stays the embedding table
+where = [p.data_ptr() for p in model.parameters()]
 model.backend = backend("native")
-packed = [n for n, p in model.named_parameters() if p.is_mkldnn]
 print(json.dumps({"before": before, "loaded": loaded, "read": read, "held": status(),
-                  "weights": weights, "finite": total == total, "packed": len(packed),
-                  "large": large, "packs": dense.preferred_pack(torch.bfloat16) is not None,
-                  "table": table.numel() * table.element_size()}))
+                  "weights": weights, "finite": total == total,
+                  "tied": model.lm_head.weight is model.model.embed_tokens.weight,
+                  "unmoved": where == [p.data_ptr() for p in model.parameters()]}))
 """
 
 
@@ -82,11 +78,9 @@ def test_loading_maps_the_weights_without_a_second_copy(ckpt: Path) -> None:
     peak = r["read"]["VmHWM"] - b["VmRSS"]
     assert peak <= LOAD_RSS_BOUND * w, (
         f"peak RSS grew by {peak / 2**30:.2f} GiB while loading {w / 2**30:.2f} GiB of weights")
-    # packing (where the CPU form packs): every projection of 1 MiB or more, each one copy but
-    # the tied LM head, a packed copy of the embedding table (which stays for its rows)
-    assert r["large"] >= 6 * 24 + 1
-    assert r["packed"] == (r["large"] if r["packs"] else 0), r["packed"]
-    held, bound = r["held"], LOAD_RSS_BOUND * w + (r["table"] if r["packs"] else 0)
+    # the native bundle set: no copy of any weight, the tied head still the table
+    assert r["tied"] and r["unmoved"]
+    held, bound = r["held"], LOAD_RSS_BOUND * w
     assert held["VmRSS"] - b["VmRSS"] <= bound, (held, w)
     assert held["VmHWM"] - b["VmRSS"] <= bound, (held, w)
 

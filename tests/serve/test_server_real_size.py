@@ -12,10 +12,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import torch
 from conftest import Server, start_server
 
-from pagedhybrid.kernels.native import dense
 from pagedhybrid.models.qwen35 import load_tokenizer
 from pagedhybrid.models.qwen35.synthetic import published_checkpoint
 
@@ -37,10 +35,8 @@ def server(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ser
 def test_starts_with_no_options_and_says_what_it_planned(server: Server) -> None:
     log = server.log.read_text()
     line = next(x for x in log.splitlines() if "memory: weights" in x)
-    # dtype auto: the checkpoint's bf16, not a fp32 copy; where bf16 weights are packed, the
-    # tied LM head's packed copy of the embedding table besides (kernels/native/dense.py)
-    held = 2 * 752_393_024 + (248_320 * 1024 * 2 if dense.preferred_pack(torch.bfloat16) else 0)
-    assert f"{held / 2**30:.2f} GiB bfloat16" in line, line
+    # dtype auto: the checkpoint's bf16, not a fp32 copy, and no second copy of the tied table
+    assert f"{2 * 752_393_024 / 2**30:.2f} GiB bfloat16" in line, line
     assert "32 state slots" in line and "at once:" in line
     gib = {k: float(v) for k, v in re.findall(r"(weights|cache|workspace) ([\d.]+) GiB", line)}
     # no second copy of the weights: the process holds weights + cache + workspace and the

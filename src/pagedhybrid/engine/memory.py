@@ -84,22 +84,21 @@ def workspace_bytes(config: Qwen35Config, cfg: EngineConfig) -> int:
     return WORKSPACE_FLOOR + 4 * (t * per_row + scores + logits) + capsules
 
 
-def weight_bytes(model: torch.nn.Module, packed: bool = True) -> int:
+def weight_bytes(model: torch.nn.Module, quantized: bool = True) -> int:
     """Bytes of the model's parameters, each storage once, and of its int8 / int4 projections
     (codes, scales, zero points; their fp placeholders on the meta device hold nothing);
-    ``packed=False`` leaves out the packed and the quantised weights (opaque oneDNN tensors,
-    ``kernels/native/dense.py``, and codes: already in private memory)."""
+    ``quantized=False`` leaves out the quantised weights (their codes are in private memory,
+    not in the checkpoint's mapping)."""
     seen: set[int] = set()
     total = 0
-    if packed:
+    if quantized:
         total += sum(q.nbytes for m in model.modules()
                      if (q := getattr(m, "quant", None)) is not None)
     for p in model.parameters():
-        if p.is_meta or (p.is_mkldnn and not packed):
+        if p.is_meta:
             continue
-        key = id(p) if p.is_mkldnn else p.data_ptr()
-        if key not in seen:
-            seen.add(key)
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
             total += p.numel() * p.element_size()
     return total
 
@@ -147,7 +146,7 @@ def plan_memory(config: Qwen35Config, cfg: EngineConfig, dtype: torch.dtype,
     """The pools of an engine for ``config`` in ``dtype`` (module docstring). ``available``:
     the machine's available memory in bytes (default: measured now); ``unmapped``: the part of
     ``weights`` that is not already in private memory, so not yet out of ``available``
-    (default: all of it; packed weights are already there)."""
+    (default: all of it; quantised weights are already there)."""
     bs = cfg.block_size
     spec = cfg.speculative
     per_page = max(page_bytes(config, bs, cfg.page_dtype(dtype),

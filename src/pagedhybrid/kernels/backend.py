@@ -94,7 +94,6 @@ def _declare() -> KernelRegistry:
                              state_capture=True, quantized_weights=True),
             native_step.attention, native_step.causal_conv, native_step.gated_delta,
             native_ops, _native_available, native_dense.preferred_linear,
-            native_dense.preferred_pack,
             norms=native_norms.NATIVE_NORMS, gdn_decode=native_step.gdn_decode,
             gdn_decode_layer=native_step.gdn_decode_layer,
             attention_decode_layer=native_step.attention_decode_layer,

@@ -6,8 +6,6 @@ A ``Backend`` (a kernel bundle) holds, for one implementation family:
   on a validated ``StepMetadata``, with KV pages and conv / recurrent state pools updated in place
   (signatures in ``kernels/cpu/step.py``), ``linear_for(dtype)`` (what every projection and the
   LM head multiply with in a ``dtype`` model; None = ``torch.nn.functional.linear``),
-  ``pack_for(dtype)`` (how that product wants a projection weight held: a function that returns
-  it packed or as it is; None = plain weights) and
   ``pointwise`` (silu and sigmoid) and ``norms`` (RMS, gated RMS and L2 norms; torch's for both
   by default); optionally ``gdn_decode``, the Gated DeltaNet mixer of a decode-only step fused
   into one call, and ``gdn_decode_layer`` / ``attention_decode_layer``, a whole decoder layer of
@@ -348,10 +346,6 @@ def _torch_linear(dtype: torch.dtype) -> LinearFn | None:
     return None
 
 
-def _plain_weights(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    return None
-
-
 @dataclass(frozen=True)
 class Backend:
     """One kernel bundle (see the module docstring)."""
@@ -366,8 +360,6 @@ class Backend:
     ops: ContractOps
     available: Callable[[], str | None] = field(default=_always)
     linear_for: Callable[[torch.dtype], LinearFn | None] = field(default=_torch_linear)
-    pack_for: Callable[[torch.dtype], Callable[[torch.Tensor], torch.Tensor] | None] = field(
-        default=_plain_weights)
     pointwise: Pointwise = TORCH_POINTWISE
     norms: Norms = TORCH_NORMS
     gdn_decode: Callable[..., torch.Tensor | None] | None = None

@@ -210,11 +210,10 @@ class ReplicatedLinear(nn.Module):
                     f"{name} is already held as {self.quant.fmt.name}; load the checkpoint "
                     f"again to hold it as {fmt.name}")
             return None
-        plain = w.to_dense() if w.is_mkldnn else w
-        self.quant = quantize(plain, fmt, name)
+        self.quant = quantize(w, fmt, name)
         self.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"),
                                    requires_grad=False)
-        return plain
+        return w
 
 
 class ColumnParallelLinear(ReplicatedLinear):

@@ -25,30 +25,23 @@ time up to 16 rows), and 256 rows 1.5x slower. So fp32 runs torch's GEMM (None) 
 faster at 4 rows, else the native kernel below ``DECODE_ROWS`` (``decode_linear``) or at every
 size (``linear``) when it is also the faster at 256 rows. On a form with BF16 dot instructions
 it depends on how good oneDNN's bf16 GEMM is on the machine, which the CPU flags do not tell.
-Below ``DECODE_ROWS`` rows the native kernel runs (oneDNN's per-call overhead dominates such small
-products), up to ``WIDEN_ROWS`` torch's bf16 GEMM (the 0.8B geometry decoded 16 sequences at 38
-tok/s with it, 21 with the native packed form); from ``WIDEN_ROWS`` rows on whichever of torch's
+Below ``PAIR_ROWS`` rows the native kernel runs, in bf16 pairs (below); from ``WIDEN_ROWS`` rows on
+whichever of torch's
 bf16 GEMM and ``linear``'s widened fp32 GEMM the first call timed faster (``bf16_gemm_timing``: a
 [4096, 1024] bf16 weight at 256 rows, medians of 5, ~0.1 s once per process and form):
 ``decode_linear`` (torch's) or ``mixed_linear`` (the widened fp32 GEMM: an AVX512-BF16 Xeon without
 AMX timed torch's bf16 GEMM 1.1-1.5x slower, and prefilled 512 tokens of the 0.8B geometry in 4.7 s
 instead of 6.2).
 
-Packed weights (``preferred_pack``, ``pack``): on a form with BF16 dot instructions a bf16
-projection weight of ``PACK_MIN_BYTES`` or more is reordered once, at load, into oneDNN's blocked
-layout (``mkldnn._reorder_linear_weight``, as vLLM's CPU backend does) and takes the plain
-weight's place -- one copy, the mapped file's pages released. A packed weight multiplies with
-oneDNN's GEMM on that layout below ``WIDEN_ROWS`` rows (every decode product; in C++ too, in the
-fused decode layers) and from there on as the plain weight would (the widened GEMM reads its
-plain form back). Streaming the 0.8B geometry's projections from memory at 16 rows it ran 1.38x
-faster than torch's GEMM on the plain weights and 2.2x faster than the native kernel, and within
-the box's noise of the native kernel at one row; the sums are oneDNN's (on this Xeon bit-equal to
-torch's bf16 GEMM on the plain weight at every row count). Smaller weights stay plain: they sit in
-cache, where the oneDNN call's ~19 us costs more than it saves. A tied LM head is the embedding
-table, whose rows the embedding reads: the model gives the head a packed copy (the one weight held
-twice, as vLLM's CPU backend holds it); at 16 rows the 248k x 1024 table multiplied 1.5-2.6x
-faster packed than plain (runs differ that much on this shared VM). Activations in another dtype
-than a packed weight multiply with its plain form.
+bf16 pairs (``PAIR_ROWS``): on a form with BF16 dot instructions the native kernel multiplies
+bf16 activations by bf16 weights in pairs (``vdpbf16ps``, ``csrc/gemm.h``), no widening, with
+the weights as loaded -- so below ``PAIR_ROWS`` rows (every decode batch) bf16 projections run
+it, from there on as above. It replaced holding the large bf16 weights in oneDNN's blocked layout
+(``mkldnn._reorder_linear_weight``, vLLM's CPU backend's choice), measured side by side on the
+141M benchmark model (avx512_bf16 EPYC, 2 threads; ``benchmarks/weights.py``): one sequence
+decoded 56-60 tok/s packed, 67-84 with the pairs on plain weights; 8 and 32 sequences within the
+noise of each other (b32 700-708 packed, 697-700 plain); and a tied LM head no longer needs a
+packed copy of the embedding table (the 0.8B geometry's 508 MB).
 """
 
 from __future__ import annotations
@@ -69,8 +62,7 @@ WIDEN_ROWS = 64  # rows from which bf16 / fp16 weights are widened in chunks for
 WIDEN_CHUNK_BYTES = 8 << 20  # fp32 weight rows widened at a time
 MIN_CHUNK_ROWS = 16
 DECODE_ROWS = 8  # rows below which decode_linear runs the native kernel
-PACK_MIN_BYTES = 1 << 20  # bf16 weights from this size are packed (preferred_pack)
-PACK_ROWS = 32  # the batch oneDNN picks the packed layout for (vLLM's CPU backend's choice)
+PAIR_ROWS = WIDEN_ROWS  # bf16 on a form with BF16 dot instructions: the same, for bf16 weights
 
 
 def _product(op: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -133,7 +125,8 @@ def bf16_dot() -> bool:
 
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The native kernel for fewer than ``DECODE_ROWS`` rows (decode), torch's GEMM above."""
+    """The native kernel for fewer than ``DECODE_ROWS`` rows (``PAIR_ROWS`` for bf16 weights
+    where the form multiplies bf16 pairs), torch's GEMM above."""
     return _run(decode_linear, x, weight)
 
 
@@ -151,51 +144,17 @@ def product_form(matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | 
     if matmul is linear:
         return "widened" if weight_dtype in WIDENED_DTYPES and rows >= WIDEN_ROWS else "native"
     if matmul is decode_linear:
-        return "native" if rows < DECODE_ROWS else "torch"
+        pairs = weight_dtype == torch.bfloat16 and bf16_dot()
+        return "native" if rows < (PAIR_ROWS if pairs else DECODE_ROWS) else "torch"
     return None
 
 
 def _run(matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor,
          weight: torch.Tensor) -> torch.Tensor:
-    if weight.is_mkldnn and x.dtype != weight.dtype:
-        weight = weight.to_dense()  # activations in another dtype: the plain weight's product
     form = product_form(matmul, weight.dtype, math.prod(x.shape[:-1]))
-    if weight.is_mkldnn:  # packed: oneDNN's GEMM on it unless widened (prefill)
-        return _widened_gemm(x, weight.to_dense()) if form == "widened" \
-            else packed_linear(x, weight)
     if form == "native":
         return _product("linear", x, weight)
     return _widened_gemm(x, weight) if form == "widened" else F.linear(x, weight)
-
-
-def packed_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x [..., K] @ weight^T`` by oneDNN's GEMM on a weight ``pack`` reordered (``x`` in the
-    weight's dtype)."""
-    x2 = x.reshape(-1, x.shape[-1])
-    out = torch.ops.mkldnn._linear_pointwise(x2 if x2.is_contiguous() else x2.contiguous(),
-                                             weight, None, "none", [], "")
-    return out if x.dim() == 2 else out.view(*x.shape[:-1], weight.shape[0])
-
-
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """``weight [N, K]`` (bf16) reordered into oneDNN's blocked layout for ``PACK_ROWS``-row
-    products: an opaque tensor of the same shape, dtype and bytes (``to_dense()`` gives it
-    back exactly)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
-
-
-def _pack_large(weight: torch.Tensor) -> torch.Tensor:
-    return pack(weight) if weight.numel() * weight.element_size() >= PACK_MIN_BYTES else weight
-
-
-def preferred_pack(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """How a ``dtype`` model's projection weights are held on the chosen form (module
-    docstring): bf16 weights of ``PACK_MIN_BYTES`` or more packed where the form multiplies
-    bf16 pairs in hardware; None (plain) otherwise."""
-    if dtype != torch.bfloat16 or not bf16_dot() \
-            or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return None
-    return _pack_large
 
 
 @functools.cache
@@ -204,15 +163,13 @@ def _bf16_gemm_timing(form: str) -> float:
     weight = torch.randn(4096, 1024, generator=torch.Generator().manual_seed(0),
                          device=cpu).bfloat16()
     x = torch.randn(256, 1024, generator=torch.Generator().manual_seed(1), device=cpu).bfloat16()
-    # the weight held as the projections hold it; each product through the one dispatch
-    # (_run): decode_linear at 256 rows is torch's GEMM (oneDNN's on a packed weight), linear
-    # the widened GEMM (from the plain form read back)
-    held = pack(weight) if preferred_pack(torch.bfloat16) is not None else weight
+    # each product through the one dispatch (_run): decode_linear at 256 rows is torch's GEMM,
+    # linear the widened GEMM
     times: dict[str, list[float]] = {"torch": [], "widened": []}
     for _ in range(6):  # the first round warms both up and is dropped
         for name, fn in (("torch", decode_linear), ("widened", linear)):
             t0 = time.perf_counter()
-            fn(x, held)
+            fn(x, weight)
             times[name].append(time.perf_counter() - t0)
     return statistics.median(times["torch"][1:]) / statistics.median(times["widened"][1:])
 
@@ -240,8 +197,7 @@ def _agreed(name: str, measure: Callable[[str], tuple[float, ...]]) -> tuple[flo
 
 
 def bf16_gemm_timing() -> float:
-    """Time of torch's bf16 GEMM (oneDNN's on the packed weight where weights are packed) over
-    the widened fp32 GEMM's (from the plain weight read back) at 256 rows on this machine
+    """Time of torch's bf16 GEMM over the widened fp32 GEMM's at 256 rows on this machine
     (> 1: torch's is slower), measured once per form (rank 0's under torch.distributed): the
     figure the start-up line reports is the one the projections were chosen by."""
     return _agreed("bf16", lambda form: (_bf16_gemm_timing(form),))[0]

@@ -17,7 +17,7 @@
   ``weights.fuse_experts``). Where the bundle has a fused MoE kernel (``moe``, from
   ``Backend.moe``: the native bundles' ``kernels/native/moe.py``) the routed experts and the
   shared expert run in it, one call per layer (the shared expert's module when its weights are
-  packed for oneDNN); otherwise (torch, reference) ``Experts`` groups the tokens by expert with
+  quantised); otherwise (torch, reference) ``Experts`` groups the tokens by expert with
   one stable sort per layer, computes each expert's rows together and adds them back per token
   in expert order (HF's order).
 * Projections are ``pagedhybrid.parallel.linear``'s (``ReplicatedLinear``,
@@ -161,9 +161,9 @@ class SparseMoE(nn.Module):
             s = self.shared_expert
             held = (s.gate_proj.weight, s.up_proj.weight, s.down_proj.weight,
                     self.shared_expert_gate.weight)
-            # the shared expert in the same call, unless its weights are packed for oneDNN or
-            # quantised (its modules run it)
-            shared = None if any(w.is_mkldnn or w.is_meta for w in held) else held
+            # the shared expert in the same call, unless its weights are quantised (its modules
+            # run it)
+            shared = None if any(w.is_meta for w in held) else held
             routed = self.moe(x, index, weights, self.experts.gate_up_proj,
                               self.experts.down_proj, shared)
             if shared is not None:  # routed and shared: the ranks' partial sums reduced once

@@ -26,11 +26,8 @@ Kernels come from the one kernel registry (``pagedhybrid.kernels.backend.REGISTR
 ``select(needs=Needs(...))``): ``auto`` gives the native kernels when the prebuilt extension is
 present and the model's needs fit (prefix caching, KV page dtype, batch invariance), else the
 next bundle that fits, with every rejection's reason. Setting ``model.backend`` gives
-every layer its step seam and every projection (``parallel.linear``'s layers) its ``linear``,
-and holds each projection weight as the bundle's ``pack_for`` says: packed where the product
-reads a packed layout faster (the plain weight replaced, its mapped file pages released), plain
-otherwise (a packed weight read back). A tied LM head is the embedding table, which the
-embedding reads rows of: packing gives the head its own packed copy (the one weight held twice).
+every layer its step seam and every projection (``parallel.linear``'s layers) its ``linear``;
+the weights stay as loaded (a tied LM head is the embedding table itself).
 
 Tensor parallelism is built in: ``build`` / ``load`` take a ``ParallelConfig`` (``tp_rank``,
 ``tp_world_size``, process group) and every layer is made of the rank's column- / row-parallel
@@ -49,7 +46,7 @@ Logits are returned as float32 (as the exported graph does).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -298,7 +295,6 @@ class Qwen35ForCausalLM(nn.Module):
         its ``moe`` (the experts of a mixture-of-experts block)."""
         self._backend = value
         matmul = value.linear_for(self.dtype)
-        pack = value.pack_for(self.dtype)
         if self.weight_format is not None and value.quantized_linear is None:
             raise UnsupportedConfiguration(
                 f"the {value.name} kernels have no product for {self.weight_format.name} "
@@ -308,47 +304,12 @@ class Qwen35ForCausalLM(nn.Module):
                 m.matmul = matmul
                 if value.quantized_linear is not None:
                     m.qmatmul = value.quantized_linear
-                if m.quant is not None:
-                    pass  # held in 8 / 4 bits: nothing to pack
-                elif m is self.lm_head and self.config.tie_word_embeddings:
-                    self._hold_tied_head(pack)
-                else:
-                    self._hold(m, pack)
             if hasattr(m, "pointwise"):
                 m.pointwise = value.pointwise
             if hasattr(m, "norms"):
                 m.norms = value.norms
             if hasattr(m, "moe"):
                 m.moe = value.moe
-
-    @staticmethod
-    def _hold(m: nn.Module, pack: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
-        """``m.weight`` packed by ``pack`` (plain when None); a replaced plain weight's mapped
-        file pages are released. Weights not (yet) in CPU memory, e.g. of a model being built
-        on the meta device, are left as they are."""
-        old = m.weight
-        if old.device.type != "cpu":
-            return
-        plain = old.to_dense() if old.is_mkldnn else old
-        new = plain if pack is None else pack(plain)
-        if new is old:
-            return
-        held = nn.Parameter(new, requires_grad=False)
-        if hasattr(old, "weight_loader"):
-            held.weight_loader = old.weight_loader  # type: ignore[attr-defined]
-        m.weight = held
-        if new is not plain:
-            release_pages(plain)
-
-    def _hold_tied_head(self, pack: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
-        """A tied LM head is the embedding table, whose rows the embedding reads: where the
-        bundle packs it, the head gets a packed copy of the table (vLLM's CPU backend does the
-        same); otherwise the head is the table again."""
-        table = self.model.embed_tokens.weight
-        if table.device.type != "cpu":
-            return
-        new = table if pack is None else pack(table)
-        self.lm_head.weight = table if new is table else nn.Parameter(new, requires_grad=False)
 
     # -- weights ----------------------------------------------------------------------------------
     @property

@@ -75,7 +75,7 @@ _MAPS: list[tuple[weakref.ref[mmap.mmap], int, int]] = []  # live mappings: (map
 def release_pages(t: torch.Tensor) -> None:
     """Drop the resident pages wholly inside ``t`` when it is a view of a live checkpoint
     mapping (module docstring); anything else is left alone."""
-    if t.is_mkldnn or not t.is_contiguous():
+    if not t.is_contiguous():
         return
     begin, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
     _MAPS[:] = [e for e in _MAPS if e[0]() is not None]

@@ -33,7 +33,7 @@
 #include <ATen/ATen.h>
 #include <cstring>
 #include <tuple>
-#include <ATen/core/dispatch/Dispatcher.h>
+#include <omp.h>
 #include <torch/library.h>
 
 #include "common.h"
@@ -43,18 +43,22 @@
 namespace pagedhybrid {
 namespace {
 
-// A weight packed into oneDNN's blocked layout (dense.pack: an MKLDNN tensor) multiplies with
-// oneDNN's GEMM on it, as dense.packed_linear does; a plain one as the bundle's product form.
-at::Tensor packed_product(const at::Tensor& x, const at::Tensor& w) {
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
-          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                            c10::string_view, c10::List<std::optional<at::Scalar>>,
-                            std::optional<c10::string_view>)>();
-  return op.call(x.is_contiguous() ? x : x.contiguous(), w, std::nullopt, "none",
-                 c10::List<std::optional<at::Scalar>>(),
-                 c10::string_view(""));
+// f() -- torch's pointwise ops -- on the calling thread alone. Above its grain (32768 elements)
+// an ATen op opens an OpenMP region, after which the OpenMP worker spins for a while: on two
+// cores that starves the native kernels' helper thread through the next projections (a
+// 32-sequence bf16 decode step's MLP and residual ops did so 16 times a step: 62 -> 51 ms).
+// The same kernels run, in one chunk (their chunks of [rows, intermediate] split at multiples
+// of the vector width either way).
+struct OneOmpThread {  // the calling thread's OpenMP regions at one thread, while in scope
+  const int threads = omp_get_max_threads();
+  OneOmpThread() { omp_set_num_threads(1); }
+  ~OneOmpThread() { omp_set_num_threads(threads); }
+};
+
+template <class F>
+at::Tensor serial(const F& f) {
+  const OneOmpThread one;
+  return f();
 }
 
 // One projection: its weight, or -- a model with int8 / int4 weights (`quant`, 3 tensors per
@@ -91,7 +95,6 @@ at::Tensor product(const at::Tensor& x, const Proj& p, bool native_linear) {
     return out;
   }
   const at::Tensor& w = p.w;
-  if (w.is_mkldnn()) return packed_product(x, w);
   if (!native_linear) return at::linear(x, w);
   at::Tensor out = at::empty({x.size(0), w.size(0)}, x.options());
   linear(x, w, out);
@@ -211,8 +214,9 @@ at::Tensor mlp_block(const at::Tensor& h2, const at::Tensor& post_norm, const Pr
                      const Proj& up, const Proj& down, double rms_eps, bool native_linear) {
   const at::Tensor x2 = norm(h2, post_norm, rms_eps);
   const std::vector<at::Tensor> gu = products(x2, {&gate, &up}, native_linear);
-  const at::Tensor m = at::mul(at::silu(gu[0]), gu[1]);
-  return at::add(h2, product(m, down, native_linear));
+  const at::Tensor m = serial([&] { return at::mul(at::silu(gu[0]), gu[1]); });
+  const at::Tensor d = product(m, down, native_linear);
+  return serial([&] { return at::add(h2, d); });
 }
 
 void check_h(const char* op, const at::Tensor& h) {
@@ -315,8 +319,10 @@ at::Tensor attention_decode_layer(const at::Tensor& h, const at::Tensor& input_n
     value_cache.view({-1, kv_heads, hd}).index_copy_(0, write_slots, v);
     paged_attention(qf, key_cache, value_cache, block_table, cu_seqlens, past_lens, seqs, attn,
                     scale, split);
-    const at::Tensor gated = at::mul(attn.to(dt).reshape({n, -1}), at::sigmoid(gate));
-    const at::Tensor h2 = at::add(h, product(gated, o_p, native_linear));
+    const at::Tensor gated =
+        serial([&] { return at::mul(attn.to(dt).reshape({n, -1}), at::sigmoid(gate)); });
+    const at::Tensor o = product(gated, o_p, native_linear);
+    const at::Tensor h2 = serial([&] { return at::add(h, o); });
     return mlp_block(h2, post_norm, gate_p, up_p, down_p, rms_eps, native_linear);
   });
 }
@@ -371,7 +377,8 @@ at::Tensor gdn_decode_layer(const at::Tensor& h, const at::Tensor& input_norm,
                      conv_weight, conv_pool, a_log, dt_bias, pool, slots, fresh, gated_norm, y,
                      key_heads, scale, l2_eps, gated_eps, cu_seqlens, verify, capsule_conv, decay,
                      key, delta);
-    const at::Tensor h2 = at::add(h, product(y, out_p, native_linear));
+    const at::Tensor o = product(y, out_p, native_linear);
+    const at::Tensor h2 = serial([&] { return at::add(h, o); });
     return mlp_block(h2, post_norm, gate_p, up_p, down_p, rms_eps, native_linear);
   });
 }

@@ -74,21 +74,87 @@ inline void block(const TX* x, const TW* w, int64_t k, int64_t ldx, int64_t ldw,
     for (int c = 0; c < C; ++c) out[r * ldo + c] = from_float<TO>(reduce_add(acc[r][c]));
 }
 
+// bf16 rows against bf16 weight rows where the CPU form has AVX512-BF16: 32-element pairs by
+// vdpbf16ps (the products exact, pairs summed into the fp32 lanes, denormals flushed), no
+// widening -- the widening form is bound by its conversions at one row. Lane l accumulates the
+// pairs at k = 2l, 2l + 32, ... in ascending order (a masked zero-filled load for the K tail),
+// then the one fixed horizontal sum: as fixed per output element as `block`, so every row
+// count takes this form (gemm_fixed does not widen such weights, linear.cpp not such rows).
+#if defined(__AVX512BF16__)
+template <typename TX, typename TW>
+constexpr bool kBf16Pairs =
+    std::is_same_v<TX, c10::BFloat16> && std::is_same_v<TW, c10::BFloat16>;
+
+inline __m512bh load_pairs(const c10::BFloat16* p) {
+  return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p));
+}
+inline __m512bh load_pairs_first(const c10::BFloat16* p, int n) {  // n < 32
+  return reinterpret_cast<__m512bh>(
+      _mm512_maskz_loadu_epi16(static_cast<__mmask32>((uint32_t{1} << n) - 1), p));
+}
+
+template <typename TO, int R, int C>
+inline void block_pairs(const c10::BFloat16* x, const c10::BFloat16* w, int64_t k, int64_t ldx,
+                        int64_t ldw, TO* out, int64_t ldo) {
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  int64_t e = 0;
+  for (; e + 32 <= k; e += 32) {
+    for (int c = 0; c < C; ++c)  // as `block`: the next block's rows into L2
+      _mm_prefetch(reinterpret_cast<const char*>(w + (C + c) * ldw + e), _MM_HINT_T1);
+    __m512bh wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = load_pairs(w + c * ldw + e);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = load_pairs(x + r * ldx + e);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
+    }
+  }
+  if (e < k) {
+    const int n = static_cast<int>(k - e);
+    __m512bh wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = load_pairs_first(w + c * ldw + e, n);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = load_pairs_first(x + r * ldx + e, n);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) out[r * ldo + c] = from_float<TO>(reduce_add(acc[r][c]));
+}
+#else
+template <typename TX, typename TW>
+constexpr bool kBf16Pairs = false;
+#endif
+
+// One register block in the form for TX x TW.
+template <typename TX, typename TW, typename TO, int R, int C>
+inline void tile(const TX* x, const TW* w, int64_t k, int64_t ldx, int64_t ldw, TO* out,
+                 int64_t ldo) {
+#if defined(__AVX512BF16__)
+  if constexpr (kBf16Pairs<TX, TW>) {
+    block_pairs<TO, R, C>(x, w, k, ldx, ldw, out, ldo);
+    return;
+  }
+#endif
+  block<TX, TW, TO, R, C>(x, w, k, ldx, ldw, out, ldo);
+}
+
 // A single row blocks 8 weight rows (8 independent FMA chains keep both FMA ports busy); more
 // rows share each weight load kBlockCols at a time. Each accumulator's arithmetic is its own
 // either way, so the blocking changes no bit of the result.
 template <typename TX, typename TW, typename TO, int R>
 inline void row_block(const TX* x, const TW* w, int64_t cols, int64_t k, int64_t ldx, TO* out,
                       int64_t ldo) {
-  constexpr int kCols = R == 1 ? 2 * kBlockCols : R >= 3 ? kWideCols : kBlockCols;
+  constexpr int kCols = R == 1 ? 2 * kBlockCols : R > 4 ? 3 : R >= 3 ? kWideCols : kBlockCols;
   int64_t c = 0;
   for (; c + kCols <= cols; c += kCols)
-    block<TX, TW, TO, R, kCols>(x, w + c * k, k, ldx, k, out + c, ldo);
+    tile<TX, TW, TO, R, kCols>(x, w + c * k, k, ldx, k, out + c, ldo);
   if constexpr (kCols != kBlockCols) {
     for (; c + kBlockCols <= cols; c += kBlockCols)
-      block<TX, TW, TO, R, kBlockCols>(x, w + c * k, k, ldx, k, out + c, ldo);
+      tile<TX, TW, TO, R, kBlockCols>(x, w + c * k, k, ldx, k, out + c, ldo);
   }
-  for (; c < cols; ++c) block<TX, TW, TO, R, 1>(x, w + c * k, k, ldx, k, out + c, ldo);
+  for (; c < cols; ++c) tile<TX, TW, TO, R, 1>(x, w + c * k, k, ldx, k, out + c, ldo);
 }
 
 // out[r * ldo + c] = x row r . w row c, for r < rows, c < cols (x rows ldx apart, w rows k apart)
@@ -96,6 +162,10 @@ template <typename TX, typename TW, typename TO>
 inline void gemm_stream(const TX* x, int64_t ldx, int64_t rows, const TW* w, int64_t cols,
                         int64_t k, TO* out, int64_t ldo) {
   int64_t r = 0;
+  if constexpr (kBf16Pairs<TX, TW>) {  // 8 rows x 3 weight rows: each weight load feeds 8 rows
+    for (; r + 8 <= rows; r += 8)
+      row_block<TX, TW, TO, 8>(x + r * ldx, w, cols, k, ldx, out + r * ldo, ldo);
+  }
   for (; r + kBlockRows <= rows; r += kBlockRows)
     row_block<TX, TW, TO, kBlockRows>(x + r * ldx, w, cols, k, ldx, out + r * ldo, ldo);
   if (r + 3 <= rows) {  // the rest share each weight load (a verify chunk, an expert's rows)
@@ -115,7 +185,7 @@ constexpr int64_t kWidenRows = 16;  // rows from which gemm_fixed widens bf16/fp
 template <typename TX, typename TW, typename TO>
 inline void gemm_fixed(const TX* x, int64_t ldx, int64_t rows, const TW* w, int64_t cols,
                        int64_t k, TO* out, int64_t ldo) {
-  if constexpr (!std::is_same_v<TW, float>) {
+  if constexpr (!std::is_same_v<TW, float> && !kBf16Pairs<TX, TW>) {
     if (rows >= kWidenRows) {
       thread_local std::vector<float> panel;
       panel.resize(static_cast<size_t>(cols * k));

@@ -40,6 +40,7 @@ namespace {
 
 constexpr int64_t kRowsPerTask = 64;  // rows of x per task (cache block)
 constexpr int64_t kColsPerTask = 32;  // weight rows per task
+constexpr int64_t kPairRows = 64;  // bf16 pairs: rows below which `linear` streams (PAIR_ROWS)
 
 template <typename TX, typename TW, typename TO>
 void linear_rows(const TX* xp, const at::Tensor& w, at::Tensor& out, int64_t m, int64_t k);
@@ -60,7 +61,7 @@ std::vector<float> widened(const at::Tensor& x) {
 template <typename TX, typename TW, typename TO>
 void linear_impl(const at::Tensor& x, const at::Tensor& w, at::Tensor& out) {
   const int64_t m = x.size(0), k = x.size(1);
-  if constexpr (!std::is_same_v<TX, float>) {
+  if constexpr (!std::is_same_v<TX, float> && !kBf16Pairs<TX, TW>) {
     if (m >= 2) {
       const std::vector<float> xf = widened<TX>(x);
       linear_rows<float, TW, TO>(xf.data(), w, out, m, k);
@@ -144,7 +145,7 @@ void linear(const at::Tensor& x, const at::Tensor& w, at::Tensor out) {
     using TX = decltype(xtag);
     using TW = decltype(wtag);
     const int64_t m = x.size(0), k = x.size(1);
-    if (m < kPackRows) {
+    if (m < (kBf16Pairs<TX, TW> ? kPairRows : kPackRows)) {
       linear_impl<TX, TW, TX>(x, w, out);
     } else if constexpr (std::is_same_v<TX, float>) {
       linear_packed<float, TW, TX>(x.data_ptr<float>(), w, out, m, k);
