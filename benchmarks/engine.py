@@ -39,6 +39,10 @@ benchmark's dtype), where logprobs are real.
 
 from __future__ import annotations
 
+# isort: off
+import pagedhybrid  # noqa: F401 -- first: it sets OpenMP's spin before torch loads
+# isort: on
+
 import argparse
 import dataclasses
 import json

@@ -27,6 +27,10 @@ States the CPU; writes JSON.
 
 from __future__ import annotations
 
+# isort: off
+import pagedhybrid  # noqa: F401 -- first: it sets OpenMP's spin before torch loads
+# isort: on
+
 import argparse
 import json
 import platform

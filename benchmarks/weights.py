@@ -35,6 +35,10 @@ llama.cpp's ``llama-perplexity`` on the same text per GGUF format when built.
 
 from __future__ import annotations
 
+# isort: off
+import pagedhybrid  # noqa: F401 -- first: it sets OpenMP's spin before torch loads
+# isort: on
+
 import argparse
 import json
 import random

@@ -2,7 +2,8 @@
 
 The engine names below are imported on first use (``pagedhybrid.LLM``), so that importing a
 light part of the package -- the op contracts, the errors, the CLI's argument parsing -- does not
-load the engine, the model and the kernels.
+load the engine, the model and the kernels. Importing it first sets OpenMP's spin for torch's
+threads (``pagedhybrid.openmp``).
 """
 
 from __future__ import annotations
@@ -10,7 +11,11 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-from pagedhybrid.errors import (
+from pagedhybrid import openmp
+
+openmp.configure()  # before anything loads torch (and libgomp): pagedhybrid/openmp.py
+
+from pagedhybrid.errors import (  # noqa: E402
     CapacityError,
     ContractViolation,
     PagedHybridError,

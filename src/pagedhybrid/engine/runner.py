@@ -48,6 +48,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from pagedhybrid import openmp
 from pagedhybrid.engine.config import EngineConfig, PoolSizes
 from pagedhybrid.engine.contention import ThreadGovernor
 from pagedhybrid.engine.request import Request
@@ -372,6 +373,8 @@ class ModelRunner:
         if fmt is not None and qm is not None:
             parts.append(f"{fmt.name} weights: {qm.__module__.rsplit('.', 1)[-1]}.{qm.__name__}"
                          + (f" ({native_quant.int_dot()})" if self._native else ""))
+        if self._native:
+            parts.append(openmp.summary())
         return "; ".join(parts)
 
     def _kv_scales(self, kvd: torch.dtype) -> dict[int, KVScales]:
