@@ -4,7 +4,8 @@ each layer package imports alone without loading a later layer.
 Layer order (DESIGN.md): errors -> ops -> kernels -> attention -> models -> engine -> serve ->
 export -> cli. Modules DESIGN.md does not name are placed here explicitly: ``dtypes`` and
 ``kvquant`` (element-type tables and the KV quantization rule, on ``errors`` only) sit with
-``errors``, and so does ``weightquant`` (the weights' int8 / int4 formats, on ``errors``);
+``errors``, and so do ``weightquant`` (the weights' int8 / int4 formats, on ``errors``) and
+``openmp`` (OpenMP's spin, set before torch loads: imports nothing of the package);
 ``parallel`` (context and tensor parallelism over torch.distributed, as DESIGN.md
 puts it) with ``attention``; the root package ``pagedhybrid`` re-exports the engine (``engine``);
 the command-line tools ``conformance``, ``calibrate_kv``, ``perplexity`` and ``__main__`` with
@@ -45,6 +46,7 @@ EXACT = {
 PREFIX = {
     "pagedhybrid.errors": "errors", "pagedhybrid.dtypes": "errors",
     "pagedhybrid.kvquant": "errors", "pagedhybrid.weightquant": "errors",
+    "pagedhybrid.openmp": "errors",
     "pagedhybrid.ops": "ops", "pagedhybrid.kernels": "kernels",
     "pagedhybrid.attention": "attention", "pagedhybrid.parallel": "attention",
     "pagedhybrid.models": "models", "pagedhybrid.engine": "engine", "pagedhybrid.serve": "serve",
@@ -247,4 +249,5 @@ def test_the_root_package_loads_the_engine_only_when_asked() -> None:
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                           timeout=600, check=True)
     loaded, where = done.stdout.strip().rsplit(" ", 1)
-    assert loaded == "['pagedhybrid.errors']" and where == "pagedhybrid.engine.engine", done.stdout
+    assert loaded == "['pagedhybrid.errors', 'pagedhybrid.openmp']", done.stdout
+    assert where == "pagedhybrid.engine.engine", done.stdout
