@@ -39,105 +39,88 @@ constexpr int kWideCols = kBlockCols;  // weight rows beside 3-4 x rows (32 regi
 constexpr int kWideCols = 3;
 #endif
 
-// x rows TX, weight rows TW (both widened to fp32 in registers by load()), out TO.
+// How a register block reads and multiplies one step of K. `Widened`: kLanes elements of x rows
+// TX and weight rows TW widened to fp32 in registers by load(), FMAs into fp32 lanes (every
+// form).
+struct Widened {
+  static constexpr int kStep = kLanes;
+  template <typename T>
+  static VF read(const T* p) { return load(p); }
+  template <typename T>
+  static VF read_first(const T* p, int n) { return load_first(p, n); }
+  static VF madd(VF acc, VF x, VF w) { return fma(x, w, acc); }
+};
+
+// `Pairs`: bf16 rows against bf16 weight rows where the CPU form has AVX512-BF16 -- 32 elements
+// a step by vdpbf16ps (the products exact, pairs summed into the fp32 lanes, denormals flushed),
+// no widening: the widening form is bound by its conversions at one row. Lane l accumulates
+// the pairs at k = 2l, 2l + 32, ... in ascending order, then the same fixed horizontal sum, so
+// every row count takes this form (gemm_fixed does not widen such weights, linear.cpp not such
+// rows).
+#if defined(__AVX512BF16__)
+template <typename TX, typename TW>
+constexpr bool kBf16Pairs =
+    std::is_same_v<TX, c10::BFloat16> && std::is_same_v<TW, c10::BFloat16>;
+
+struct Pairs {
+  static constexpr int kStep = 32;
+  static __m512bh read(const c10::BFloat16* p) {
+    return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p));
+  }
+  static __m512bh read_first(const c10::BFloat16* p, int n) {  // n < 32
+    return reinterpret_cast<__m512bh>(
+        _mm512_maskz_loadu_epi16(static_cast<__mmask32>((uint32_t{1} << n) - 1), p));
+  }
+  static VF madd(VF acc, __m512bh x, __m512bh w) { return _mm512_dpbf16_ps(acc, x, w); }
+};
+
+template <typename TX, typename TW>
+using StepOf = std::conditional_t<kBf16Pairs<TX, TW>, Pairs, Widened>;
+#else
+template <typename TX, typename TW>
+constexpr bool kBf16Pairs = false;
+
+template <typename TX, typename TW>
+using StepOf = Widened;
+#endif
+
+// x rows TX, weight rows TW, out TO: one step of K at a time as StepOf<TX, TW> reads and
+// multiplies it (a masked zero-filled read for the K tail), then one fixed horizontal sum per
+// accumulator.
 template <typename TX, typename TW, typename TO, int R, int C>
 inline void block(const TX* x, const TW* w, int64_t k, int64_t ldx, int64_t ldw, TO* out,
                   int64_t ldo) {
+  using S = StepOf<TX, TW>;
+  using V = decltype(S::read(w));
   VF acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = zero();
   int64_t e = 0;
-  for (; e + kLanes <= k; e += kLanes) {
+  for (; e + S::kStep <= k; e += S::kStep) {
     // decode streams each weight once: fetch the next block's rows (same offset) into L2 while
     // this block computes (short 2-8 KiB rows start too many streams for the hardware
     // prefetcher to ramp up on) -- for 2-4 rows too (an MoE layer's experts at 32 tokens, ~4
     // rows each: 3.75 -> 2.70 ms); past the matrix's end a prefetch is a no-op
     for (int c = 0; c < C; ++c)
       _mm_prefetch(reinterpret_cast<const char*>(w + (C + c) * ldw + e), _MM_HINT_T1);
-    VF wv[C];
-    for (int c = 0; c < C; ++c) wv[c] = load(w + c * ldw + e);
+    V wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = S::read(w + c * ldw + e);
     for (int r = 0; r < R; ++r) {
-      const VF xv = load(x + r * ldx + e);
-      for (int c = 0; c < C; ++c) acc[r][c] = fma(xv, wv[c], acc[r][c]);
+      const auto xv = S::read(x + r * ldx + e);
+      for (int c = 0; c < C; ++c) acc[r][c] = S::madd(acc[r][c], xv, wv[c]);
     }
   }
   if (e < k) {
     const int n = static_cast<int>(k - e);
-    VF wv[C];
-    for (int c = 0; c < C; ++c) wv[c] = load_first(w + c * ldw + e, n);
+    V wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = S::read_first(w + c * ldw + e, n);
     for (int r = 0; r < R; ++r) {
-      const VF xv = load_first(x + r * ldx + e, n);
-      for (int c = 0; c < C; ++c) acc[r][c] = fma(xv, wv[c], acc[r][c]);
+      const auto xv = S::read_first(x + r * ldx + e, n);
+      for (int c = 0; c < C; ++c) acc[r][c] = S::madd(acc[r][c], xv, wv[c]);
     }
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) out[r * ldo + c] = from_float<TO>(reduce_add(acc[r][c]));
-}
-
-// bf16 rows against bf16 weight rows where the CPU form has AVX512-BF16: 32-element pairs by
-// vdpbf16ps (the products exact, pairs summed into the fp32 lanes, denormals flushed), no
-// widening -- the widening form is bound by its conversions at one row. Lane l accumulates the
-// pairs at k = 2l, 2l + 32, ... in ascending order (a masked zero-filled load for the K tail),
-// then the one fixed horizontal sum: as fixed per output element as `block`, so every row
-// count takes this form (gemm_fixed does not widen such weights, linear.cpp not such rows).
-#if defined(__AVX512BF16__)
-template <typename TX, typename TW>
-constexpr bool kBf16Pairs =
-    std::is_same_v<TX, c10::BFloat16> && std::is_same_v<TW, c10::BFloat16>;
-
-inline __m512bh load_pairs(const c10::BFloat16* p) {
-  return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p));
-}
-inline __m512bh load_pairs_first(const c10::BFloat16* p, int n) {  // n < 32
-  return reinterpret_cast<__m512bh>(
-      _mm512_maskz_loadu_epi16(static_cast<__mmask32>((uint32_t{1} << n) - 1), p));
-}
-
-template <typename TO, int R, int C>
-inline void block_pairs(const c10::BFloat16* x, const c10::BFloat16* w, int64_t k, int64_t ldx,
-                        int64_t ldw, TO* out, int64_t ldo) {
-  __m512 acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
-  int64_t e = 0;
-  for (; e + 32 <= k; e += 32) {
-    for (int c = 0; c < C; ++c)  // as `block`: the next block's rows into L2
-      _mm_prefetch(reinterpret_cast<const char*>(w + (C + c) * ldw + e), _MM_HINT_T1);
-    __m512bh wv[C];
-    for (int c = 0; c < C; ++c) wv[c] = load_pairs(w + c * ldw + e);
-    for (int r = 0; r < R; ++r) {
-      const __m512bh xv = load_pairs(x + r * ldx + e);
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
-    }
-  }
-  if (e < k) {
-    const int n = static_cast<int>(k - e);
-    __m512bh wv[C];
-    for (int c = 0; c < C; ++c) wv[c] = load_pairs_first(w + c * ldw + e, n);
-    for (int r = 0; r < R; ++r) {
-      const __m512bh xv = load_pairs_first(x + r * ldx + e, n);
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) out[r * ldo + c] = from_float<TO>(reduce_add(acc[r][c]));
-}
-#else
-template <typename TX, typename TW>
-constexpr bool kBf16Pairs = false;
-#endif
-
-// One register block in the form for TX x TW.
-template <typename TX, typename TW, typename TO, int R, int C>
-inline void tile(const TX* x, const TW* w, int64_t k, int64_t ldx, int64_t ldw, TO* out,
-                 int64_t ldo) {
-#if defined(__AVX512BF16__)
-  if constexpr (kBf16Pairs<TX, TW>) {
-    block_pairs<TO, R, C>(x, w, k, ldx, ldw, out, ldo);
-    return;
-  }
-#endif
-  block<TX, TW, TO, R, C>(x, w, k, ldx, ldw, out, ldo);
 }
 
 // A single row blocks 8 weight rows (8 independent FMA chains keep both FMA ports busy); more
@@ -149,12 +132,12 @@ inline void row_block(const TX* x, const TW* w, int64_t cols, int64_t k, int64_t
   constexpr int kCols = R == 1 ? 2 * kBlockCols : R > 4 ? 3 : R >= 3 ? kWideCols : kBlockCols;
   int64_t c = 0;
   for (; c + kCols <= cols; c += kCols)
-    tile<TX, TW, TO, R, kCols>(x, w + c * k, k, ldx, k, out + c, ldo);
+    block<TX, TW, TO, R, kCols>(x, w + c * k, k, ldx, k, out + c, ldo);
   if constexpr (kCols != kBlockCols) {
     for (; c + kBlockCols <= cols; c += kBlockCols)
-      tile<TX, TW, TO, R, kBlockCols>(x, w + c * k, k, ldx, k, out + c, ldo);
+      block<TX, TW, TO, R, kBlockCols>(x, w + c * k, k, ldx, k, out + c, ldo);
   }
-  for (; c < cols; ++c) tile<TX, TW, TO, R, 1>(x, w + c * k, k, ldx, k, out + c, ldo);
+  for (; c < cols; ++c) block<TX, TW, TO, R, 1>(x, w + c * k, k, ldx, k, out + c, ldo);
 }
 
 // out[r * ldo + c] = x row r . w row c, for r < rows, c < cols (x rows ldx apart, w rows k apart)
