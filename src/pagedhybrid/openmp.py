@@ -18,11 +18,11 @@ engine's kernel line -- says so.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
 SPIN_COUNT = "1000"
-_STATE: list[str] = []  # "set" | "user" | "late": what configure() found, once
 
 
 def _libgomp_loaded() -> bool:
@@ -33,18 +33,17 @@ def _libgomp_loaded() -> bool:
         return "torch" in sys.modules
 
 
+@functools.cache
 def configure() -> str:
-    """Set ``GOMP_SPINCOUNT`` for libgomp if it is neither set nor loaded yet; what it found:
-    ``"set"``, ``"user"`` (the environment had it) or ``"late"`` (libgomp already loaded)."""
-    if not _STATE:
-        if "GOMP_SPINCOUNT" in os.environ:
-            _STATE.append("user")
-        elif "torch" in sys.modules or _libgomp_loaded():
-            _STATE.append("late")
-        else:
-            os.environ["GOMP_SPINCOUNT"] = SPIN_COUNT
-            _STATE.append("set")
-    return _STATE[0]
+    """Set ``GOMP_SPINCOUNT`` for libgomp if it is neither set nor loaded yet (once per process);
+    what it found: ``"set"``, ``"user"`` (the environment had it) or ``"late"`` (libgomp already
+    loaded)."""
+    if "GOMP_SPINCOUNT" in os.environ:
+        return "user"
+    if "torch" in sys.modules or _libgomp_loaded():
+        return "late"
+    os.environ["GOMP_SPINCOUNT"] = SPIN_COUNT
+    return "set"
 
 
 def summary() -> str:
