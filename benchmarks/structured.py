@@ -4,8 +4,12 @@
 1. ``decode``: built-in model, batches of 1 / 16 / 64 requests decoding 64 tokens each, greedy;
    sides ``off`` and ``off_control``: unconstrained; the others: every request constrained by
    a grammar that never ends early (the batch keeps its size): ``regex`` ``[a-z ]{300}`` and
-   ``json_string`` (a JSON object whose string field runs on) -- decode tok/s and the step
-   time, medians of ``--repeats`` alternating runs, and the slowdowns paired within a repeat.
+   ``json_string`` (a JSON object whose string field runs on), and ``refused`` (``[0-9]{300}``:
+   the text model's every greedy pick is refused, so every row takes its mask after the pick
+   and picks again: the worst case of masking after the pick) -- decode tok/s and the step
+   time, medians of ``--repeats`` alternating runs, the slowdowns paired within a repeat, and
+   the share of constrained rows that took a mask (``masked_rows``: the others' unmasked
+   greedy pick was allowed, ``SamplingParams.masks_after_pick``).
 2. ``libraries``: on the built-in model's tokenizer, llguidance (what the engine uses) and, when
    it is installed, xgrammar (``pip install --no-deps xgrammar apache-tvm-ffi``: no
    dependency of this package): the tokenizer view's build time, compile time of JSON schemas
@@ -48,6 +52,7 @@ from pagedhybrid.models.qwen35 import default_model_dir, load_tokenizer
 
 PROMPT = "And the LORD said unto Moses,"
 REGEX = "[a-z ]{300}"  # every letter-or-blank token allowed: the widest mask walk
+REFUSED = "[0-9]{300}"  # the worst case: the model's every pick refused, masked and picked again
 LONG_STRING = {"type": "object", "required": ["text"], "additionalProperties": False,
                "properties": {"text": {"type": "string", "minLength": 1000}}}  # a JSON answer
 
@@ -60,8 +65,14 @@ def schema(n: int, salt: int = 0) -> dict:
                                             {"type": "boolean"}][i % 3] for i in range(n)}}
 
 
-def decode_rate(engine, batch: int, params: SamplingParams) -> tuple[float, float]:
-    """(decode tok/s, median step ms) of ``batch`` requests after their first token."""
+def decode_rate(engine, batch: int, params: SamplingParams) -> dict[str, float]:
+    """``batch`` requests after their first token: decode ``tok_s``, the median ``step_ms``,
+    ``sample_ms`` (the sampler's share of a step, grammar work included: timed by the runner,
+    so less at the mercy of this machine's drift than the step) and ``masked_rows`` (the share
+    of constrained rows that took a mask)."""
+    st = engine.stats
+    rows, masks, sample_s, steps0 = (st.constrained_rows, st.grammar_masks, st.sample_s,
+                                     st.steps)
     for i in range(batch):
         engine.add_request(f"r{engine.stats.steps}-{i}", PROMPT, params)
     steps: list[float] = []
@@ -75,31 +86,40 @@ def decode_rate(engine, batch: int, params: SamplingParams) -> tuple[float, floa
             steps.append(dt)
             tokens += sum(len(o.new_token_ids) for o in outs)
         started = started or (all(o.num_generated for o in outs) and len(outs) == batch)
-    return tokens / max(sum(steps), 1e-9), 1e3 * statistics.median(steps)
+    return {"tok_s": tokens / max(sum(steps), 1e-9), "step_ms": 1e3 * statistics.median(steps),
+            "sample_ms": 1e3 * (st.sample_s - sample_s) / max(st.steps - steps0, 1),
+            "masked_rows": (st.grammar_masks - masks) / max(st.constrained_rows - rows, 1)}
 
 
 def decode_section(engine, batches: list[int], repeats: int) -> list[dict]:
     """Per batch: unconstrained (``off``), again unconstrained (``off_control``: the noise
     floor of the comparison) and under each grammar, in turn within each repeat; a side's
     ``slowdown_paired`` is the median over repeats of its slowdown against that repeat's
-    ``off`` run (this machine's drift between repeats is larger than the mask's cost)."""
+    ``off`` run (this machine's drift between repeats is larger than the mask's cost), and
+    ``sampler_share`` the median of its extra sampler time (grammar work) over that ``off``
+    run's step time."""
     sides = {"off": None, "off_control": None, "regex": {"regex": REGEX},
-             "json_string": {"json": LONG_STRING}}
+             "json_string": {"json": LONG_STRING}, "refused": {"regex": REFUSED}}
     rows = []
     for batch in batches:
-        runs: dict[str, list[tuple[float, float]]] = {s: [] for s in sides}
+        runs: dict[str, list[dict[str, float]]] = {s: [] for s in sides}
         for _ in range(repeats):
             for side, spec in sides.items():
                 runs[side].append(decode_rate(engine, batch, SamplingParams(
                     temperature=0.0, max_tokens=64, ignore_eos=True, structured_outputs=spec)))
         row: dict = {"batch": batch}
         for side, rs in runs.items():
-            row[f"{side}_tok_s"] = statistics.median(r[0] for r in rs)
-            row[f"{side}_step_ms"] = statistics.median(r[1] for r in rs)
+            for k in ("tok_s", "step_ms", "sample_ms"):
+                row[f"{side}_{k}"] = statistics.median(r[k] for r in rs)
+            if sides[side] is not None:
+                row[f"{side}_masked_rows"] = statistics.median(r["masked_rows"] for r in rs)
             if side != "off":  # the mask's share of the decode time
                 row[f"{side}_slowdown"] = 1 - row[f"{side}_tok_s"] / row["off_tok_s"]
                 row[f"{side}_slowdown_paired"] = statistics.median(
-                    1 - r[0] / o[0] for r, o in zip(rs, runs["off"], strict=True))
+                    1 - r["tok_s"] / o["tok_s"] for r, o in zip(rs, runs["off"], strict=True))
+                row[f"{side}_sampler_share"] = statistics.median(
+                    (r["sample_ms"] - o["sample_ms"]) / o["step_ms"]
+                    for r, o in zip(rs, runs["off"], strict=True))
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows

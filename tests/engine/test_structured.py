@@ -59,6 +59,10 @@ PERSON = {"type": "object", "additionalProperties": False, "required": ["name", 
                          "ok": {"type": "boolean"}}}
 
 
+LONG_TEXT = {"type": "object", "required": ["text"], "additionalProperties": False,
+             "properties": {"text": {"type": "string", "minLength": 1000}}}
+
+
 def test_json_regex_and_choice_outputs_hold(engine: Engine) -> None:
     work = [(PROMPT, constrained({"json": PERSON}, s)) for s in range(4)]
     work += [(PROMPT, constrained({"json_object": True}, 9, 240))]
@@ -167,6 +171,70 @@ def test_speculation_drafts_under_the_grammar_exactly_and_preemption_keeps_it() 
     assert tight.stats.preemptions > 0
     for o in outs:
         jsonschema.validate(json.loads(o.text), PERSON)  # type: ignore[attr-defined]
+
+
+def test_the_mask_comes_after_a_greedy_pick_with_the_same_tokens(
+        engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A greedy row picks unmasked and takes its grammar's mask only where the grammar refuses
+    that pick: the same tokens, bitwise, as every row masked before it picks, from fewer masks;
+    a top-p row is masked before it picks (the mask would move its cut)."""
+    work = [(PROMPT, SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True,
+                                    structured_outputs=spec))
+            for spec in ({"regex": "[a-z ]{300}"}, {"json": PERSON}, {"json": LONG_TEXT},
+                         {"regex": "[0-9]{10,30}"}, {"choice": ["the LORD", "Moses"]})]
+    stats = engine.stats
+    rows, masks = stats.constrained_rows, stats.grammar_masks
+    after = generate(engine, work)
+    rows, masks = stats.constrained_rows - rows, stats.grammar_masks - masks
+    assert rows > 100 and 0 < masks < 0.8 * rows, (rows, masks)
+    monkeypatch.setattr(SamplingParams, "masks_after_pick", property(lambda _: False))
+    before = generate(engine, work)
+    assert [o.token_ids for o in after.values()] == [o.token_ids for o in before.values()]  # type: ignore
+    jsonschema.validate(json.loads(list(after.values())[1].text), PERSON)  # type: ignore
+    monkeypatch.undo()
+    rows, masks = stats.constrained_rows, stats.grammar_masks
+    generate(engine, [(PROMPT, SamplingParams(top_p=0.9, seed=3, max_tokens=20,
+                                              structured_outputs={"json": PERSON}))])
+    assert stats.grammar_masks - masks == stats.constrained_rows - rows > 0
+
+
+def test_a_pick_drawn_again_under_the_mask_keeps_the_masked_odds(engine: Engine) -> None:
+    """Rejection sampling: a row drawn at temperature 1 from the whole distribution, drawn
+    again under the mask where the grammar refuses its pick, takes each allowed token with its
+    masked probability ``p(t) / Z``: 3,000 seeded one-token draws under ``[ a-z]`` (about 2% of
+    the model's mass, so nearly every first draw is refused) against the distribution the
+    model's own logprobs give (chi-square, 1e-5 level)."""
+    import math
+
+    from pagedhybrid.engine.structured import Grammars, allowed_tokens
+    from pagedhybrid.kernels.native.sampling import unpack_bitmask
+
+    vocab = engine.model.config.vocab_size
+    eos = tuple(engine.tokenizer.eos_token_ids)
+    spec = {"regex": "[ a-z]"}
+    m = Grammars(engine.tokenizer, vocab, eos).matcher(StructuredOutputs(**spec))
+    ok = unpack_bitmask(allowed_tokens([m], vocab, eos), vocab)[0].nonzero().flatten().tolist()
+    (full,) = generate(engine, [(PROMPT, SamplingParams(temperature=0.0, max_tokens=1,
+                                                        logprobs=vocab))]).values()
+    lp = full.logprobs[0]  # type: ignore[attr-defined]
+    p = {t: math.exp(lp[t].logprob) for t in ok}
+    z = sum(p.values())
+    assert 0.001 < z < 0.5, z  # most first draws refused, some kept
+    n = 3000
+    outs = generate(engine, [(PROMPT, SamplingParams(temperature=1.0, seed=s, max_tokens=1,
+                                                     structured_outputs=spec))
+                             for s in range(n)])
+    counts: dict[int, int] = {}
+    for o in outs.values():
+        (t,) = o.token_ids  # type: ignore[attr-defined]
+        assert t in p, t
+        counts[t] = counts.get(t, 0) + 1
+    big = [t for t in ok if n * p[t] / z >= 5]  # the rest pooled
+    cells = [(counts.get(t, 0), n * p[t] / z) for t in big]
+    cells.append((n - sum(c for c, _ in cells), n - sum(e for _, e in cells)))
+    chi2 = sum((c - e) ** 2 / e for c, e in cells if e > 0)
+    df = len(cells) - 1
+    assert df >= 5 and chi2 < df + 6 * math.sqrt(2 * df), (chi2, df, cells)
 
 
 @pytest.mark.parametrize(("spec", "match"), [

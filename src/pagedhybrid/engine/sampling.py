@@ -152,6 +152,15 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def masks_after_pick(self) -> bool:
+        """A grammar's mask may come after this row's pick: greedy, its masked pick is the
+        unmasked one whenever the grammar allows that; a draw from the whole distribution (no
+        top-k, top-p or min-p, whose cut a mask would move) that the grammar refuses, drawn
+        again under the mask, takes each allowed token with its masked odds (rejection
+        sampling: p(t) + (1 - Z) p(t) / Z = p(t) / Z, Z the allowed mass)."""
+        return self.greedy or (self.top_k <= 0 and self.top_p >= 1.0 and self.min_p <= 0.0)
+
+    @property
     def penalized(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty
                     or self.repetition_penalty != 1.0)
