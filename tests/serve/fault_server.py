@@ -19,7 +19,7 @@ class InjectedFault(RuntimeError):
 
 
 def install() -> None:
-    import pagedhybrid.engine.runner as runner_mod
+    import pagedhybrid.engine.sampling as sampling_mod
     from pagedhybrid.engine import Engine
     from pagedhybrid.engine.request import Request
     from pagedhybrid.engine.scheduler import HybridAllocator
@@ -36,7 +36,7 @@ def install() -> None:
         _raise("admission") if SCHED in req.prompt_token_ids else f(self, req, budget)))
     patch(Qwen35ForCausalLM, "forward_packed", lambda f: lambda self, batch, *a, **k: (
         _raise("step") if bool((batch.input_ids == STEP).any()) else f(self, batch, *a, **k)))
-    patch(runner_mod, "sample", lambda f: lambda logits, params, gens, history=None,
+    patch(sampling_mod, "sample", lambda f: lambda logits, params, gens, history=None,
           *rest: (_raise("sampling") if history is not None and any(
               SAMPLE in h.prompt_token_ids for h in history)
               else f(logits, params, gens, history, *rest)))

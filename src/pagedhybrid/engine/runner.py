@@ -18,9 +18,10 @@
 3. ``model.forward_packed`` writes the KV pages and state slots in place and returns those rows'
    logits; a sequence with ``past_seqlens == 0`` starts from zero conv/recurrent state whatever
    its slot holds (pages are never zeroed: attention reads only a sequence's own positions);
-4. prompt logprobs are recorded, and the sampler picks the tokens (tensor in, tensor out, one
-   host copy; the finite check rides in the greedy pick's pass): a row with non-finite logits,
-   or whose sampling raises, fails its request alone; a constrained row is masked by its
+4. prompt logprobs are recorded, and the sampler (``sampling.sample_requests``) picks the
+   tokens (tensor in, tensor out, one host copy; the finite check rides in the greedy pick's
+   pass): a row with non-finite logits, or whose sampling raises, fails its request alone; a
+   constrained row is masked by its
    grammar before it picks, or -- greedy, or a draw from the whole distribution -- only after,
    where the grammar refuses its pick (then picked again under the mask: the same token, or
    the same odds); verify chunks keep their accepted drafts and one sampled token
@@ -55,11 +56,11 @@ from pagedhybrid import openmp
 from pagedhybrid.engine.config import EngineConfig, PoolSizes
 from pagedhybrid.engine.contention import ThreadGovernor
 from pagedhybrid.engine.request import Request
-from pagedhybrid.engine.sampling import SampledToken, bad_word_bans, logprob_dicts, sample
+from pagedhybrid.engine.sampling import SampledToken, advance, logprob_dicts, sample_requests
 from pagedhybrid.engine.scheduler import Commit, SchedulerOutput
 from pagedhybrid.engine.speculative import verify
 from pagedhybrid.engine.stats import EngineStats
-from pagedhybrid.engine.structured import allowed_tokens, consume, draft_masks, try_consume
+from pagedhybrid.engine.structured import draft_masks
 from pagedhybrid.errors import ContractViolation
 from pagedhybrid.kernels.backend import Needs, Selection, select
 from pagedhybrid.kernels.native import cpu_form, dense, set_pool_threads
@@ -275,23 +276,6 @@ def build_batch(output: SchedulerOutput, cache: PagedHybridCache, device: str = 
                      plan)
 
 
-def advance(matcher: Any, toks: list[SampledToken], eos: Sequence[int], taken: int = 0
-            ) -> list[SampledToken] | str:
-    """A request's grammar advanced by the tokens it keeps this step (the first ``taken`` of
-    them consumed already); they end with the one that completes the grammar (marked
-    ``grammar_end``). A token the grammar refuses fails the request (the reason is
-    returned)."""
-    out = []
-    for i, t in enumerate(toks):
-        if i >= taken and not consume(matcher, t.token_id, eos):
-            return f"structured output: the grammar refused token {t.token_id}"
-        if matcher.is_stopped():
-            out.append(t._replace(grammar_end=True))
-            break
-        out.append(t)
-    return out
-
-
 class ModelRunner:
     """The model, its selected kernel bundle (the model's weights held as it multiplies) and,
     from ``allocate(sizes)`` on, the cache of KV pages, state slots and state checkpoints;
@@ -451,7 +435,7 @@ class ModelRunner:
             rows = logits
             if len(step.sample_rows) != logits.shape[0]:  # (distinct rows, ascending)
                 rows = logits[step.sample_rows]  # [S, V] (rows of prompt logprobs left out)
-            sampled, failed = self._sample(rows, reqs)
+            sampled, failed = sample_requests(rows, reqs, self._eos, st)
         if step.verify:
             seqs = [scheduled.sequences[i] for i, _ in step.verify]
             eos = self._eos
@@ -553,82 +537,6 @@ class ModelRunner:
             self.peers.send("commit", (list(slots), list(counts), list(checkpoints)))
         assert self.kernels.backend.capture is not None
         self.cache.commit_verified(self.kernels.backend.capture, slots, counts, checkpoints)
-
-    def _sample(self, rows: torch.Tensor, reqs: list[Request]
-                ) -> tuple[dict[str, list[SampledToken]], list[tuple[Request, str]]]:
-        """Tokens of ``reqs`` from their logits ``rows [S, V]``; a request whose logits are not
-        all finite, or whose sampling raises, fails alone. A constrained request whose mask may
-        come after its pick (``SamplingParams.masks_after_pick``) picks unmasked, and only a
-        pick its grammar refuses is picked again under the grammar's mask (llama.cpp's order:
-        the mask, tens of microseconds a row, is made only where it changes the pick); the
-        others are masked before they pick."""
-        eos = self._eos
-        toks: list[SampledToken | str | None] = [None] * len(reqs)
-        constrained = [j for j, r in enumerate(reqs) if r.matcher is not None]
-        before = [j for j in constrained if not reqs[j].params.masks_after_pick]
-        self._pick(rows, reqs, range(len(reqs)), before, toks)
-        taken = {j for j in constrained if j not in before and isinstance(toks[j], SampledToken)
-                 and try_consume(reqs[j].matcher, toks[j].token_id, eos)}
-        after = [j for j in constrained if j not in before and j not in taken]
-        if after:
-            self._pick(rows, reqs, after, after, toks)
-        self.stats.constrained_rows += len(constrained)
-        self.stats.grammar_masks += len(before) + len(after)
-        sampled: dict[str, list[SampledToken]] = {}
-        failed: list[tuple[Request, str]] = []
-        for j, (r, t) in enumerate(zip(reqs, toks, strict=True)):
-            kept = [t] if isinstance(t, SampledToken) else "non-finite logits" if t is None else t
-            if r.matcher is not None and not isinstance(kept, str):
-                kept = advance(r.matcher, kept, eos, int(j in taken))
-            if isinstance(kept, str):
-                failed.append((r, kept))
-            else:
-                sampled[r.request_id] = kept
-        return sampled, failed
-
-    def _pick(self, logits: torch.Tensor, reqs: list[Request], which: Sequence[int],
-              masked: Sequence[int], toks: list[SampledToken | str | None]) -> None:
-        """``toks[j]`` for the rows ``which`` of ``logits``: a token, None for non-finite
-        logits, or why sampling failed; the rows ``masked`` (a subset) under their grammars'
-        masks. On a raise the rows are sampled one by one from the generator states they had
-        before the failed batch, so a seeded request draws the same uniforms either way."""
-        which = list(which)
-        vocab = logits.shape[1]
-        rows = logits if len(which) == logits.shape[0] else logits[which]
-        sub = [reqs[j] for j in which]
-        banned = [([*r.params.stop_token_ids, *(() if r.params.ignore_eos else self._eos)]
-                   if r.num_output_tokens < r.params.min_tokens else [])
-                  + (bad_word_bans(r.bad_word_ids, r.output_token_ids) if r.bad_word_ids
-                     else []) for r in sub]
-        params = [r.params for r in sub]
-        gens = [r.generator for r in sub]
-        # only random rows draw: their generators' states, to restore if the batch fails
-        states = [(g, g.get_state()) for g, p in zip(gens, params, strict=True) if not p.greedy]
-        allowed = None  # the grammars' packed masks, every token elsewhere
-        if masked:
-            at = {j: i for i, j in enumerate(which)}
-            allowed = allowed_tokens([reqs[j].matcher for j in masked], vocab, self._eos,
-                                     len(which), [at[j] for j in masked])
-        got: list[SampledToken | str | None]
-        try:
-            got = list(sample(rows, params, gens, sub, banned if any(banned) else None,
-                              allowed))
-        except Exception:  # find the row that fails, keep the others
-            for g, st in states:
-                g.set_state(st)  # the batch may have drawn some rows' uniforms already
-            got = []
-            for i in range(len(which)):
-                try:
-                    got.extend(sample(rows[i:i + 1], params[i:i + 1], gens[i:i + 1],
-                                      sub[i:i + 1], banned[i:i + 1],
-                                      None if allowed is None else allowed[i:i + 1]))
-                except Exception as exc:
-                    got.append(f"sampling failed: {type(exc).__name__}: {exc}")
-        if allowed is not None:
-            for i in (allowed == 0).all(dim=1).nonzero().flatten().tolist():
-                got[i] = "structured output: the grammar allows no token here"
-        for j, t in zip(which, got, strict=True):
-            toks[j] = t
 
     # -- the training-side recompute ---------------------------------------------------------------
     @torch.no_grad()
