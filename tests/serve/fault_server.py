@@ -19,7 +19,7 @@ class InjectedFault(RuntimeError):
 
 
 def install() -> None:
-    import pagedhybrid.engine.sampling as sampling_mod
+    import pagedhybrid.engine.step_sampling as sampling_mod
     from pagedhybrid.engine import Engine
     from pagedhybrid.engine.request import Request
     from pagedhybrid.engine.scheduler import HybridAllocator

@@ -18,14 +18,13 @@
 3. ``model.forward_packed`` writes the KV pages and state slots in place and returns those rows'
    logits; a sequence with ``past_seqlens == 0`` starts from zero conv/recurrent state whatever
    its slot holds (pages are never zeroed: attention reads only a sequence's own positions);
-4. prompt logprobs are recorded, and the sampler (``sampling.sample_requests``) picks the
+4. prompt logprobs are recorded, and the sampler (``step_sampling.sample_requests``) picks the
    tokens (tensor in, tensor out, one host copy; the finite check rides in the greedy pick's
    pass): a row with non-finite logits, or whose sampling raises, fails its request alone; a
-   constrained row is masked by its
-   grammar before it picks, or -- greedy, or a draw from the whole distribution -- only after,
-   where the grammar refuses its pick (then picked again under the mask: the same token, or
-   the same odds); verify chunks keep their accepted drafts and one sampled token
-   (``speculative.verify``).
+   constrained row is masked by its grammar before it picks, or -- greedy, or a draw from the
+   whole distribution -- only after, where the grammar refuses its pick (then picked again
+   under the mask: the same token, or the same odds); verify chunks keep their accepted
+   drafts and one sampled token (``speculative.verify``).
 
 It returns a ``StepResult`` (the tokens each request keeps, failed requests with a reason); the
 engine applies it to the scheduler, whose update hands the verify chunks' accepted states back
@@ -56,10 +55,11 @@ from pagedhybrid import openmp
 from pagedhybrid.engine.config import EngineConfig, PoolSizes
 from pagedhybrid.engine.contention import ThreadGovernor
 from pagedhybrid.engine.request import Request
-from pagedhybrid.engine.sampling import SampledToken, advance, logprob_dicts, sample_requests
+from pagedhybrid.engine.sampling import SampledToken, logprob_dicts
 from pagedhybrid.engine.scheduler import Commit, SchedulerOutput
 from pagedhybrid.engine.speculative import verify
 from pagedhybrid.engine.stats import EngineStats
+from pagedhybrid.engine.step_sampling import advance, sample_requests
 from pagedhybrid.engine.structured import draft_masks
 from pagedhybrid.errors import ContractViolation
 from pagedhybrid.kernels.backend import Needs, Selection, select

@@ -24,7 +24,7 @@
   (``sampling.sample(allowed=)``: the greedy pick over the allowed tokens, or ``-inf`` over
   the refused ones, in one native pass). ``consume`` advances a matcher by the sampled token;
   ``try_consume`` advances it by a token picked without the mask where the grammar allows that
-  token (``sampling.sample_requests`` masks a row whose mask may come after its pick only
+  token (``step_sampling.sample_requests`` masks a row whose mask may come after its pick only
   when its grammar refuses the pick: ``SamplingParams.masks_after_pick``).
 
 Why llguidance: it is what onnxruntime-genai 0.18 constrains with; its wheel depends on nothing
