@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from pagedhybrid.errors import ContractViolation
-from pagedhybrid.kernels.native import quant, status
+from pagedhybrid.kernels.native import form_library, quant, runnable_forms, status
 from pagedhybrid.weightquant import (
     WeightFormat,
     dequantize,
@@ -99,6 +99,30 @@ def test_kernel_matches_the_reference(spec: str, dtype: torch.dtype) -> None:
         tol = 1e-5 if dtype == torch.float32 else 1e-2  # fp32 sums; one rounding to 16 bits
         err = (got.double() - want).abs().max() / want.abs().max()
         assert err < tol, (spec, m, k, n, dtype, err.item())
+
+
+@pytest.mark.parametrize("form", runnable_forms())
+@pytest.mark.parametrize("spec", ["int4", "int4:32:asym", "int4:64", "int8"])
+def test_every_cpu_form_matches_the_reference(form: str, spec: str) -> None:
+    """Each CPU form this machine runs (the AVX-512 forms take 4-bit blocks of 32 as 512-bit
+    quads of sub-blocks, the zero points' correction in the same loop; then the 16-block
+    groups' leftover quads, a pair and a last sub-block) against the reference, K from 1 to 33
+    sub-blocks across those boundaries, M = 1..6; a row's bits are its bits alone."""
+    fmt = WeightFormat.parse(spec)
+    lib = form_library(form)
+    gen = torch.Generator().manual_seed(9)
+    for k in (32, 96, 200, 640, 1000, 1056):
+        q = quantize(torch.randn(37, k, generator=gen) * 0.05, fmt)
+        x = torch.randn(6, k, generator=gen)
+        out = torch.full((6, 37), float("nan"))
+        lib.quant_linear(x, q.codes, q.scales, q.zeros, fmt.bits, out)
+        want = reference_linear(x, q).double()
+        err = (out.double() - want).abs().max() / want.abs().max()
+        assert err < 1e-5, (form, spec, k, err.item())
+        for r in (0, 3, 5):
+            one = torch.empty(1, 37)
+            lib.quant_linear(x[r:r + 1].contiguous(), q.codes, q.scales, q.zeros, fmt.bits, one)
+            assert torch.equal(one[0], out[r]), (form, spec, k, r)
 
 
 def test_the_activation_codes_are_the_kernels() -> None:

@@ -69,7 +69,7 @@ from pagedhybrid.models.qwen35.config import FULL_ATTENTION, Qwen35Config
 from pagedhybrid.models.qwen35.layers import MLP, OffsetRMSNorm, SparseMoE
 from pagedhybrid.models.qwen35.linear_attention import QK_L2_NORM_EPS, GatedDeltaNet
 from pagedhybrid.models.qwen35.packed import OP, PackedBatch, PagedHybridCache
-from pagedhybrid.models.qwen35.rope import mrope_cos_sin
+from pagedhybrid.models.qwen35.rope import RopeTable, mrope_cos_sin
 from pagedhybrid.models.qwen35.weights import (
     experts_layout,
     fuse_experts,
@@ -269,7 +269,7 @@ class Qwen35ForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.mtp: MtpHead | None = None
-        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # (_rope_rows)
+        self.rope = RopeTable(config)  # text positions' cos, sin
         if mtp:
             if config.mtp_num_hidden_layers != 1:
                 raise UnsupportedConfiguration(
@@ -449,6 +449,7 @@ class Qwen35ForCausalLM(nn.Module):
         with ``check_cache``); without it the cache and the batch are validated and the
         metadata is built here, once.
         """
+        given = meta is not None
         if meta is None:
             self.check_cache(cache)
             meta = batch.metadata(self.config, cache)
@@ -463,7 +464,9 @@ class Qwen35ForCausalLM(nn.Module):
                                             f"must be int rows in [0, {n}) [R]",
                                             getattr(logits_rows, "shape", logits_rows))
         backend = self.backend
-        cos, sin = mrope_cos_sin(self.config, batch.position_ids)  # [N, rd] x2
+        # the runner's meta ends each sequence past its positions; a caller's batch is measured
+        cos, sin = self.rope.step(batch.position_ids,
+                                  max(meta.total_lens) if given else None)  # [N, rd] x2
         h = self.model.embed_tokens(batch.input_ids)  # [N, hidden]
         single = self.parallel.tp_world_size == 1
         for layer in self.model.layers:
@@ -501,7 +504,7 @@ class Qwen35ForCausalLM(nn.Module):
         its logits."""
         head = self._head()
         backend = self.backend
-        cos, sin = self._rope_rows(meta)
+        cos, sin = self.rope.rows(meta.positions, max(meta.total_lens))
         single = self.parallel.tp_world_size == 1
         h = None if not single or backend.mtp_head_input is None else backend.mtp_head_input(
             token_ids, hidden, head.input_weights(self.model.embed_tokens.weight), meta,
@@ -550,7 +553,7 @@ class Qwen35ForCausalLM(nn.Module):
         if fused is not None and most:
             out = fused(token_ids, hidden, int_tensor(positions, torch.int64),
                         int_tensor(steps, torch.int64), _table(tables), cache.block_size,
-                        self._rope_table_for(max(map(sum, zip(positions, steps, strict=True)))),
+                        self.rope.upto(max(map(sum, zip(positions, steps, strict=True)))),
                         *self._head_kernel_args(cache))
             if out is not None:
                 return out
@@ -597,7 +600,7 @@ class Qwen35ForCausalLM(nn.Module):
                      int_tensor(past_lens, torch.int64), _table(tables),
                      int_tensor(picks, torch.int64), int_tensor(positions, torch.int64),
                      int_tensor(steps, torch.int64), _table(chain_tables), cache.block_size,
-                     self._rope_table_for(reach), *self._head_kernel_args(cache))
+                     self.rope.upto(reach), *self._head_kernel_args(cache))
 
     def _head(self) -> MtpHead:
         """The MTP head, or ``UnsupportedConfiguration`` naming how to load it."""
@@ -613,22 +616,6 @@ class Qwen35ForCausalLM(nn.Module):
         return (head.input_weights(self.model.embed_tokens.weight), layer.decode_weights(),
                 cache.key_cache[i], cache.value_cache[i], head.norm.weight, self.lm_head.weight,
                 self.lm_head.quant, head.fc.matmul)
-
-    def _rope_rows(self, meta: StepMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin ``[N, rotary_dim]`` of the step's positions, read from a table of every
-        position up to the longest sequence seen (grown by doubling; ``mrope_cos_sin`` of text
-        positions, whose three planes are equal): the MTP head's steps, a few rows each."""
-        cos, sin = self._rope_table_for(max(meta.total_lens))
-        return cos.index_select(0, meta.positions), sin.index_select(0, meta.positions)
-
-    def _rope_table_for(self, need: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin ``[P, rotary_dim]`` of positions ``0 .. P-1``, ``P >= need``."""
-        table = self._rope_table
-        if table is None or table[0].shape[0] < need:
-            n = max(need, 256, 2 * (0 if table is None else table[0].shape[0]))
-            table = self._rope_table = mrope_cos_sin(
-                self.config, torch.arange(n).view(1, -1).expand(3, -1))
-        return table
 
     # -- checks -----------------------------------------------------------------------------------
     def _check_ids(self, op: str, ids: torch.Tensor) -> None:

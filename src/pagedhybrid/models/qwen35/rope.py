@@ -58,6 +58,45 @@ def mrope_cos_sin(config: Qwen35Config, position_ids: torch.Tensor
     return emb.cos(), emb.sin()
 
 
+class RopeTable:
+    """cos, sin fp32 ``[P, rotary_dim]`` of the text positions ``0 .. P-1`` (``mrope_cos_sin``
+    with three equal planes), grown by doubling to the longest sequence seen; its rows are
+    ``mrope_cos_sin``'s bit for bit (the same elementwise fp32 ops), so a step reads them with
+    two ``index_select`` where computing them takes eight ops."""
+
+    def __init__(self, config: Qwen35Config) -> None:
+        self.config = config
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def upto(self, need: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The table, ``P >= need`` rows."""
+        table = self._table
+        if table is None or table[0].shape[0] < need:
+            n = max(need, 256, 2 * (0 if table is None else table[0].shape[0]))
+            table = self._table = mrope_cos_sin(
+                self.config, torch.arange(n).view(1, -1).expand(3, -1))
+        return table
+
+    def rows(self, positions: torch.Tensor, reach: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[N, rotary_dim]`` of int64 ``positions [N]``, each below ``reach``."""
+        cos, sin = self.upto(reach)
+        return cos.index_select(0, positions), sin.index_select(0, positions)
+
+    def step(self, position_ids: torch.Tensor, reach: int | None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``mrope_cos_sin(config, position_ids [3, N])``: from the table where the three planes
+        are one row in memory (stride 0, as the runner builds text positions) -- every position
+        below ``reach``, or measured when None -- else computed."""
+        if position_ids.stride(0) != 0 or not position_ids.shape[1]:
+            return mrope_cos_sin(self.config, position_ids)
+        pos = position_ids[0]
+        if reach is None:
+            if int(pos.min()) < 0:
+                return mrope_cos_sin(self.config, position_ids)
+            reach = int(pos.max()) + 1
+        return self.rows(pos, reach)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the first ``rotary_dim`` channels of ``x[N, heads, D]`` (fp32 math, dtype kept)."""
     rd = cos.shape[-1]

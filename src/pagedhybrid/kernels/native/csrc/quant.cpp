@@ -143,6 +143,17 @@ void quantize_row(const TX* x, int64_t k, int64_t width, int64_t block, bool odd
     _mm256_storeu_ps(pairs + 8 * i, _mm256_set_m128(_mm_set1_ps(d[2 * i + 1]),
                                                     _mm_set1_ps(d[2 * i])));
   }
+#if defined(__AVX512BW__)
+  if (block != kAct) return;
+  // block 32 on AVX-512 (dot_quads): each quad of sub-blocks (two pairs) as
+  // [evens s .. s + 3 | odds s .. s + 3], what 64 bytes of codes unpack into
+  for (int64_t g = 0; 4 * g + 3 < width / kAct; ++g) {
+    int8_t* p = q + 4 * g * kAct;
+    const __m512i a0 = _mm512_loadu_si512(p), a1 = _mm512_loadu_si512(p + 64);
+    _mm512_storeu_si512(p, _mm512_shuffle_i64x2(a0, a1, _MM_SHUFFLE(1, 0, 1, 0)));
+    _mm512_storeu_si512(p + 64, _mm512_shuffle_i64x2(a0, a1, _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+#endif
 }
 
 // The int32 lanes of one sub-block's dot product (weight codes w as loaded, activation codes a).
@@ -256,6 +267,119 @@ inline void dot_rows8(const Rows& x, int64_t r0, const uint8_t* codes, const c10
   }
 }
 
+#if defined(__AVX512BW__)
+// 4-bit weights in blocks of 32 on AVX-512, R rows (from `r0`) against one weight row: 64 bytes
+// of codes (a quad of sub-blocks, one scale each) unpack into [evens s .. s + 3] and
+// [odds s .. s + 3], the quad layout quantize_row stored the activations in; int32 lanes
+// 4j .. 4j + 3 hold sub-block s + j's dot product, scaled by [scale_s+j d_s+j x 4]. Sixteen
+// scales are converted at a time; even quads go to one accumulator, odd ones to the other. The
+// zero points' correction (zero_correction) is accumulated in the same loop, from the scales it
+// has loaded: sum_b scale_b * zero_b * xsum_b, 16 blocks to a lane set. What is left past the
+// whole quads -- a pair, a last sub-block -- and the blocks past the 16-block groups take the
+// 256-bit steps and the scalar sum, in a fixed order: a row's bits do not depend on R.
+// Against dot_rows4's 256-bit pairs: half the instructions per code byte (decode products
+// compute-bound at ~22 GB/s of codes per core from L2).
+template <int R, typename TO>
+inline void dot_quads(const Rows& x, int64_t r0, const uint8_t* codes, const c10::Half* scales,
+                      const uint8_t* zeros, TO* out, int64_t ldo) {
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  const __m512 implied = _mm512_set1_ps(8.0f);
+  __m512 acc[2][R], corr[R];
+  for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = corr[r] = _mm512_setzero_ps();
+  const int8_t* q[R];
+  const float* dp[R];
+  const float* xs[R];
+  for (int r = 0; r < R; ++r) {
+    q[r] = x.q + (r0 + r) * x.width;
+    dp[r] = x.pairs + (r0 + r) * (x.subs / 2) * 8;
+    xs[r] = x.xsum + (r0 + r) * x.blocks;
+  }
+  const auto quad = [&](int64_t g, __m512 ws, __m512 (&into)[R]) {
+    const __m512i v = _mm512_loadu_si512(codes + g * 64);
+    const __m512i lo = _mm512_and_si512(v, mask);
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* a = q[r] + g * 128;
+#if defined(__AVX512VNNI__)
+      const __m512i dot = _mm512_dpbusd_epi32(
+          _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(a)), hi,
+          _mm512_loadu_si512(a + 64));
+#else  // int16 pairs <= 2 * 15 * 127, the two halves' sum <= 7620: no saturation
+      const __m512i dot = _mm512_madd_epi16(
+          _mm512_add_epi16(_mm512_maddubs_epi16(lo, _mm512_loadu_si512(a)),
+                           _mm512_maddubs_epi16(hi, _mm512_loadu_si512(a + 64))),
+          _mm512_set1_epi16(1));
+#endif
+      into[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                                _mm512_mul_ps(ws, _mm512_loadu_ps(dp[r] + 16 * g)), into[r]);
+    }
+  };
+  const auto spread = [](int j) {  // lanes 4i .. 4i + 3 <- scale 4j + i
+    return _mm512_setr_epi32(4 * j, 4 * j, 4 * j, 4 * j, 4 * j + 1, 4 * j + 1, 4 * j + 1,
+                             4 * j + 1, 4 * j + 2, 4 * j + 2, 4 * j + 2, 4 * j + 2, 4 * j + 3,
+                             4 * j + 3, 4 * j + 3, 4 * j + 3);
+  };
+  const int64_t quads = x.subs / 4;
+  int64_t g = 0;
+  for (; g + 4 <= quads; g += 4) {  // 16 sub-blocks: 16 blocks, 256 bytes of codes
+    for (int l = 0; l < 4; ++l) prefetch_codes(codes + g * 64 + 64 * l);
+    const __m512 w16 = _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + 4 * g)));
+    const __m512 wz = zeros ? _mm512_mul_ps(w16, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(zeros + 4 * g)))))
+                            : _mm512_mul_ps(w16, implied);
+    for (int r = 0; r < R; ++r) corr[r] = _mm512_fmadd_ps(wz, _mm512_loadu_ps(xs[r] + 4 * g),
+                                                          corr[r]);
+    for (int j = 0; j < 4; ++j)
+      quad(g + j, _mm512_permutexvar_ps(spread(j), w16), acc[j & 1]);
+  }
+  const int64_t grouped = 4 * g;  // blocks whose correction is in corr
+  for (; g < quads; ++g) {  // quads past the groups: their four scales
+    prefetch_codes(codes + g * 64);
+    int64_t four;
+    std::memcpy(&four, scales + 4 * g, 8);
+    const __m512 w4 = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi64_si128(four)));
+    quad(g, _mm512_permutexvar_ps(spread(0), w4), acc[g & 1]);
+  }
+  // a pair and a last sub-block past the quads, in the pair layout (dot_rows4's steps)
+  __m256 rest[R];
+  for (int r = 0; r < R; ++r) rest[r] = _mm256_setzero_ps();
+  for (int64_t s = 4 * quads; s < x.subs; s += 2) {
+    const bool single = s + 1 == x.subs;
+    const float w0 = _cvtsh_ss(scales[s].x), w1 = single ? 0.0f : _cvtsh_ss(scales[s + 1].x);
+    const __m256i m = _mm256_set1_epi8(0x0F);
+    const __m256i v = single ? load_codes<4>(codes + s * 16)  // [evens | odds]
+                             : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + s * 16));
+    const __m256i lo = _mm256_and_si256(v, m), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
+    for (int r = 0; r < R; ++r) {
+      const __m256i* a = reinterpret_cast<const __m256i*>(q[r] + s * kAct);
+      __m256i dot;
+      __m256 sc;
+      if (single) {
+        dot = dot32<4>(v, _mm256_loadu_si256(a));
+        sc = _mm256_set1_ps(w0 * x.d[(r0 + r) * x.subs + s]);
+      } else {  // [evens s | evens s+1] and [odds s | odds s+1] against the pair's halves
+        dot = _mm256_add_epi32(dot32<4>(lo, _mm256_loadu_si256(a)),
+                               dot32<4>(hi, _mm256_loadu_si256(a + 1)));
+        sc = _mm256_mul_ps(_mm256_set_m128(_mm_set1_ps(w1), _mm_set1_ps(w0)),
+                           _mm256_loadu_ps(dp[r] + 4 * s));
+      }
+      rest[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sc, rest[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m512 a = _mm512_add_ps(acc[0][r], acc[1][r]);
+    const __m256 a8 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+    const __m256 c8 = _mm256_add_ps(_mm512_castps512_ps256(corr[r]),
+                                    _mm512_extractf32x8_ps(corr[r], 1));
+    float c = hsum(c8);
+    for (int64_t b = grouped; b < x.blocks; ++b)
+      c += _cvtsh_ss(scales[b].x) * (zeros ? static_cast<float>(zeros[b]) : 8.0f) * xs[r][b];
+    out[r * ldo] = from_float<TO>(hsum(_mm256_add_ps(a8, rest[r])) - c);
+  }
+}
+#endif
+
 // 4-bit weights, R rows (from `r0`) against one weight row: 32 bytes of codes (two sub-blocks)
 // unpack into [low nibbles | high nibbles] = [evens s | evens s+1] and [odds s | odds s+1], the
 // pair layout quantize_row stored the activations in; int32 lanes 0-3 hold sub-block s's dot
@@ -355,6 +479,9 @@ template <int BITS, int R, typename TO>
 inline void rows_dot(const Rows& x, int64_t r0, const uint8_t* codes, const c10::Half* scales,
                      const uint8_t* zeros, int64_t block, TO* out, int64_t ldo) {
   if constexpr (BITS == 4) {
+#if defined(__AVX512BW__)
+    if (block == kAct) return dot_quads<R>(x, r0, codes, scales, zeros, out, ldo);
+#endif
     dot_rows4<R>(x, r0, codes, scales, zeros, block, out, ldo);
   } else {
     dot_rows8<R>(x, r0, codes, scales, zeros, block, out, ldo);
