@@ -462,3 +462,59 @@ def test_fused_decode_layers_write_the_same_state_checkpoints(tiny_checkpoint, d
         for i, t in getattr(want_cache, pools).items():
             assert torch.equal(getattr(got_cache, pools)[i], t), (pools, i)
             assert not torch.equal(t[3], getattr(cache, pools)[i][3])  # row 3 was written
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("product", ["preferred", "int4", "int8:32:asym"])
+@pytest.mark.parametrize("batch", [1, 3, 9])
+def test_the_stacked_decode_step_equals_the_layers_bit_for_bit(tiny_checkpoint, dtype, product,
+                                                               batch):
+    """A decode step as the runner builds it (positions one row of its metadata) runs the whole
+    model in one native call (``DecodeStack``) and gives the logits, the pruned rows, the final
+    hidden, the pages, the state pools and the chunk-end checkpoints of the same step run layer
+    by layer through the fused layers and module by module, to the bit; the stack is taken (not
+    silently skipped), and a bundle without fused layers does not take it."""
+    native = backend("native")
+    layered = dataclasses.replace(native, decode_stack=None)
+    unfused = dataclasses.replace(native, gdn_decode_layer=None, gdn_decode=None,
+                                  attention_decode_layer=None)
+    model = load(tiny_checkpoint.path, dtype=dtype, backend=native)
+    if product != "preferred":
+        model.quantize(WeightFormat.parse(product))
+    cfg = model.config
+    gen = torch.Generator().manual_seed(batch + 40)
+    cache = PagedHybridCache.allocate(cfg, num_pages=3 * batch, block_size=BLOCK,
+                                      num_slots=batch, dtype=dtype, fill=None, generator=gen,
+                                      num_checkpoints=2)
+    pages = [[3 * b, 3 * b + 1, 3 * b + 2] for b in range(batch)]
+    slots = list(range(batch))[::-1]
+    lengths = [BLOCK - 1 + b % 2 for b in range(batch)]  # the first sequence ends a block
+    model.forward_packed(PackedBatch.from_sequences(
+        [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in lengths],
+        [0] * batch, pages, slots), cache)
+    meta = StepMetadata.build([1] * batch, lengths, pages, slots, block_size=BLOCK,
+                              num_pages=3 * batch, num_slots=batch,
+                              checkpoints=[(0, 1, 1)], num_checkpoints=2)
+    step = PackedBatch.from_metadata(meta, torch.randint(0, cfg.vocab_size, (batch,),
+                                                         generator=gen).tolist())
+    rows = torch.tensor([batch - 1, 0])
+    stacked = []
+    runs = []
+    for bundle in (native, layered, unfused):
+        model.backend = bundle
+        c = cache.clone()
+        hidden: list[torch.Tensor] = []
+        logits = model.forward_packed(step, c, rows, meta, hidden)
+        stacked.append(model._stack[1] is not None)
+        runs.append((logits, hidden[0], c))
+    assert stacked == [True, False, False]
+    got = runs[0]
+    for want in runs[1:]:
+        assert got[0].dtype == torch.float32 and got[0].shape == (2, cfg.vocab_size)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        for pools in ("key_cache", "value_cache", "conv_state", "recurrent_state",
+                      "checkpoint_conv", "checkpoint_recurrent"):
+            for i, t in getattr(want[2], pools).items():
+                assert torch.equal(getattr(got[2], pools)[i], t), (pools, i)
+    for i, t in got[2].checkpoint_recurrent.items():  # the checkpoint was written
+        assert not torch.equal(t[1], cache.checkpoint_recurrent[i][1]), i

@@ -101,6 +101,7 @@ def _declare() -> KernelRegistry:
             mtp_head_output=native_step.mtp_head_output,
             mtp_chain=native_step.mtp_chain,
             mtp_draft=native_step.mtp_draft,
+            decode_stack=native_step.DecodeStack.bind,
             capture=native_step.CAPTURE, moe=native_moe.experts,
             quantized_linear=native_quant.linear),
         Backend(

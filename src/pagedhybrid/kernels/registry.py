@@ -369,6 +369,7 @@ class Backend:
     mtp_head_output: Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None = None
     mtp_chain: Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None = None
     mtp_draft: Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None = None
+    decode_stack: Callable[..., Any] | None = None  # binds a model's whole decode step
     capture: Any = None  # kernels.capsule.StateCapture (this module imports nothing above it)
     moe: MoeFn | None = None  # a mixture-of-experts block's experts in one call
     quantized_linear: QLinearFn | None = None  # x @ W^T of an int8 / int4 weight

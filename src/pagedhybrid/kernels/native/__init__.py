@@ -249,6 +249,13 @@ def library() -> Any:
     return getattr(torch.ops, namespace(str(st.isa)))
 
 
+def classes() -> Any:
+    """The chosen form's classes, ``torch.classes.pagedhybrid_<form>`` (raises when not
+    loaded)."""
+    library()
+    return getattr(torch.classes, namespace(str(status().isa)))
+
+
 def set_pool_threads(n: int) -> None:
     """The threads of the native kernels' pool from now on (0: ``torch.get_num_threads()`` at
     each call); nothing when the library is not loaded."""

@@ -34,12 +34,13 @@ Mixed steps split by sequence; rows of the two groups are disjoint, so they neve
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from pagedhybrid.kernels.capsule import Capsule, StateCapture
 from pagedhybrid.kernels.cpu import step as torch_step
-from pagedhybrid.kernels.native import KV_SPLIT, dense, library
+from pagedhybrid.kernels.native import KV_SPLIT, classes, dense, library
 from pagedhybrid.kernels.native import quant as native_quant
 from pagedhybrid.kernels.step import (
     AttentionLayerWeights,
@@ -349,6 +350,94 @@ def mtp_draft(token_ids: torch.Tensor, hidden: torch.Tensor, q_lens: torch.Tenso
         token_ids, hidden, q_lens, past_lens, catch_table, picks, positions, steps, block_table,
         block_size, *rope, *_head_args(head_input, layer, key_cache, value_cache, final_norm,
                                        lm_head, lm_quant, native))
+
+
+class DecodeStack:
+    """A model's decode step in one native call (``csrc/decode_layer.cpp`` ``DecodeStack``):
+    the embedding, every layer's ``gdn_decode_layer`` / ``attention_decode_layer``, the final
+    norm and the LM head, bit for bit the calls ``forward_packed`` makes one by one. Bound once
+    to the layers' tensors (``GdnLayerWeights`` / ``AttentionLayerWeights``, each with its
+    cache pools: conv and recurrent, or key and value pages, and a GDN layer's checkpoint pools)
+    -- the caller binds again when a parameter or a pool is replaced; a step passes its own
+    tensors. ``bind`` returns None where the layers' weights are not all in one format."""
+
+    def __init__(self, native: Any, gdn_pools: list[tuple[torch.Tensor, torch.Tensor,
+                                                           tuple[torch.Tensor | None,
+                                                                 torch.Tensor | None]]],
+                 matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+                 lm_matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+                 quantized: bool, lm_quantized: bool, dtype: torch.dtype) -> None:
+        self._native, self._gdn_pools = native, gdn_pools
+        self._forms = (matmul, lm_matmul, quantized, lm_quantized, dtype)
+
+    @classmethod
+    def bind(cls, layers: list[tuple[GdnLayerWeights | AttentionLayerWeights,
+                                     tuple[torch.Tensor, torch.Tensor],
+                                     tuple[torch.Tensor | None, torch.Tensor | None]]],
+             embed: torch.Tensor, final_norm: torch.Tensor, eps: float, lm_head: torch.Tensor,
+             lm_quant: QuantizedWeight | None,
+             matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+             lm_matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
+             ) -> DecodeStack | None:
+        kinds: list[int] = []
+        tensors: list[torch.Tensor] = []
+        quant: list[torch.Tensor] = []
+        ints: list[int] = []
+        floats: list[float] = []
+        gdn_pools = []
+        if len({w.quant_bits for w, _, _ in layers}) != 1:
+            return None
+        for w, (a, b), checkpoints in layers:
+            if isinstance(w, AttentionLayerWeights):
+                kinds.append(1)
+                tensors += [w.input_norm, w.q_proj, w.k_proj, w.v_proj, w.q_norm, w.k_norm, a, b,
+                            w.o_proj, w.post_norm, w.gate_proj, w.up_proj, w.down_proj]
+                ints += [w.heads, w.kv_heads, KV_SPLIT]
+                floats += [w.scale, w.rms_eps]
+            else:
+                kinds.append(0)
+                tensors += [w.input_norm, w.in_proj_qkv, w.in_proj_z, w.in_proj_b, w.in_proj_a,
+                            w.conv.view(w.conv.shape[0], -1), a, w.a_log, w.dt_bias, b,
+                            w.gated_norm, w.out_proj, w.post_norm, w.gate_proj, w.up_proj,
+                            w.down_proj]
+                ints.append(w.key_heads)
+                floats += [w.scale, w.l2_eps, w.gated_eps, w.rms_eps]
+                gdn_pools.append((a, b, checkpoints))
+            quant += w.quant
+        bits = layers[0][0].quant_bits
+        lm, lm_tensors, lm_bits = _held(lm_head, lm_quant)
+        native = classes().DecodeStack(kinds, tensors, quant, ints, floats, bits, embed,
+                                       final_norm, eps, lm, list(lm_tensors), lm_bits)
+        return cls(native, gdn_pools, matmul, lm_matmul, bool(bits), lm_quant is not None,
+                   embed.dtype)
+
+    def __call__(self, ids: torch.Tensor, meta: StepMetadata,
+                 rope: tuple[torch.Tensor, torch.Tensor], logits_rows: torch.Tensor | None,
+                 want_hidden: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(float32 logits of ``logits_rows`` (every row when None), the final-norm hidden
+        ``[N, hidden]`` when ``want_hidden``) of a decode-only step, its pages and state rows
+        advanced and its chunk-end checkpoints written; None where the step does not fuse (not
+        decodes only, a product form the layers do not fuse at its rows). ``rope``: cos, sin
+        tables ``[P, rotary_dim]`` past every position of the step."""
+        if not meta.all_decode:
+            return None
+        matmul, lm_matmul, quantized, lm_quantized, dtype = self._forms
+        n = ids.shape[0]
+        native = _product_flag(n, dtype, matmul, quantized)
+        lm_native = _product_flag(n if logits_rows is None else logits_rows.shape[0], dtype,
+                                  lm_matmul, lm_quantized)
+        if native is None or lm_native is None:
+            return None
+        assert meta.write_slots is not None
+        out = self._native.run(ids, meta.positions, *rope, meta.state_slots, meta.fresh_t,
+                               meta.write_slots, meta.block_table, meta.cu_seqlens_t, meta.past_t,
+                               meta.seq_index(tuple(range(meta.batch))),
+                               None if logits_rows is None else logits_rows.long(), native,
+                               lm_native, want_hidden)
+        if meta.checkpoints:
+            for conv_pool, pool, checkpoints in self._gdn_pools:
+                _save_chunk_ends(conv_pool, pool, checkpoints, meta)
+        return out
 
 
 def _gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,

@@ -49,6 +49,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -70,6 +71,7 @@ from pagedhybrid.models.qwen35.layers import MLP, OffsetRMSNorm, SparseMoE
 from pagedhybrid.models.qwen35.linear_attention import QK_L2_NORM_EPS, GatedDeltaNet
 from pagedhybrid.models.qwen35.packed import OP, PackedBatch, PagedHybridCache
 from pagedhybrid.models.qwen35.rope import RopeTable, mrope_cos_sin
+from pagedhybrid.models.qwen35.stack import bind_stack
 from pagedhybrid.models.qwen35.weights import (
     experts_layout,
     fuse_experts,
@@ -270,6 +272,7 @@ class Qwen35ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.mtp: MtpHead | None = None
         self.rope = RopeTable(config)  # text positions' cos, sin
+        self._stack: tuple[tuple[Any, ...], Any] = ((), None)  # (_decode_stack)
         if mtp:
             if config.mtp_num_hidden_layers != 1:
                 raise UnsupportedConfiguration(
@@ -467,8 +470,17 @@ class Qwen35ForCausalLM(nn.Module):
         # the runner's meta ends each sequence past its positions; a caller's batch is measured
         cos, sin = self.rope.step(batch.position_ids,
                                   max(meta.total_lens) if given else None)  # [N, rd] x2
-        h = self.model.embed_tokens(batch.input_ids)  # [N, hidden]
         single = self.parallel.tp_world_size == 1
+        pos = batch.position_ids
+        if single and pos.stride(0) == 0 and pos.data_ptr() == meta.positions.data_ptr():
+            stack = self._decode_stack(cache)  # the whole step in one call, where it fuses
+            out = None if stack is None else stack(batch.input_ids, meta, self.rope.upto(
+                max(meta.total_lens)), logits_rows, hidden is not None)
+            if out is not None:
+                if hidden is not None:
+                    hidden.append(out[1])
+                return out[0]
+        h = self.model.embed_tokens(batch.input_ids)  # [N, hidden]
         for layer in self.model.layers:
             i = layer.index
             out = layer.fused_decode(h, cos, sin, cache, meta, backend) if single else None
@@ -601,6 +613,16 @@ class Qwen35ForCausalLM(nn.Module):
                      int_tensor(picks, torch.int64), int_tensor(positions, torch.int64),
                      int_tensor(steps, torch.int64), _table(chain_tables), cache.block_size,
                      self.rope.upto(reach), *self._head_kernel_args(cache))
+
+    def _decode_stack(self, cache: PagedHybridCache) -> Any:
+        """``stack.bind_stack`` of this model over ``cache``, bound again when a parameter,
+        the bundle or the cache changes."""
+        key = self._stack[0]
+        if not (key and key[0] == _PARAMETER_EPOCH[0] and key[1] is self.backend
+                and key[2] is cache):
+            self._stack = ((_PARAMETER_EPOCH[0], self.backend, cache),
+                           bind_stack(self.backend, self.model, self.lm_head, cache))
+        return self._stack[1]
 
     def _head(self) -> MtpHead:
         """The MTP head, or ``UnsupportedConfiguration`` naming how to load it."""
