@@ -16,7 +16,7 @@
 //   op for op; k, v written to their page slots; a = paged_attention(q) (the native kernel);
 //   h2 = h + (a * sigmoid(gate)) @ o_proj^T;  then the MLP as above.
 //
-// Each is exactly what the layer's modules compute one op at a time (models/qwen35/model.py,
+// Each is exactly what the layer's modules compute one op at a time (models/qwen35/decoder.py,
 // attention.py, linear_attention.py, layers.py, rope.py) when the bundle multiplies with the
 // native `linear` kernel (`native_linear`) or with torch's (at::linear, as F.linear): the same
 // checked kernels are called (linear, rms_norm, gdn_decode_mixer, paged_attention) and every

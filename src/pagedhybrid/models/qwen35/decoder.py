@@ -1,0 +1,163 @@
+"""The decoder stack's modules (HF ``Qwen3_5ForCausalLM``'s ``model``): ``DecoderLayer`` -- a
+pre-norm residual layer whose mixer is ``FullAttention`` or ``GatedDeltaNet`` by
+``layer_types``, with its tensors gathered for a bundle's fused decode layer
+(``decode_weights``, ``fused_decode``) -- ``Qwen35TextModel`` (embedding, layers, final norm) and
+the checkpoint's ``MtpHead``; ``model.Qwen35ForCausalLM`` runs them.
+
+``PARAMETER_EPOCH`` counts parameter registrations: what is gathered from the modules for the
+native calls (a layer's weights, ``stack.bind_stack``'s binding) is reused while it is unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedhybrid.kernels.backend import Backend
+from pagedhybrid.kernels.step import (
+    AttentionLayerWeights,
+    GdnLayerWeights,
+    MtpHeadInput,
+    StepMetadata,
+    quant_tensors,
+)
+from pagedhybrid.models.qwen35.attention import FullAttention
+from pagedhybrid.models.qwen35.config import FULL_ATTENTION, Qwen35Config
+from pagedhybrid.models.qwen35.layers import MLP, OffsetRMSNorm, SparseMoE
+from pagedhybrid.models.qwen35.linear_attention import QK_L2_NORM_EPS, GatedDeltaNet
+from pagedhybrid.models.qwen35.packed import PagedHybridCache
+from pagedhybrid.parallel.linear import ParallelConfig, ReplicatedLinear
+
+# Bumped whenever any module registers a parameter (``setattr`` of an ``nn.Parameter``, as
+# ``load_weights`` adopts them): a layer's gathered weights for the fused decode ops are reused
+# only while no parameter object was replaced (in-place updates change nothing they refer to).
+PARAMETER_EPOCH = [0]
+
+
+def _parameter_registered(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+    PARAMETER_EPOCH[0] += 1
+
+
+nn.modules.module.register_module_parameter_registration_hook(_parameter_registered)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: Qwen35Config, index: int, dtype: torch.dtype,
+                 parallel: ParallelConfig, full: bool | None = None) -> None:
+        """Layer ``index`` of the stack (its kind from ``config.layer_types``), or, with
+        ``full``, a layer of that kind whose cache pools are those of ``index`` (the MTP
+        head's full-attention layer, past the stack)."""
+        super().__init__()
+        self._weights: tuple[int, GdnLayerWeights | AttentionLayerWeights] | None = None
+        self.index = index
+        self.is_full = config.layer_types[index] == FULL_ATTENTION if full is None else full
+        if self.is_full:
+            self.self_attn = FullAttention(config, dtype, parallel)
+        else:
+            self.linear_attn = GatedDeltaNet(config, dtype, parallel)
+        self.mlp: MLP | SparseMoE = SparseMoE(
+            config.hidden_size, config.num_experts, config.num_experts_per_tok,
+            config.moe_intermediate_size, config.shared_expert_intermediate_size, dtype,
+            parallel) if config.is_moe else MLP(config.hidden_size, config.intermediate_size,
+                                                dtype, parallel)
+        self.input_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps,
+                                                      dtype)
+
+    def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def decode_weights(self) -> GdnLayerWeights | AttentionLayerWeights:
+        """This layer's tensors for a bundle's ``gdn_decode_layer`` / ``attention_decode_layer``
+        (the parameters themselves; gathered once while no parameter is replaced)."""
+        cached = self._weights
+        if cached is not None and cached[0] == PARAMETER_EPOCH[0]:
+            return cached[1]
+        mlp = self.mlp
+        if self.is_full:
+            a = self.self_attn
+            projs = [a.q_proj, a.k_proj, a.v_proj, a.o_proj]
+        else:
+            g = self.linear_attn
+            projs = [g.in_proj_qkv, g.in_proj_z, g.in_proj_b, g.in_proj_a, g.out_proj]
+        projs += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        # int8 / int4 projections: their codes in the weights' places, every tensor in `quant`
+        quant, bits = quant_tensors([p.quant for p in projs]) \
+            if projs[0].quant is not None else ((), 0)
+        held = [p.weight if p.quant is None else p.quant.codes for p in projs]
+        tail = (self.post_attention_layernorm.weight, *held[-3:])
+        w: GdnLayerWeights | AttentionLayerWeights
+        if self.is_full:
+            w = AttentionLayerWeights(
+                self.input_layernorm.weight, *held[:3], a.q_norm.weight, a.k_norm.weight,
+                held[3], *tail, a.num_heads, a.num_kv_heads, a.head_dim ** -0.5,
+                self.input_layernorm.eps, quant, bits)
+        else:
+            w = GdnLayerWeights(
+                self.input_layernorm.weight, *held[:4], g.conv1d.weight, g.A_log, g.dt_bias,
+                g.norm.weight, held[4], *tail, g.num_k_heads, g.head_k_dim ** -0.5,
+                QK_L2_NORM_EPS, g.norm.eps, self.input_layernorm.eps, quant, bits)
+        self._weights = (PARAMETER_EPOCH[0], w)
+        return w
+
+    def fused_decode(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     cache: PagedHybridCache, meta: StepMetadata, backend: Backend
+                     ) -> torch.Tensor | None:
+        """``h`` after this layer by the bundle's fused decode layer, or None where the bundle
+        has none, does not fuse this step, or the layer's feed-forward is a mixture of experts
+        (the caller runs the layer's modules)."""
+        if isinstance(self.mlp, SparseMoE):
+            return None
+        i, matmul = self.index, self.mlp.down_proj.matmul
+        if self.is_full:
+            fn = backend.attention_decode_layer
+            return None if fn is None else fn(
+                h, self.decode_weights(), cos, sin, cache.key_cache[i], cache.value_cache[i],
+                meta, matmul, cache.kv_scales.get(i))
+        fn = backend.gdn_decode_layer
+        return None if fn is None else fn(
+            h, self.decode_weights(), cache.conv_state[i], cache.recurrent_state[i], meta,
+            matmul, cache.checkpoint_pools(i) or (None, None), cache.capsules.get(i))
+
+
+class Qwen35TextModel(nn.Module):
+    def __init__(self, config: Qwen35Config, dtype: torch.dtype,
+                 parallel: ParallelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, dtype, parallel) for i in range(config.num_hidden_layers)
+        )
+        self.norm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+
+class MtpHead(nn.Module):
+    """The checkpoint's multi-token-prediction head (``mtp.*``; vLLM's ``Qwen3_5MTP``): from the
+    main model's final-norm hidden ``h_p`` at position ``p`` and the token ``t_{p+1}`` after
+    it, ``fc(cat(pre_fc_norm_embedding(embed(t_{p+1})), pre_fc_norm_hidden(h_p)))`` goes
+    through one full-attention decoder layer at position ``p`` (its K/V in its own pool, layer
+    index ``num_hidden_layers``, on the sequence's pages) and ``norm``: a hidden whose LM-head
+    logits predict ``t_{p+2}`` and which takes ``h``'s place in the next step of a chain.
+    Embedding and LM head are the main model's."""
+
+    def __init__(self, config: Qwen35Config, dtype: torch.dtype,
+                 parallel: ParallelConfig) -> None:
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.fc = ReplicatedLinear(2 * h, h, dtype)
+        self.layers = nn.ModuleList([DecoderLayer(config, config.num_hidden_layers, dtype,
+                                                  parallel, full=True)])
+        self.norm = OffsetRMSNorm(h, eps, dtype)
+        self.pre_fc_norm_hidden = OffsetRMSNorm(h, eps, dtype)
+        self.pre_fc_norm_embedding = OffsetRMSNorm(h, eps, dtype)
+
+    @property
+    def layer(self) -> DecoderLayer:
+        return self.layers[0]  # type: ignore[return-value]
+
+    def input_weights(self, embed: torch.Tensor) -> MtpHeadInput:
+        """What the fused head kernels read before the layer (``embed``: the model's table)."""
+        return MtpHeadInput(embed, self.pre_fc_norm_embedding.weight,
+                            self.pre_fc_norm_hidden.weight, self.pre_fc_norm_hidden.eps,
+                            self.fc.weight, self.fc.quant)
