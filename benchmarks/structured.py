@@ -5,11 +5,13 @@
    sides ``off`` and ``off_control``: unconstrained; the others: every request constrained by
    a grammar that never ends early (the batch keeps its size): ``regex`` ``[a-z ]{300}`` and
    ``json_string`` (a JSON object whose string field runs on), and ``refused`` (``[0-9]{300}``:
-   the text model's every greedy pick is refused, so every row takes its mask after the pick
-   and picks again: the worst case of masking after the pick) -- decode tok/s and the step
-   time, medians of ``--repeats`` alternating runs, the slowdowns paired within a repeat, and
-   the share of constrained rows that took a mask (``masked_rows``: the others' unmasked
-   greedy pick was allowed, ``SamplingParams.masks_after_pick``).
+   the text model's every greedy pick is refused: the worst case of masking after the pick;
+   a refused row tries its next best tokens, and takes its mask where none is allowed) --
+   decode tok/s and the step time, medians of ``--repeats`` alternating runs, the slowdowns
+   paired within a repeat, and the share of constrained rows that took a mask
+   (``masked_rows``: the others' unmasked greedy pick was allowed,
+   ``SamplingParams.masks_after_pick``, or, refused, their next best was,
+   ``step_sampling._next_best``).
 2. ``libraries``: on the built-in model's tokenizer, llguidance (what the engine uses) and, when
    it is installed, xgrammar (``pip install --no-deps xgrammar apache-tvm-ffi``: no
    dependency of this package): the tokenizer view's build time, compile time of JSON schemas

@@ -175,18 +175,20 @@ def test_speculation_drafts_under_the_grammar_exactly_and_preemption_keeps_it() 
 
 def test_the_mask_comes_after_a_greedy_pick_with_the_same_tokens(
         engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A greedy row picks unmasked and takes its grammar's mask only where the grammar refuses
-    that pick: the same tokens, bitwise, as every row masked before it picks, from fewer masks;
-    a top-p row is masked before it picks (the mask would move its cut)."""
+    """A greedy row picks unmasked and, where the grammar refuses that pick, takes its next best
+    token the grammar allows, or its grammar's mask where none of its best candidates is: the
+    same tokens, bitwise, as every row masked before it picks, from fewer masks; a top-p row is
+    masked before it picks (the mask would move its cut)."""
     work = [(PROMPT, SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True,
                                     structured_outputs=spec))
             for spec in ({"regex": "[a-z ]{300}"}, {"json": PERSON}, {"json": LONG_TEXT},
                          {"regex": "[0-9]{10,30}"}, {"choice": ["the LORD", "Moses"]})]
     stats = engine.stats
-    rows, masks = stats.constrained_rows, stats.grammar_masks
+    rows, masks, nexts = stats.constrained_rows, stats.grammar_masks, stats.next_best_picks
     after = generate(engine, work)
     rows, masks = stats.constrained_rows - rows, stats.grammar_masks - masks
-    assert rows > 100 and 0 < masks < 0.8 * rows, (rows, masks)
+    nexts = stats.next_best_picks - nexts  # refused picks that took their next best, unmasked
+    assert rows > 100 and 0 < masks < 0.8 * rows and nexts > 10, (rows, masks, nexts)
     monkeypatch.setattr(SamplingParams, "masks_after_pick", property(lambda _: False))
     before = generate(engine, work)
     assert [o.token_ids for o in after.values()] == [o.token_ids for o in before.values()]  # type: ignore
@@ -196,6 +198,52 @@ def test_the_mask_comes_after_a_greedy_pick_with_the_same_tokens(
     generate(engine, [(PROMPT, SamplingParams(top_p=0.9, seed=3, max_tokens=20,
                                               structured_outputs={"json": PERSON}))])
     assert stats.grammar_masks - masks == stats.constrained_rows - rows > 0
+
+
+def test_a_forced_spelling_is_masked_first_and_a_refused_pick_takes_its_next_best(
+        engine: Engine) -> None:
+    """Where the grammar forces its next bytes (``{"`` then the key ``text``), llguidance's mask
+    allows only their canonical token ("te") though ``try_consume`` would take "t": a greedy row
+    whose best logit is "t" gets "te", as if masked before its pick. Elsewhere a refused greedy
+    pick ("7" under ``[a-z ]+``) takes its next best token the grammar allows, unmasked, and a
+    row whose allowed token lies past its candidates takes the mask: each the masked argmax."""
+    import torch
+
+    from pagedhybrid.engine.request import Request
+    from pagedhybrid.engine.stats import EngineStats
+    from pagedhybrid.engine.step_sampling import NEXT_BEST, sample_requests
+    from pagedhybrid.engine.structured import Grammars
+
+    tok, vocab = engine.tokenizer, engine.model.config.vocab_size
+    eos = tuple(tok.eos_token_ids)
+    grammars = Grammars(tok, vocab, eos)
+
+    def one(text: str) -> int:
+        (t,) = tok.encode(text, add_special_tokens=False)
+        return int(t)
+
+    def request(rid: str, spec: dict, prefix: str) -> Request:
+        r = Request(rid, (1,), SamplingParams(temperature=0.0, structured_outputs=spec), 0,
+                    torch.Generator())
+        r.matcher = grammars.matcher(StructuredOutputs(**spec))
+        for t in tok.encode(prefix, add_special_tokens=False):
+            assert r.matcher.consume_token(t)
+        return r
+
+    reqs = [request("forced", {"json": LONG_TEXT}, '{"'), request("next", {"regex": "[a-z ]+"}, ""),
+            request("far", {"regex": "[a-z ]+"}, "")]
+    logits = torch.zeros(3, vocab)
+    logits[0, one("t")], logits[0, one("te")] = 5.0, 4.0
+    logits[1, one("7")], logits[1, one("8")], logits[1, one("q")] = 6.0, 5.5, 5.0
+    logits[2, :] = -1.0
+    logits[2, torch.arange(NEXT_BEST)] = 6.0  # tokens the grammar refuses ...
+    logits[2, one("q")] = -1.0 + 1e-3  # ... and the best allowed one past them
+    assert not any(reqs[2].matcher.validate_tokens([t]) for t in range(NEXT_BEST))
+    stats = EngineStats()
+    sampled, failed = sample_requests(logits, reqs, eos, stats)
+    assert not failed
+    assert [sampled[r.request_id][0].token_id for r in reqs] == [one("te"), one("q"), one("q")]
+    assert (stats.next_best_picks, stats.grammar_masks) == (1, 2)
 
 
 def test_a_pick_drawn_again_under_the_mask_keeps_the_masked_odds(engine: Engine) -> None:

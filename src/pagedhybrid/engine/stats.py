@@ -46,10 +46,12 @@ class EngineStats:
     preemptions: int = 0
     step_failures: int = 0  # steps that raised (their requests failed, serving went on)
     pool_rebuilds: int = 0  # of those, the ones whose pools had to be rebuilt
-    # structured outputs: constrained rows sampled, and the masks they needed (a row picked
-    # unmasked needs none when the grammar allows its pick: ``structured.allows``)
+    # structured outputs: constrained rows sampled, the masks they needed (a row picked
+    # unmasked needs none when the grammar allows its pick: ``structured.try_consume``), and
+    # the refused greedy picks that took their next best instead (``step_sampling``)
     constrained_rows: int = 0
     grammar_masks: int = 0
+    next_best_picks: int = 0
     peak_running: int = 0
     peak_blocks: int = 0
     spec: SpecStats = field(default_factory=SpecStats)  # speculative decoding
