@@ -82,13 +82,13 @@ def _next_best(logits: torch.Tensor, reqs: Sequence[Request], refused: Sequence[
     vals, ids = logits[plain].float().topk(min(NEXT_BEST, logits.shape[1]), dim=1)
     rest = [j for j in refused if j not in plain]
     for j, v, ix in zip(plain, vals.tolist(), ids.tolist(), strict=True):
-        first = toks[j].token_id  # type: ignore[union-attr]
-        for c in sorted(range(len(v)), key=lambda c: (-v[c], ix[c])):
-            if v[c] <= v[-1]:  # a token past the candidates may tie: the mask decides
+        first, matcher, last = toks[j].token_id, reqs[j].matcher, -v[-1]  # type: ignore[union-attr]
+        for neg, t in sorted(zip([-x for x in v], ix, strict=True)):  # by logit, then id
+            if neg >= last:  # a token past the candidates may tie: the mask decides
                 rest.append(j)
                 break
-            if ix[c] != first and try_consume(reqs[j].matcher, ix[c], eos):
-                toks[j] = SampledToken(ix[c], None)
+            if t != first and try_consume(matcher, t, eos):
+                toks[j] = SampledToken(t, None)
                 taken.add(j)
                 break
         else:
