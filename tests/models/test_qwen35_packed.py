@@ -10,6 +10,7 @@ back from the pages, and its conv / recurrent states must match its own HF run.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -518,3 +519,10 @@ def test_the_stacked_decode_step_equals_the_layers_bit_for_bit(tiny_checkpoint, 
                 assert torch.equal(getattr(got[2], pools)[i], t), (pools, i)
     for i, t in got[2].checkpoint_recurrent.items():  # the checkpoint was written
         assert not torch.equal(t[1], cache.checkpoint_recurrent[i][1]), i
+    model.backend = native  # the binding holds a cache's pools: it goes when the cache does
+    c = cache.clone()
+    model.forward_packed(step, c, rows, meta)
+    assert model._stack[1] is not None
+    del c
+    gc.collect()
+    assert model._stack[1] is None

@@ -25,6 +25,9 @@ Mixed steps split by sequence; rows of the two groups are disjoint, so they neve
   its two norms, ``fc``) and, for the drafter, what comes after it (the final norm, the LM head
   of the rows it drafts from and their greedy pick), one call each; mtp_chain -- the drafter's
   whole chain of one-token head steps in one call; mtp_draft -- its catch-up and chain.
+* DecodeStack -- a whole decode-only step of the model in one call: the embedding, every
+  layer's fused call, the final norm and the LM head, bound once to the layers' tensors and
+  the cache's pools (``models/qwen35/stack.py`` binds it).
 * CAPTURE -- a speculative verify step's recurrent state (``kernels/capsule.py``): the verify
   sequences' tokens through the per-token kernel on copies of their rows, capturing decay, key
   and delta (``gated_delta_capture``), and the accepted tokens replayed into the rows

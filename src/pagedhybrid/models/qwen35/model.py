@@ -49,6 +49,7 @@ Logits are returned as float32 (as the exported graph does).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -476,11 +477,19 @@ class Qwen35ForCausalLM(nn.Module):
 
     def _decode_stack(self, cache: PagedHybridCache) -> Any:
         """``stack.bind_stack`` of this model over ``cache``, bound again when a parameter,
-        the bundle or the cache changes."""
+        the bundle or the cache changes; the binding (which holds the cache's pools) goes when
+        the cache does."""
         key = self._stack[0]
         if not (key and key[0] == PARAMETER_EPOCH[0] and key[1] is self.backend
-                and key[2] is cache):
-            self._stack = ((PARAMETER_EPOCH[0], self.backend, cache),
+                and key[2]() is cache):
+            model = weakref.ref(self)
+
+            def gone(ref: weakref.ref[PagedHybridCache]) -> None:
+                m = model()
+                if m is not None and m._stack[0] and m._stack[0][2] is ref:
+                    m._stack = ((), None)
+
+            self._stack = ((PARAMETER_EPOCH[0], self.backend, weakref.ref(cache, gone)),
                            bind_stack(self.backend, self.model, self.lm_head, cache))
         return self._stack[1]
 
