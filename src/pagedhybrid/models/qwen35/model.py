@@ -328,19 +328,20 @@ class Qwen35ForCausalLM(nn.Module):
                                             f"must be int rows in [0, {n}) [R]",
                                             getattr(logits_rows, "shape", logits_rows))
         backend = self.backend
-        # the runner's meta ends each sequence past its positions; a caller's batch is measured
-        cos, sin = self.rope.step(batch.position_ids,
-                                  max(meta.total_lens) if given else None)  # [N, rd] x2
         single = self.parallel.tp_world_size == 1
         pos = batch.position_ids
-        if single and pos.stride(0) == 0 and pos.data_ptr() == meta.positions.data_ptr():
+        # the runner's meta ends each sequence past its positions; a caller's batch is measured
+        reach = max(meta.total_lens) if given else None
+        if (reach is not None and single and pos.stride(0) == 0
+                and pos.data_ptr() == meta.positions.data_ptr()):
             stack = self._decode_stack(cache)  # the whole step in one call, where it fuses
-            out = None if stack is None else stack(batch.input_ids, meta, self.rope.upto(
-                max(meta.total_lens)), logits_rows, hidden is not None)
+            out = None if stack is None else stack(batch.input_ids, meta, self.rope.upto(reach),
+                                                   logits_rows, hidden is not None)
             if out is not None:
                 if hidden is not None:
                     hidden.append(out[1])
                 return out[0]
+        cos, sin = self.rope.step(pos, reach)  # [N, rd] x2
         h = self.model.embed_tokens(batch.input_ids)  # [N, hidden]
         for layer in self.model.layers:
             i = layer.index
