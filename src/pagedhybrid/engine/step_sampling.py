@@ -101,8 +101,15 @@ def _raw_greedy(r: Request, eos: Sequence[int]) -> bool:
     penalty, ban or logprobs)."""
     p = r.params
     return (p.greedy and p.logprobs is None and not p.logit_bias and not p.penalized
-            and not r.bad_word_ids and not (r.num_output_tokens < p.min_tokens and (
-                p.stop_token_ids or (eos and not p.ignore_eos))))
+            and not r.bad_word_ids and not _bans(r, eos))
+
+
+def _bans(r: Request, eos: Sequence[int]) -> list[int]:
+    """The ids ``r`` may not sample this step: its stop ids and EOS before ``min_tokens``, and
+    the last tokens of its bad words that would complete one."""
+    return (([*r.params.stop_token_ids, *(() if r.params.ignore_eos else eos)]
+             if r.num_output_tokens < r.params.min_tokens else [])
+            + (bad_word_bans(r.bad_word_ids, r.output_token_ids) if r.bad_word_ids else []))
 
 
 def _pick(logits: torch.Tensor, reqs: Sequence[Request], which: Sequence[int],
@@ -116,10 +123,7 @@ def _pick(logits: torch.Tensor, reqs: Sequence[Request], which: Sequence[int],
     vocab = logits.shape[1]
     rows = logits if len(which) == logits.shape[0] else logits[which]
     sub = [reqs[j] for j in which]
-    banned = [([*r.params.stop_token_ids, *(() if r.params.ignore_eos else eos)]
-               if r.num_output_tokens < r.params.min_tokens else [])
-              + (bad_word_bans(r.bad_word_ids, r.output_token_ids) if r.bad_word_ids
-                 else []) for r in sub]
+    banned = [_bans(r, eos) for r in sub]
     params = [r.params for r in sub]
     gens = [r.generator for r in sub]
     # only random rows draw: their generators' states, to restore if the batch fails

@@ -16,6 +16,7 @@ from typing import Any
 import torch.nn as nn
 
 from pagedhybrid.kernels.registry import Backend
+from pagedhybrid.models.qwen35.layers import SparseMoE
 from pagedhybrid.models.qwen35.packed import PagedHybridCache
 
 
@@ -29,10 +30,9 @@ def bind_stack(backend: Backend, model: nn.Module, lm_head: nn.Module,
             or backend.attention_decode_layer is None or cache.kv_scales or not layers):
         return None
     embed = model.embed_tokens.weight
-    matmuls = {id(layer.mlp.down_proj.matmul) for layer in layers
-               if hasattr(layer.mlp, "down_proj")}
-    if len(matmuls) != 1 or not all(hasattr(layer.mlp, "down_proj") for layer in layers):
-        return None  # experts, or layers multiplied in different forms
+    if any(isinstance(layer.mlp, SparseMoE) for layer in layers) or len(
+            {id(layer.mlp.down_proj.matmul) for layer in layers}) != 1:
+        return None  # experts (as DecoderLayer.fused_decode), or products in different forms
     bound = []
     for layer in layers:
         i = layer.index

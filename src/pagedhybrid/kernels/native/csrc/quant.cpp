@@ -267,6 +267,48 @@ inline void dot_rows8(const Rows& x, int64_t r0, const uint8_t* codes, const c10
   }
 }
 
+// One pair of 4-bit sub-blocks (s, s + 1: 32 bytes of codes, unpacking into [evens s | evens
+// s+1] and [odds s | odds s+1]) against R rows in the pair layout: into[r] += their int32 dot
+// products (lanes 0-3: s, 4-7: s + 1) scaled by ws [scale_s x 4 | scale_s+1 x 4] times the rows'
+// [d_s x 4 | d_s+1 x 4] (`dp`, each row's pair scales).
+template <int R>
+inline void pair4(const uint8_t* codes, int64_t s, __m256 ws, const int8_t* const (&q)[R],
+                  const float* const (&dp)[R], __m256 (&into)[R]) {
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + s * 16));
+  const __m256i lo = _mm256_and_si256(v, mask);
+  const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+  for (int r = 0; r < R; ++r) {
+    const __m256i* a = reinterpret_cast<const __m256i*>(q[r] + s * kAct);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    const __m256i dot = _mm256_dpbusd_epi32(
+        _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, _mm256_loadu_si256(a)), hi,
+        _mm256_loadu_si256(a + 1));
+#else  // int16 pairs <= 2 * 15 * 127, the two halves' sum <= 7620: no saturation
+    const __m256i dot = _mm256_madd_epi16(
+        _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256(a)),
+                         _mm256_maddubs_epi16(hi, _mm256_loadu_si256(a + 1))),
+        _mm256_set1_epi16(1));
+#endif
+    into[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                              _mm256_mul_ps(ws, _mm256_loadu_ps(dp[r] + 4 * s)), into[r]);
+  }
+}
+
+// A last, unpaired 4-bit sub-block s ([evens | odds]) with its weight scale ws against R rows
+// (from `r0`): into[r] += its int32 dot product scaled by ws * d_s.
+template <int R>
+inline void single4(const Rows& x, int64_t r0, const uint8_t* codes, int64_t s, float ws,
+                    const int8_t* const (&q)[R], __m256 (&into)[R]) {
+  const __m256i w = load_codes<4>(codes + s * 16);
+  for (int r = 0; r < R; ++r) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[r] + s * kAct));
+    const float ds = x.d[(r0 + r) * x.subs + s];
+    into[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32<4>(w, a)), _mm256_set1_ps(ws * ds),
+                              into[r]);
+  }
+}
+
 #if defined(__AVX512BW__)
 // 4-bit weights in blocks of 32 on AVX-512, R rows (from `r0`) against one weight row: 64 bytes
 // of codes (a quad of sub-blocks, one scale each) unpack into [evens s .. s + 3] and
@@ -344,29 +386,11 @@ inline void dot_quads(const Rows& x, int64_t r0, const uint8_t* codes, const c10
   // a pair and a last sub-block past the quads, in the pair layout (dot_rows4's steps)
   __m256 rest[R];
   for (int r = 0; r < R; ++r) rest[r] = _mm256_setzero_ps();
-  for (int64_t s = 4 * quads; s < x.subs; s += 2) {
-    const bool single = s + 1 == x.subs;
-    const float w0 = _cvtsh_ss(scales[s].x), w1 = single ? 0.0f : _cvtsh_ss(scales[s + 1].x);
-    const __m256i m = _mm256_set1_epi8(0x0F);
-    const __m256i v = single ? load_codes<4>(codes + s * 16)  // [evens | odds]
-                             : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + s * 16));
-    const __m256i lo = _mm256_and_si256(v, m), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
-    for (int r = 0; r < R; ++r) {
-      const __m256i* a = reinterpret_cast<const __m256i*>(q[r] + s * kAct);
-      __m256i dot;
-      __m256 sc;
-      if (single) {
-        dot = dot32<4>(v, _mm256_loadu_si256(a));
-        sc = _mm256_set1_ps(w0 * x.d[(r0 + r) * x.subs + s]);
-      } else {  // [evens s | evens s+1] and [odds s | odds s+1] against the pair's halves
-        dot = _mm256_add_epi32(dot32<4>(lo, _mm256_loadu_si256(a)),
-                               dot32<4>(hi, _mm256_loadu_si256(a + 1)));
-        sc = _mm256_mul_ps(_mm256_set_m128(_mm_set1_ps(w1), _mm_set1_ps(w0)),
-                           _mm256_loadu_ps(dp[r] + 4 * s));
-      }
-      rest[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sc, rest[r]);
-    }
-  }
+  const int64_t s = 4 * quads;
+  if (s + 1 < x.subs)
+    pair4<R>(codes, s, _mm256_set_m128(_mm_set1_ps(_cvtsh_ss(scales[s + 1].x)),
+                                       _mm_set1_ps(_cvtsh_ss(scales[s].x))), q, dp, rest);
+  if (x.subs % 2) single4<R>(x, r0, codes, x.subs - 1, _cvtsh_ss(scales[x.subs - 1].x), q, rest);
   for (int r = 0; r < R; ++r) {
     const __m512 a = _mm512_add_ps(acc[0][r], acc[1][r]);
     const __m256 a8 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
@@ -389,8 +413,6 @@ template <int R, typename TO>
 inline void dot_rows4(const Rows& x, int64_t r0, const uint8_t* codes, const c10::Half* scales,
                       const uint8_t* zeros, int64_t block, TO* out, int64_t ldo) {
   const int64_t subs = block / kAct;  // sub-blocks per weight block
-  const __m256i mask = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
   const __m256i spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
   __m256 acc[2][R];
   for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
@@ -402,24 +424,7 @@ inline void dot_rows4(const Rows& x, int64_t r0, const uint8_t* codes, const c10
   }
   // pair i's scales as [scale_s x 4 | scale_s+1 x 4] (`ws`), its codes against R rows
   const auto pair = [&](int64_t i, __m256 ws, __m256 (&into)[R]) {
-    const int64_t s = 2 * i;
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + s * 16));
-    const __m256i lo = _mm256_and_si256(v, mask);
-    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-    for (int r = 0; r < R; ++r) {
-      const __m256i* a = reinterpret_cast<const __m256i*>(q[r] + s * kAct);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-      const __m256i dot = _mm256_dpbusd_epi32(
-          _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, _mm256_loadu_si256(a)), hi,
-          _mm256_loadu_si256(a + 1));
-#else  // int16 pairs <= 2 * 15 * 127, the two halves' sum <= 7620: no saturation
-      const __m256i dot = _mm256_madd_epi16(
-          _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256(a)),
-                           _mm256_maddubs_epi16(hi, _mm256_loadu_si256(a + 1))), ones);
-#endif
-      into[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
-                                _mm256_mul_ps(ws, _mm256_loadu_ps(dp[r] + 8 * i)), into[r]);
-    }
+    pair4<R>(codes, 2 * i, ws, q, dp, into);
   };
   const int64_t npairs = x.subs / 2;
   int64_t i = 0;
@@ -456,17 +461,8 @@ inline void dot_rows4(const Rows& x, int64_t r0, const uint8_t* codes, const c10
     }
     if (i < npairs) pair(i, ws(i), acc[0]);
   }
-  if (x.subs % 2) {  // the last sub-block alone, [evens | odds]
-    const int64_t s = x.subs - 1;
-    const float ws = _cvtsh_ss(scales[x.blocks - 1].x);  // (the last block's)
-    const __m256i w = load_codes<4>(codes + s * 16);
-    for (int r = 0; r < R; ++r) {
-      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[r] + s * kAct));
-      const float ds = x.d[(r0 + r) * x.subs + s];
-      acc[0][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32<4>(w, a)), _mm256_set1_ps(ws * ds),
-                                  acc[0][r]);
-    }
-  }
+  if (x.subs % 2)  // the last sub-block alone, with the last block's scale
+    single4<R>(x, r0, codes, x.subs - 1, _cvtsh_ss(scales[x.blocks - 1].x), q, acc[0]);
   for (int r = 0; r < R; ++r) {
     const float corr = zero_correction<4>(scales, zeros, x.xsum + (r0 + r) * x.blocks,
                                           x.blocks);
