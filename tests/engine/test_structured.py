@@ -205,8 +205,10 @@ def test_a_forced_spelling_is_masked_first_and_a_refused_pick_takes_its_next_bes
     """Where the grammar forces its next bytes (``{"`` then the key ``text``), llguidance's mask
     allows only their canonical token ("te") though ``try_consume`` would take "t": a greedy row
     whose best logit is "t" gets "te", as if masked before its pick. Elsewhere a refused greedy
-    pick ("7" under ``[a-z ]+``) takes its next best token the grammar allows, unmasked, and a
-    row whose allowed token lies past its candidates takes the mask: each the masked argmax."""
+    pick ("7" under ``[a-z ]+``) takes its next best token the grammar allows, unmasked -- also
+    where it ties with allowed tokens past the candidates (the candidates are the first of the
+    order the masked argmax breaks ties in: by logit, then id) -- and a row whose allowed token
+    lies past its candidates takes the mask: each the masked argmax."""
     import torch
 
     from pagedhybrid.engine.request import Request
@@ -231,19 +233,24 @@ def test_a_forced_spelling_is_masked_first_and_a_refused_pick_takes_its_next_bes
         return r
 
     reqs = [request("forced", {"json": LONG_TEXT}, '{"'), request("next", {"regex": "[a-z ]+"}, ""),
-            request("far", {"regex": "[a-z ]+"}, "")]
-    logits = torch.zeros(3, vocab)
+            request("far", {"regex": "[a-z ]+"}, ""), request("tie", {"regex": "[a-z ]+"}, "")]
+    logits = torch.zeros(4, vocab)
     logits[0, one("t")], logits[0, one("te")] = 5.0, 4.0
     logits[1, one("7")], logits[1, one("8")], logits[1, one("q")] = 6.0, 5.5, 5.0
     logits[2, :] = -1.0
     logits[2, torch.arange(NEXT_BEST)] = 6.0  # tokens the grammar refuses ...
     logits[2, one("q")] = -1.0 + 1e-3  # ... and the best allowed one past them
     assert not any(reqs[2].matcher.validate_tokens([t]) for t in range(NEXT_BEST))
+    first, *later = sorted(one(c) for c in "qrs")  # allowed, tied at the last candidate's place
+    logits[3, :] = -1.0
+    logits[3, torch.arange(NEXT_BEST - 1)] = 6.0
+    logits[3, [*later, first]] = 6.0
     stats = EngineStats()
     sampled, failed = sample_requests(logits, reqs, eos, stats)
     assert not failed
-    assert [sampled[r.request_id][0].token_id for r in reqs] == [one("te"), one("q"), one("q")]
-    assert (stats.next_best_picks, stats.grammar_masks) == (1, 2)
+    assert ([sampled[r.request_id][0].token_id for r in reqs]
+            == [one("te"), one("q"), one("q"), first])
+    assert (stats.next_best_picks, stats.grammar_masks) == (2, 2)
 
 
 def test_a_pick_drawn_again_under_the_mask_keeps_the_masked_odds(engine: Engine) -> None:

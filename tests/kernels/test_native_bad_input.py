@@ -735,6 +735,23 @@ def _bitmask() -> Args:
             "out": torch.zeros(3, dtype=torch.int64)}
 
 
+def _top() -> Args:
+    return {"logits": torch.randn(3, 37, generator=torch.Generator().manual_seed(6)),
+            "rows": [2, 0], "k": 5, "out": torch.zeros(2, 5, dtype=torch.int64)}
+
+
+TOP: list[Corruption] = [
+    ("logits dtype", _set("logits", lambda a: a["logits"].bfloat16()),
+     r"logits: must be Float \(got BFloat16\)"),
+    ("k of none", _set("k", lambda a: 0), r"k: must be in \[1, 37\] \(got 0\)"),
+    ("k past the vocabulary", _set("k", lambda a: 38), r"k: must be in \[1, 37\] \(got 38\)"),
+    ("row past the logits", _set("rows", lambda a: [0, 3]),
+     r"rows: must index the 3 rows of logits \(got 3\)"),
+    ("negative row", _set("rows", lambda a: [-1]),
+     r"rows: must index the 3 rows of logits \(got -1\)"),
+]
+
+
 BITMASK: list[Corruption] = [
     ("allowed dtype", _set("allowed", lambda a: a["allowed"].long()),
      r"allowed: must be Int \(got Long\)"),
@@ -940,6 +957,8 @@ OPS: dict[str, tuple[Callable[[], Args], Callable[[Args], None], list[Corruption
     "greedy_rows_masked": (_bitmask, lambda a: a["out"].copy_(
         library().greedy_rows(a["logits"], a["allowed"])), BITMASK, "out"),
     "apply_token_bitmask_": (_bitmask, _apply_bitmask, BITMASK, "out"),
+    "top_rows": (_top, lambda a: a["out"].copy_(
+        library().top_rows(a["logits"], a["rows"], a["k"])[1]), TOP, "out"),
     "rms_norm": (_norm, lambda a: library().rms_norm(a["x"], a["w"], a["out"], 1e-6, True),
                  WEIGHTED, "out"),
     "gated_rms_norm": (_norm, lambda a: library().gated_rms_norm(a["x"], a["gate"], a["w"],

@@ -29,6 +29,7 @@ from pagedhybrid.kernels.native import step as native_step
 from pagedhybrid.kernels.native.sampling import (
     apply_token_bitmask_,
     greedy_rows,
+    top_rows,
     unpack_bitmask,
 )
 from pagedhybrid.kernels.step import StepMetadata
@@ -392,6 +393,31 @@ def test_a_packed_grammar_mask_picks_and_refuses_as_the_unpacked_one(form: str,
     assert torch.equal(y.nan_to_num(7.0), masked.nan_to_num(7.0))
     z = apply_token_bitmask_(x.double(), bits)  # torch's rule
     assert torch.equal(z.float().nan_to_num(7.0), masked.nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("form", HERE)
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 4096, 4101])
+def test_top_rows_are_the_first_of_the_greedy_order(form: str, vocab: int) -> None:
+    """A refused greedy row's candidates: the k best tokens of the rows asked for, by value then
+    by id -- exactly the first k of the order greedy_rows picks in (a stable descending sort),
+    ties across the vector body, the tail and the k-th place included; any row, any order, a
+    row twice; the torch form where the library is not loaded gives the same."""
+    lib = native.form_library(form)
+    g = torch.Generator().manual_seed(vocab)
+    x = (torch.randn(6, vocab, generator=g) * 3).round()  # many ties
+    x[1] = 0.5  # all tied: the first k ids
+    x[2, vocab // 2:] = 40.0  # a tie run from the middle through the tail
+    x[3, :vocab // 3] = -float("inf")
+    x[4, -1] = 99.0  # the best in the tail
+    rows = [5, 0, 2, 2, 4, 3, 1]
+    vals, ids = x[rows].sort(dim=1, descending=True, stable=True)
+    for k in sorted({1, min(8, vocab), vocab}):
+        got_vals, got_ids = lib.top_rows(x, rows, k)
+        assert got_ids.tolist() == ids[:, :k].tolist(), k
+        assert torch.equal(got_vals, vals[:, :k]), k
+        fb_vals, fb_ids = top_rows(x.double(), rows, k)  # the torch form
+        assert fb_ids.tolist() == ids[:, :k].tolist() and torch.equal(fb_vals, vals[:, :k])
+    assert lib.top_rows(x, [], 1)[1].shape == (0, 1)
 
 
 @pytest.mark.parametrize("form", HERE)

@@ -23,6 +23,7 @@ from pagedhybrid.engine.request import Request
 from pagedhybrid.engine.sampling import SampledToken, bad_word_bans, sample
 from pagedhybrid.engine.stats import EngineStats
 from pagedhybrid.engine.structured import allowed_tokens, consume, forced, try_consume
+from pagedhybrid.kernels.native.sampling import top_rows
 
 
 def sample_requests(rows: torch.Tensor, reqs: Sequence[Request], eos: Sequence[int],
@@ -72,27 +73,23 @@ def _next_best(logits: torch.Tensor, reqs: Sequence[Request], refused: Sequence[
                ) -> list[int]:
     """The refused rows still to be picked under their masks. A greedy row on its raw logits
     (no bias, penalty, ban or logprobs) instead takes the first of its ``NEXT_BEST`` best
-    tokens -- by logit, then by id, as the masked argmax breaks ties -- that its grammar allows
-    (``try_consume``, a few microseconds where the mask costs tens), into ``taken``: exactly
-    the masked argmax, as long as that candidate's logit is above the last candidate's (no
-    token past the candidates can tie it); otherwise the row takes the mask."""
+    tokens -- by logit, then by id (``top_rows``: the first of the order the masked argmax
+    breaks ties in) -- that its grammar allows (``try_consume``, a few microseconds where the
+    mask costs tens), into ``taken``: exactly the masked argmax. A row none of whose candidates
+    is allowed takes the mask."""
     plain = [j for j in refused if _raw_greedy(reqs[j], eos)]
-    if not plain:
-        return list(refused)
-    vals, ids = logits[plain].float().topk(min(NEXT_BEST, logits.shape[1]), dim=1)
     rest = [j for j in refused if j not in plain]
-    for j, v, ix in zip(plain, vals.tolist(), ids.tolist(), strict=True):
-        first, matcher, last = toks[j].token_id, reqs[j].matcher, -v[-1]  # type: ignore[union-attr]
-        for neg, t in sorted(zip([-x for x in v], ix, strict=True)):  # by logit, then id
-            if neg >= last:  # a token past the candidates may tie: the mask decides
-                rest.append(j)
-                break
-            if t != first and try_consume(matcher, t, eos):
-                toks[j] = SampledToken(t, None)
-                taken.add(j)
-                break
-        else:
+    if not plain:
+        return rest
+    _, ids = top_rows(logits, plain, min(NEXT_BEST, logits.shape[1]))
+    for j, ix in zip(plain, ids.tolist(), strict=True):
+        first, matcher = toks[j].token_id, reqs[j].matcher  # type: ignore[union-attr]
+        t = next((t for t in ix if t != first and try_consume(matcher, t, eos)), None)
+        if t is None:
             rest.append(j)
+        else:
+            toks[j] = SampledToken(t, None)
+            taken.add(j)
     return rest
 
 

@@ -7,7 +7,12 @@ Grammar masks come packed (int32 ``[R, ceil(V / 32)]``, bit ``t % 32`` of word `
 allows token ``t``: llguidance's layout) and stay packed: ``greedy_rows(logits, allowed)``
 takes the maximum over the allowed tokens (``-1`` also where none is allowed),
 ``apply_token_bitmask_`` writes ``-inf`` over the refused ones in place, and
-``unpack_bitmask`` is the bool ``[R, V]`` form for whoever needs one."""
+``unpack_bitmask`` is the bool ``[R, V]`` form for whoever needs one.
+
+``top_rows(logits, rows, k)`` is some rows' ``k`` best tokens in the order the greedy pick
+breaks ties (by value, then by id): exactly the first ``k`` of that order, so the first of them
+a grammar allows is the masked argmax (``torch.topk`` leaves the order of ties open, and costs
+~70 us for 5 rows of 4,096 where the native pass costs a few)."""
 
 from __future__ import annotations
 
@@ -47,6 +52,17 @@ def apply_token_bitmask_(logits: torch.Tensor, allowed: torch.Tensor) -> torch.T
         op(logits, allowed)
         return logits
     return logits.masked_fill_(~unpack_bitmask(allowed, logits.shape[1]), float("-inf"))
+
+
+def top_rows(logits: torch.Tensor, rows: list[int], k: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 values and int64 ids ``[len(rows), k]``: the ``k`` best tokens of each of the
+    rows ``rows`` of ``logits [R, V]`` (no NaN), best first, by value then by id."""
+    op = _op("top_rows")
+    if op is not None and logits.dtype == torch.float32 and logits.is_contiguous():
+        return op(logits, rows, k)  # type: ignore[no-any-return]
+    vals, ids = logits[rows].float().sort(dim=1, descending=True, stable=True)
+    return vals[:, :k], ids[:, :k]
 
 
 def unpack_bitmask(allowed: torch.Tensor, vocab: int) -> torch.Tensor:

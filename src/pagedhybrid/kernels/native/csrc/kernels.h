@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <string>
+#include <tuple>
 #include <vector>
 
 #define PH_LOCAL __attribute__((visibility("hidden")))
@@ -42,6 +43,10 @@ PH_LOCAL void rms_norm(const at::Tensor& x, const at::Tensor& w, at::Tensor out,
 PH_LOCAL at::Tensor greedy_rows(const at::Tensor& logits,
                                 const c10::optional<at::Tensor>& allowed);
 PH_LOCAL void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& allowed);
+// the k best of each of `rows` rows (no NaN): fp32 values and int64 ids [len(rows), k], by value
+// then id
+PH_LOCAL std::tuple<at::Tensor, at::Tensor> top_rows(const at::Tensor& logits,
+                                                     at::IntArrayRef rows, int64_t k);
 
 // paged_attention.cpp: out float32 [N, Hq, D] = attention of q float32 over the pages
 PH_LOCAL void paged_attention(const at::Tensor& q, const at::Tensor& key_cache,

@@ -10,6 +10,11 @@
 // (still -1 for a row with a non-finite value anywhere, and -1 where the mask allows no token),
 // and apply_token_bitmask_ writes -inf over the refused tokens in place: the packed mask is
 // read as it comes from the grammar library, never unpacked to a [R, V] bool tensor.
+//
+// top_rows gives some rows' k best tokens in the same order: by value, then by id -- exactly
+// the first k of the order in which greedy_rows (with or without a mask) picks, so the first of
+// them a grammar allows is the masked argmax. A chunk of lanes none of which beats the k-th value
+// kept so far is passed over with one compare.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -101,6 +106,24 @@ void refuse_tokens(float* x, int64_t v, const uint32_t* bits) {
   }
 }
 
+// The k best of a row x[0, v) without a NaN into val / ids (k <= v), by value then id.
+void top_row(const float* x, int64_t v, int64_t k, float* val, int64_t* ids) {
+  int64_t n = 0;
+  auto keep = [&](int64_t t) {  // after every kept value >= x[t]; a full list drops its last
+    int64_t i = n < k ? n++ : k - 1;
+    for (; i > 0 && val[i - 1] < x[t]; --i) val[i] = val[i - 1], ids[i] = ids[i - 1];
+    val[i] = x[t], ids[i] = t;
+  };
+  int64_t j = 0;
+  for (; j + kLanes <= v; j += kLanes) {
+    if (n == k && reduce_max(load(x + j)) <= val[k - 1]) continue;
+    for (int64_t t = j; t < j + kLanes; ++t)
+      if (n < k || x[t] > val[k - 1]) keep(t);
+  }
+  for (; j < v; ++j)
+    if (n < k || x[j] > val[k - 1]) keep(j);
+}
+
 void check_bitmask(const char* op, const at::Tensor& logits, const at::Tensor& bits) {
   check_tensor(op, "allowed", bits, 2, at::kInt);
   PH_CHECK(bits.size(0) == logits.size(0) && bits.size(1) == (logits.size(1) + 31) / 32, op,
@@ -130,6 +153,25 @@ at::Tensor greedy_rows(const at::Tensor& logits, const c10::optional<at::Tensor>
   return out;
 }
 
+std::tuple<at::Tensor, at::Tensor> top_rows(const at::Tensor& logits, at::IntArrayRef rows,
+                                            int64_t k) {
+  const char* op = "top_rows";
+  check_tensor(op, "logits", logits, 2, at::kFloat);
+  const int64_t n = static_cast<int64_t>(rows.size()), r0 = logits.size(0), v = logits.size(1);
+  PH_CHECK(k >= 1 && k <= v, op, "k", "must be in [1, ", v, "] (got ", k, ")");
+  for (const int64_t r : rows)
+    PH_CHECK(r >= 0 && r < r0, op, "rows", "must index the ", r0, " rows of logits (got ", r,
+             ")");
+  at::Tensor val = at::empty({n, k}, logits.options());
+  at::Tensor ids = at::empty({n, k}, logits.options().dtype(at::kLong));
+  const float* x = logits.data_ptr<float>();
+  float* pv = val.data_ptr<float>();
+  int64_t* pi = ids.data_ptr<int64_t>();
+  parallel_items(n, 1, n * v,
+                 [&](int64_t i) { top_row(x + rows[i] * v, v, k, pv + i * k, pi + i * k); });
+  return {val, ids};
+}
+
 void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& allowed) {
   const char* op = "apply_token_bitmask_";
   check_tensor(op, "logits", logits, 2, at::kFloat);
@@ -146,9 +188,11 @@ void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& allowed) {
 TORCH_LIBRARY_FRAGMENT(PH_NS, m) {
   m.def("greedy_rows(Tensor logits, Tensor? allowed=None) -> Tensor");
   m.def("apply_token_bitmask_(Tensor(a!) logits, Tensor allowed) -> ()");
+  m.def("top_rows(Tensor logits, int[] rows, int k) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(PH_NS, CPU, m) {
   m.impl("greedy_rows", &pagedhybrid::greedy_rows);
   m.impl("apply_token_bitmask_", &pagedhybrid::apply_token_bitmask_);
+  m.impl("top_rows", &pagedhybrid::top_rows);
 }
