@@ -5,11 +5,11 @@
 // gemm_stream -- the dot-product form with one fixed reduction order per output element: kLanes
 // partial sums, lane l accumulating k = l, l + kLanes, ... in ascending order with FMAs (a masked
 // zero-filled load for the K tail), then one fixed horizontal reduction. Rows and weight rows are
-// register-blocked 4 x 4 (4 x 3 and 3 x 3 on AVX2, 2 x 4 for a pair of tail rows, 1 x 8 for a
-// single row; a block only shares loads, each accumulator's arithmetic is its own), so neither
-// the number of rows, a row's position nor the
-// blocking changes a bit of a result: the batch-invariant products use it alone. For one row it
-// streams each weight once (decode), prefetching the next block's rows.
+// register-blocked 4 x 4 (4 x 3 and 3 x 3 on AVX2, 2 x 4 for a pair of tail rows; a single row
+// 1 x 1 on AVX-512, 1 x 8 on AVX2; a block only shares loads, each accumulator's arithmetic is
+// its own), so neither the number of rows, a row's position nor the blocking changes a bit of a
+// result: the batch-invariant products use it alone. For one row it streams each weight once
+// (decode), prefetching the next block's rows.
 //
 // gemm_panel -- the packed form for many rows (prefill): up to kPackTaskRows rows against one
 // panel of up to kPanel weight rows, packed K-major into fp32 (kDepth dims at a time) and an
@@ -123,13 +123,23 @@ inline void block(const TX* x, const TW* w, int64_t k, int64_t ldx, int64_t ldw,
     for (int c = 0; c < C; ++c) out[r * ldo + c] = from_float<TO>(reduce_add(acc[r][c]));
 }
 
-// A single row blocks 8 weight rows (8 independent FMA chains keep both FMA ports busy); more
-// rows share each weight load kBlockCols at a time. Each accumulator's arithmetic is its own
-// either way, so the blocking changes no bit of the result.
+// A single row (decode) on AVX-512 reads one weight row at a time: a task's rows are contiguous,
+// so the weight is one sequential stream, which the prefetchers follow; 8 weight rows a block (8
+// streams 2-4 KiB apart) read a decode step's bf16 weights at 23-28 GB/s against 31 (the
+// benchmark model's 282 MB of projections, 2 threads, AVX512-BF16; fp32 the same either way).
+// On AVX2 a single row blocks 8 weight rows: there a bf16 row's widening FMA chain alone is
+// slower than memory (22.5 against 27.5 GB/s). More rows share each weight load kBlockCols at a
+// time. Each accumulator's arithmetic is its own either way, so the blocking changes no bit of
+// the result.
+#if defined(__AVX512F__)
+constexpr int kSingleRowCols = 1;
+#else
+constexpr int kSingleRowCols = 2 * kBlockCols;
+#endif
 template <typename TX, typename TW, typename TO, int R>
 inline void row_block(const TX* x, const TW* w, int64_t cols, int64_t k, int64_t ldx, TO* out,
                       int64_t ldo) {
-  constexpr int kCols = R == 1 ? 2 * kBlockCols : R > 4 ? 3 : R >= 3 ? kWideCols : kBlockCols;
+  constexpr int kCols = R == 1 ? kSingleRowCols : R > 4 ? 3 : R >= 3 ? kWideCols : kBlockCols;
   int64_t c = 0;
   for (; c + kCols <= cols; c += kCols)
     block<TX, TW, TO, R, kCols>(x, w + c * k, k, ldx, k, out + c, ldo);
