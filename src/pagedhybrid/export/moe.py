@@ -78,6 +78,7 @@ import onnx_ir as ir
 
 from pagedhybrid import dtypes
 from pagedhybrid.export import constants as c
+from pagedhybrid.export import ir_read as rd
 from pagedhybrid.export.builder import GraphBuilder
 from pagedhybrid.export.weights import interleave_gate_up
 from pagedhybrid.models.qwen35.config import Qwen35Config
@@ -184,13 +185,9 @@ def _dims(v: ir.Value | None) -> list[Any]:
         d if isinstance(d, int) else d.value for d in v.shape]
 
 
-def _operand(n: ir.Node, k: int) -> ir.Value | None:
-    return n.inputs[k] if k < len(n.inputs) else None
-
-
 def _layer_of(n: ir.Node) -> int | None:
     """The decoder layer whose ``model.layers.{i}.mlp.experts.*`` fc1 the node reads."""
-    v = _operand(n, FC1)
+    v = rd.operand(n, FC1)
     parts = (v.name or "").split(".") if v is not None else []
     return int(parts[2]) if len(parts) > 2 and parts[:2] == ["model", "layers"] and \
         parts[2].isdigit() else None
@@ -251,8 +248,8 @@ def verify_moe(model: ir.Model, genai: dict[str, Any], chk: Check) -> None:
             and not any(a in attrs for a in ABSENT_ATTRS)
         chk(ok, "MoE attributes", f"layer {i}: {n.domain} {attrs}" + (
             "" if ok else f" (expected {c.MS_DOMAIN} {want}, none of {list(ABSENT_ATTRS)})"))
-        fc1, fc2 = _operand(n, FC1), _operand(n, FC2)
-        empty = [_operand(n, j) is not None for j in EMPTY_OPERANDS]
+        fc1, fc2 = rd.operand(n, FC1), rd.operand(n, FC2)
+        empty = [rd.operand(n, j) is not None for j in EMPTY_OPERANDS]
         ok = (fc1 is not None and fc2 is not None and fc1.const_value is not None
               and fc2.const_value is not None and not any(empty)
               and (fc1.name or "").endswith(".gate_up_proj.interleave")
@@ -262,7 +259,7 @@ def verify_moe(model: ir.Model, genai: dict[str, Any], chk: Check) -> None:
         chk(ok, "MoE expert weights", f"layer {i}: fc1 {fc1.name if fc1 else None} "
             f"{_dims(fc1)}, fc2 {_dims(fc2)}, biases/fc3 present {empty} (expected interleaved "
             f"{io_dtype} [{e}, {2 * inter}, {hidden}], [{e}, {hidden}, {inter}], none)")
-        cols = _router_columns(_operand(n, 1), hidden) if isinstance(hidden, int) else None
+        cols = _router_columns(rd.operand(n, 1), hidden) if isinstance(hidden, int) else None
         chk(cols == e, "MoE router", f"layer {i}: router logits of {cols} experts (expected "
             f"{e}, from x @ W with W [{hidden}, ...])")
         chk(_gated_shared(n.outputs[0]), "MoE shared expert",

@@ -82,6 +82,7 @@ import torch
 
 from pagedhybrid.errors import ContractViolation, UnsupportedConfiguration
 from pagedhybrid.export import constants as c
+from pagedhybrid.export import ir_read as rd
 from pagedhybrid.weightquant import QuantizedWeight, WeightFormat, quantize
 
 ACCURACY_LEVELS = range(5)  # 0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8
@@ -208,11 +209,6 @@ Check = Callable[[bool, str, str], bool]  # verify._Checker
 Read = Callable[[str], torch.Tensor]  # a checkpoint tensor by name, as stored
 
 
-def _attr(node: ir.Node, name: str) -> Any:
-    a = node.attributes.get(name)
-    return None if a is None else a.value
-
-
 def _init(node: ir.Node, k: int) -> ir.Value | None:
     v = node.inputs[k] if k < len(node.inputs) else None
     return v if v is not None and v.const_value is not None else None
@@ -230,7 +226,7 @@ def _node_problems(node: ir.Node, fmt: WeightFormat, level: str | None, io_dtype
                    shapes: Mapping[str, tuple[int, ...]] | None) -> list[str]:
     """What is wrong with one MatMulNBits node (empty: nothing), each naming the attribute or
     operand."""
-    attrs = {a: _attr(node, a) for a in ("K", "N", "bits", "block_size", "accuracy_level")}
+    attrs = {a: rd.attr(node, a) for a in ("K", "N", "bits", "block_size", "accuracy_level")}
     bad = [f"{a} missing" for a, v in attrs.items() if not isinstance(v, int)]
     if bad:
         return bad
@@ -353,8 +349,8 @@ def verify_nbits(model: ir.Model, chk: Check, shapes: Mapping[str, tuple[int, ..
     for node in nodes:
         bad = _node_problems(node, fmt, level, io_dtype, shapes)
         chk(not bad, "MatMulNBits node", f"{node.name}: " + ("; ".join(bad) if bad else
-            f"K {_attr(node, 'K')}, N {_attr(node, 'N')}, bits {fmt.bits}, block_size "
-            f"{_attr(node, 'block_size')}"))
+            f"K {rd.attr(node, 'K')}, N {rd.attr(node, 'N')}, bits {fmt.bits}, block_size "
+            f"{rd.attr(node, 'block_size')}"))
         if read is not None and not bad:
             wrong = _weights_problems(node, fmt, read)
             chk(not wrong, "MatMulNBits weights", f"{node.name}: " + ("; ".join(wrong) if wrong

@@ -40,15 +40,14 @@ Each check yields a ``Finding``; ``VerifyReport.ok`` is false if any failed.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import onnx_ir as ir
 
-from pagedhybrid import dtypes
 from pagedhybrid.errors import PagedHybridError
 from pagedhybrid.export import constants as c
+from pagedhybrid.export import ir_read as rd
 from pagedhybrid.export.moe import verify_moe
 from pagedhybrid.export.mtp import verify_mtp
 from pagedhybrid.export.nbits import verify_nbits
@@ -68,7 +67,6 @@ QUANT_CACHE_DTYPES = ("int8", "float8e4m3fn")
 QUANT_TYPES = ("NONE", "PER_TENSOR", "PER_CHANNEL")
 GDN_ATTRS = {"update_rule": "gated_delta", "beta_activation": "sigmoid", "qk_l2_norm": 0}
 # HF l2norm, outermost node first
-L2_NORM_CHAIN = ("Mul", "Reciprocal", "Sqrt", "Add", "ReduceSumSquare")
 
 
 class Finding(NamedTuple):
@@ -106,22 +104,6 @@ class _Checker:
         return bool(cond)
 
 
-def _dims(v: ir.Value) -> tuple[int | str | None, ...]:
-    if v.shape is None:
-        return ()
-    return tuple(d if isinstance(d, int) else (d.value if d.value is not None else "?")
-                 for d in v.shape)
-
-
-def _dtype(v: ir.Value) -> str:
-    return dtypes.describe(v.dtype) if v.dtype is not None else "?"
-
-
-def _attr(node: ir.Node, name: str, default: Any = None) -> Any:
-    a = node.attributes.get(name)
-    return default if a is None else a.value
-
-
 def _layers(meta: dict[str, str], key: str) -> list[int] | None:
     raw = meta.get(key)
     if raw is None:
@@ -130,61 +112,6 @@ def _layers(meta: dict[str, str], key: str) -> list[int] | None:
         return [int(x) for x in raw.split(",") if x != ""]
     except ValueError:
         return None
-
-
-def _const_ints(v: ir.Value | None) -> list[int] | None:
-    """The int64 values of an initializer feeding a Reshape (None when not constant)."""
-    if v is None or v.const_value is None:
-        return None
-    return [int(x) for x in v.const_value.numpy().reshape(-1)]
-
-
-def _reshape_dims(v: ir.Value | None) -> list[int] | None:
-    node = v.producer() if v is not None else None
-    if node is None or node.op_type != "Reshape" or len(node.inputs) < 2:
-        return None
-    return _const_ints(node.inputs[1])
-
-
-def _skip(v: ir.Value | None, op_type: str) -> ir.Value | None:
-    """The data input of ``v``'s producer when that is an ``op_type`` node, else ``v``."""
-    node = v.producer() if v is not None else None
-    return node.inputs[0] if node is not None and node.op_type == op_type else v
-
-
-def _skip_cast(v: ir.Value | None) -> ir.Value | None:
-    return _skip(v, "Cast")
-
-
-def _is_float(v: ir.Value) -> bool:
-    """float32 by its type, or as the output of a ``Cast`` to float (intermediates are untyped)."""
-    node = v.producer()
-    if node is not None and node.op_type == "Cast":
-        return _attr(node, "to") == ir.DataType.FLOAT
-    return v.dtype == ir.DataType.FLOAT
-
-
-def _l2_normalized(v: ir.Value | None) -> tuple[ir.Value | None, float | None]:
-    """If ``v`` is ``[Cast] Mul(x, Reciprocal(Sqrt(Add(ReduceSumSquare(x, [-1]), eps))))``
-    over float32 ``x``, return (the value before normalisation, eps); else (None, None)."""
-    inner = _skip_cast(v)
-    mul = inner.producer() if inner is not None else None
-    if mul is None or mul.op_type != "Mul" or len(mul.inputs) != 2:
-        return None, None
-    x, node = mul.inputs[0], mul.inputs[1].producer() if mul.inputs[1] is not None else None
-    eps = None
-    for op in L2_NORM_CHAIN[1:]:
-        if node is None or node.op_type != op:
-            return None, None
-        if op == "Add":
-            const = node.inputs[1].const_value if node.inputs[1] is not None else None
-            eps = float(const.numpy().reshape(-1)[0]) if const is not None else None
-        if op == "ReduceSumSquare":
-            axes = _const_ints(node.inputs[1]) if len(node.inputs) > 1 else None
-            ok = node.inputs[0] is x and axes == [-1] and _attr(node, "keepdims", 1) == 1
-            return (_skip_cast(x), eps) if ok and x is not None and _is_float(x) else (None, None)
-        node = node.inputs[0].producer() if node.inputs[0] is not None else None
-    return None, None
 
 
 def verify_package(out_dir: str | Path, checkpoint: str | Path | None = None) -> VerifyReport:
@@ -269,10 +196,10 @@ def _verify(model: ir.Model, genai: dict[str, Any], workflow: dict[str, Any] | N
         v = inputs.get(name)
         if not chk(v is not None, "input", f"{name} present"):
             continue
-        got = _dims(v)
-        ok = _dtype(v) == dt and len(got) == len(dims) and all(
+        got = rd.dims(v)
+        ok = rd.dtype(v) == dt and len(got) == len(dims) and all(
             e is None or e == g for e, g in zip(dims, got, strict=False))
-        chk(ok, "input", f"{name} {_dtype(v)} {list(got)} (expected {dt} rank {len(dims)})")
+        chk(ok, "input", f"{name} {rd.dtype(v)} {list(got)} (expected {dt} rank {len(dims)})")
     hkv, hd = dec.get("num_key_value_heads"), dec.get("head_size")
     expected_states: dict[str, tuple[int, str]] = {}
     for i in full:
@@ -289,26 +216,26 @@ def _verify(model: ir.Model, genai: dict[str, Any], workflow: dict[str, Any] | N
         v = inputs.get(name)
         if not chk(v is not None, "state input", f"{name} present"):
             continue
-        d = _dims(v)
+        d = rd.dims(v)
         if kind in ("key", "value"):
-            ok = (_dtype(v) == kv_dtype and len(d) == 4 and not isinstance(d[0], int)
+            ok = (rd.dtype(v) == kv_dtype and len(d) == 4 and not isinstance(d[0], int)
                   and d[1] == block_size and d[2] == hkv and d[3] == hd)
             exp = f"{kv_dtype} [P, {block_size}, {hkv}, {hd}]"
         elif kind == "conv_state":
-            ok = (_dtype(v) == io_dtype and len(d) == 3 and not isinstance(d[0], int)
+            ok = (rd.dtype(v) == io_dtype and len(d) == 3 and not isinstance(d[0], int)
                   and all(isinstance(x, int) for x in d[1:]))
             exp = f"{io_dtype} [B, conv_dim, K-1]"
         else:
-            ok = (_dtype(v) == "float" and len(d) == 4 and not isinstance(d[0], int)
+            ok = (rd.dtype(v) == "float" and len(d) == 4 and not isinstance(d[0], int)
                   and all(isinstance(x, int) for x in d[1:]))
             exp = "float [B, Hv, Dv, Dk]"
-        chk(ok, "state input", f"{name} {_dtype(v)} {list(d)} (expected {exp})")
+        chk(ok, "state input", f"{name} {rd.dtype(v)} {list(d)} (expected {exp})")
     logits = outputs.get(c.LOGITS)
     if chk(logits is not None, "output", f"{c.LOGITS} present"):
         assert logits is not None
-        d = _dims(logits)
-        chk(_dtype(logits) == "float" and len(d) == 2 and d[1] == genai.get("model", {}).get(
-            "vocab_size"), "output", f"logits {_dtype(logits)} {list(d)} (float [rows, vocab])")
+        d = rd.dims(logits)
+        chk(rd.dtype(logits) == "float" and len(d) == 2 and d[1] == genai.get("model", {}).get(
+            "vocab_size"), "output", f"logits {rd.dtype(logits)} {list(d)} (float [rows, vocab])")
     present_of = {c.PAST_KEY % i: c.PRESENT_KEY % i for i in full}
     present_of |= {c.PAST_VALUE % i: c.PRESENT_VALUE % i for i in full}
     present_of |= {c.PAST_CONV % i: c.PRESENT_CONV % i for i in linear}
@@ -322,8 +249,8 @@ def _verify(model: ir.Model, genai: dict[str, Any], workflow: dict[str, Any] | N
         pv, ov = inputs.get(past), outputs.get(present)
         if chk(ov is not None, "present output", f"{present} present") and pv is not None:
             assert ov is not None
-            chk(_dtype(ov) == _dtype(pv) and _dims(ov) == _dims(pv), "present output",
-                f"{present} {_dtype(ov)} {list(_dims(ov))} matches {past}")
+            chk(rd.dtype(ov) == rd.dtype(pv) and rd.dims(ov) == rd.dims(pv), "present output",
+                f"{present} {rd.dtype(ov)} {list(rd.dims(ov))} matches {past}")
     for bad in ("attention_mask", "slot_mapping"):
         chk(bad not in inputs, "no dense inputs", f"{bad} absent")
     # -- 4. operators -----------------------------------------------------------------------------
@@ -371,7 +298,7 @@ def _verify_state_updates(graph: ir.Graph, dec: dict[str, Any], cap: int, linear
     on = cap > 0 and bool(linear)
     for name, dims in ((c.STATE_UPDATE_CAPTURE_COUNT, 1), (c.STATE_UPDATE_ACTIVE, 1)):
         v = inputs.get(name)
-        chk((v is not None and _dtype(v) == "int32" and len(_dims(v)) == dims) == on,
+        chk((v is not None and rd.dtype(v) == "int32" and len(rd.dims(v)) == dims) == on,
             "state_update inputs", f"{name}: {'int32 rank 1' if on else 'absent'} expected")
     gin, gout = dec.get("inputs", {}), dec.get("outputs", {})
     bindings = {"state_update_capture_count": (gin, c.STATE_UPDATE_CAPTURE_COUNT),
@@ -387,37 +314,38 @@ def _verify_state_updates(graph: ir.Graph, dec: dict[str, Any], cap: int, linear
         for op, state, k_state, k_count, out_name in (
                 (c.VARLEN_CONV, c.PAST_CONV % i, 4, 5, c.STATE_UPDATE_CONV % i),
                 (c.GATED_DELTA_NET, c.PAST_RECURRENT % i, 6, 9, c.STATE_UPDATE_RECURRENT % i)):
-            nodes = [n for n in _by_op(graph, op) if _name(_inp(n, k_state)) == state]
+            nodes = [n for n in rd.by_op(graph, op) if rd.name(rd.operand(n, k_state)) == state]
             if len(nodes) != 1:
                 continue  # (counted by _verify_linear)
             n = nodes[0]
-            outs = [_name(v) for v in n.outputs]
-            got = (_attr(n, "state_update_capacity", 0), _name(_inp(n, k_count)),
+            outs = [rd.name(v) for v in n.outputs]
+            got = (rd.attr(n, "state_update_capacity", 0), rd.name(rd.operand(n, k_count)),
                    outs[2] if len(outs) > 2 else "")
             want = ((cap, c.STATE_UPDATE_CAPTURE_COUNT, out_name) if on else (0, "", ""))
-            ok = got == want and (op == c.VARLEN_CONV or
-                                  _name(_inp(n, 10)) == (c.STATE_UPDATE_ACTIVE if on else ""))
+            active = rd.name(rd.operand(n, 10))
+            ok = got == want and (op == c.VARLEN_CONV
+                                  or active == (c.STATE_UPDATE_ACTIVE if on else ""))
             chk(ok, "state_update operands", f"layer {i} {op}: capacity, capture_count, output "
                 f"{got} (expected {want})")
             v, s = outputs.get(out_name), inputs.get(state)
             if not on or v is None or s is None:
                 continue
-            d, sd = _dims(v), _dims(s)
+            d, sd = rd.dims(v), rd.dims(s)
             if op == c.VARLEN_CONV:
-                ok = _dtype(v) == _dtype(s) and d[1:] == (cap, sd[1])
-                exp = f"{_dtype(s)} [B, {cap}, {sd[1]}]"
+                ok = rd.dtype(v) == rd.dtype(s) and d[1:] == (cap, sd[1])
+                exp = f"{rd.dtype(s)} [B, {cap}, {sd[1]}]"
             else:  # C (Hv + Hk Dk + Hv Dv), Hk from the graph's q|k heads (2 Hk of them)
-                qk = _reshape_dims(_l2_normalized(_skip(_inp(n, 0), "Split"))[0])
+                qk = rd.reshape_dims(rd.l2_normalized(rd.skip(rd.operand(n, 0), "Split"))[0])
                 hk = qk[1] // 2 if qk and len(qk) == 3 else None
                 width = cap * (sd[1] + (hk or 0) * sd[3] + sd[1] * sd[2]) if hk else None
-                ok = _dtype(v) == "float" and len(d) == 2 and d[1] == width
+                ok = rd.dtype(v) == "float" and len(d) == 2 and d[1] == width
                 exp = f"float [B, {width}]"
                 group = next((g for g in dec.get("state_groups", []) if isinstance(g, dict)
                               and g.get("kind") == c.GROUP_FIXED_RECURRENT), {})
                 heads = group.get("state_update", {}).get("key_head_count")
                 chk(heads == hk, "genai state_update", f"fixed_recurrent key_head_count "
                     f"{heads!r} (graph's key heads {hk})")
-            chk(ok, "state_update outputs", f"{out_name} {_dtype(v)} {list(d)} (expected {exp})")
+            chk(ok, "state_update outputs", f"{out_name} {rd.dtype(v)} {list(d)} (expected {exp})")
 
 
 def _without_key_heads(groups: Any) -> Any:
@@ -431,31 +359,11 @@ def _without_key_heads(groups: Any) -> Any:
             for g in groups]
 
 
-def _producers(graph: ir.Graph) -> dict[str, ir.Node]:
-    return {v.name: n for n in graph for v in n.outputs if v.name}
-
-
-def _by_op(graph: ir.Graph, op: str) -> list[ir.Node]:
-    return [n for n in graph if n.op_type == op]
-
-
-def _inp(node: ir.Node, k: int) -> ir.Value | None:
-    return node.inputs[k] if k < len(node.inputs) else None
-
-
-def _name(v: ir.Value | None) -> str:
-    return v.name or "" if v is not None else ""
-
-
-def _one(nodes: Sequence[ir.Node], pred: Callable[[ir.Node], bool]) -> list[ir.Node]:
-    return [n for n in nodes if pred(n)]
-
-
 def _verify_scales(graph: ir.Graph, n: ir.Node, i: int, quant: str, hkv: Any, hd: Any,
                    chk: _Checker) -> None:
     """Operands 14/15 and the quant attributes of layer ``i``'s PagedAttention."""
-    names = [_name(_inp(n, k)) for k in c.PAGED_ATTENTION_SCALES]
-    attrs = [_attr(n, "k_quant_type", "NONE"), _attr(n, "v_quant_type", "NONE")]
+    names = [rd.name(rd.operand(n, k)) for k in c.PAGED_ATTENTION_SCALES]
+    attrs = [rd.attr(n, "k_quant_type", "NONE"), rd.attr(n, "v_quant_type", "NONE")]
     if quant == "NONE":
         chk(names == ["", ""] and attrs == ["NONE", "NONE"], "PagedAttention kv scales",
             f"layer {i}: unquantized pages: k_scale/v_scale {names}, quant types {attrs}")
@@ -463,29 +371,29 @@ def _verify_scales(graph: ir.Graph, n: ir.Node, i: int, quant: str, hkv: Any, hd
     shape = [1] if quant == "PER_TENSOR" else [hkv, 1, hd]
     for name, want in zip(names, (c.K_SCALE % i, c.V_SCALE % i), strict=True):
         init = graph.initializers.get(name)
-        ok = name == want and init is not None and _dtype(init) == "float" and \
-            list(_dims(init)) == shape
+        ok = name == want and init is not None and rd.dtype(init) == "float" and \
+            list(rd.dims(init)) == shape
         chk(ok, "PagedAttention kv scales", f"layer {i}: {name or '(empty)'} "
-            f"{_dtype(init) if init is not None else 'not an initializer'} "
-            f"{list(_dims(init)) if init is not None else ''} (expected {want} float {shape})")
+            f"{rd.dtype(init) if init is not None else 'not an initializer'} "
+            f"{list(rd.dims(init)) if init is not None else ''} (expected {want} float {shape})")
     chk(attrs == [quant, quant], "PagedAttention kv scales",
         f"layer {i}: k_quant_type/v_quant_type {attrs} (expected {quant})")
 
 
 def _verify_nodes(graph: ir.Graph, dec: dict[str, Any], full: list[int], linear: list[int],
                   inputs: dict[str, ir.Value], quant: str, chk: _Checker) -> None:
-    producers = _producers(graph)
+    producers = rd.producers(graph)
     shared = [c.CU_SEQLENS, c.PAST_SEQLENS, c.BLOCK_TABLE]
-    pa_nodes = _by_op(graph, c.PAGED_ATTENTION)
+    pa_nodes = rd.by_op(graph, c.PAGED_ATTENTION)
     chk(len(pa_nodes) == len(full), "PagedAttention count",
         f"{len(pa_nodes)} nodes for {len(full)} full-attention layers")
     for i in full:
-        found = _one(pa_nodes, lambda n, i=i: _name(_inp(n, 3)) == c.PAST_KEY % i)
+        found = rd.matching(pa_nodes, lambda n, i=i: rd.name(rd.operand(n, 3)) == c.PAST_KEY % i)
         if not chk(len(found) == 1, "PagedAttention", f"layer {i}: {len(found)} node(s) read "
                    f"{c.PAST_KEY % i}"):
             continue
         n = found[0]
-        names = [_name(v) for v in n.inputs]
+        names = [rd.name(v) for v in n.inputs]
         chk(n.domain == c.MS_DOMAIN and len(names) == c.PAGED_ATTENTION_INPUTS,
             "PagedAttention operands", f"layer {i}: {n.domain}, {len(names)} inputs")
         if len(names) != c.PAGED_ATTENTION_INPUTS:
@@ -497,23 +405,23 @@ def _verify_nodes(graph: ir.Graph, dec: dict[str, Any], full: list[int], linear:
         chk(ok, "PagedAttention operands", f"layer {i}: {names}")
         _verify_scales(graph, n, i, quant, dec.get("num_key_value_heads"),
                        dec.get("head_size"), chk)
-        outs = [_name(v) for v in n.outputs]
+        outs = [rd.name(v) for v in n.outputs]
         chk(outs[1:3] == [c.PRESENT_KEY % i, c.PRESENT_VALUE % i], "cache aliasing",
             f"layer {i}: key_cache_out/value_cache_out = {outs[1:3]}")
-        attrs = {k: _attr(n, k) for k in ("num_heads", "kv_num_heads")}
-        layout = _attr(n, "kv_cache_layout", "SEPARATE")
-        rotary = _attr(n, "do_rotary", 0)
+        attrs = {k: rd.attr(n, k) for k in ("num_heads", "kv_num_heads")}
+        layout = rd.attr(n, "kv_cache_layout", "SEPARATE")
+        rotary = rd.attr(n, "do_rotary", 0)
         chk(attrs["num_heads"] == dec.get("num_attention_heads")
             and attrs["kv_num_heads"] == dec.get("num_key_value_heads")
             and layout == "SEPARATE" and rotary == 0, "PagedAttention attributes",
             f"layer {i}: {attrs}, kv_cache_layout={layout}, do_rotary={rotary}")
-    conv_nodes, gdn_nodes = _by_op(graph, c.VARLEN_CONV), _by_op(graph, c.GATED_DELTA_NET)
+    conv_nodes, gdn_nodes = rd.by_op(graph, c.VARLEN_CONV), rd.by_op(graph, c.GATED_DELTA_NET)
     chk(len(conv_nodes) == len(linear) and len(gdn_nodes) == len(linear), "linear op counts",
         f"{len(conv_nodes)} {c.VARLEN_CONV}, {len(gdn_nodes)} {c.GATED_DELTA_NET} for "
         f"{len(linear)} linear layers")
     for i in linear:
         _verify_linear(i, conv_nodes, gdn_nodes, inputs, producers, chk)
-    stray = [n.name for n in graph if any(_name(v) in ("attention_mask", "slot_mapping")
+    stray = [n.name for n in graph if any(rd.name(v) in ("attention_mask", "slot_mapping")
                                           for v in n.inputs)]
     chk(not stray, "no dense inputs", f"nodes reading attention_mask/slot_mapping: {stray}")
 
@@ -521,56 +429,56 @@ def _verify_nodes(graph: ir.Graph, dec: dict[str, Any], full: list[int], linear:
 def _verify_linear(i: int, conv_nodes: list[ir.Node], gdn_nodes: list[ir.Node],
                    inputs: dict[str, ir.Value], producers: dict[str, ir.Node],
                    chk: _Checker) -> None:
-    conv = _one(conv_nodes, lambda n: _name(_inp(n, 4)) == c.PAST_CONV % i)
+    conv = rd.matching(conv_nodes, lambda n: rd.name(rd.operand(n, 4)) == c.PAST_CONV % i)
     if chk(len(conv) == 1, c.VARLEN_CONV, f"layer {i}: {len(conv)} node(s) read "
            f"{c.PAST_CONV % i}"):
         n = conv[0]
-        outs = [_name(v) for v in n.outputs]
+        outs = [rd.name(v) for v in n.outputs]
         chk(len(outs) >= 2 and outs[1] == c.PRESENT_CONV % i and n.domain == c.MS_DOMAIN,
             "cache aliasing", f"layer {i}: conv final_state = {outs[1:2]}")
-        chk(_name(_inp(n, 2)) == c.CU_SEQLENS and _attr(n, "activation") == "silu",
-            f"{c.VARLEN_CONV} operands", f"layer {i}: boundaries {_name(_inp(n, 2))!r}, "
-            f"activation {_attr(n, 'activation')!r}")
-        w = _inp(n, 1)
-        wd = _dims(w) if w is not None else ()
-        sd = _dims(inputs[c.PAST_CONV % i]) if c.PAST_CONV % i in inputs else ()
+        chk(rd.name(rd.operand(n, 2)) == c.CU_SEQLENS and rd.attr(n, "activation") == "silu",
+            f"{c.VARLEN_CONV} operands", f"layer {i}: boundaries {rd.name(rd.operand(n, 2))!r}, "
+            f"activation {rd.attr(n, 'activation')!r}")
+        w = rd.operand(n, 1)
+        wd = rd.dims(w) if w is not None else ()
+        sd = rd.dims(inputs[c.PAST_CONV % i]) if c.PAST_CONV % i in inputs else ()
         chk(len(wd) == 3 and len(sd) == 3 and wd[1] == 1 and sd[1] == wd[0]
             and isinstance(wd[2], int) and sd[2] == wd[2] - 1, "conv state layout",
             f"layer {i}: weight {list(wd)} vs state {list(sd)} (expected [B, C, K-1])")
-    gdn = _one(gdn_nodes, lambda n: _name(_inp(n, 6)) == c.PAST_RECURRENT % i)
+    gdn = rd.matching(gdn_nodes, lambda n: rd.name(rd.operand(n, 6)) == c.PAST_RECURRENT % i)
     if not chk(len(gdn) == 1, c.GATED_DELTA_NET, f"layer {i}: {len(gdn)} node(s) read "
                f"{c.PAST_RECURRENT % i}"):
         return
     n = gdn[0]
-    outs = [_name(v) for v in n.outputs]
+    outs = [rd.name(v) for v in n.outputs]
     chk(len(outs) >= 2 and outs[1] == c.PRESENT_RECURRENT % i and n.domain == c.MS_DOMAIN,
         "cache aliasing", f"layer {i}: recurrent final_state = {outs[1:2]}")
-    attrs = {k: _attr(n, k) for k in ("update_rule", "gate_activation", "beta_activation",
-                                      "qk_l2_norm")}
+    attrs = {k: rd.attr(n, k) for k in ("update_rule", "gate_activation", "beta_activation",
+                                         "qk_l2_norm")}
     chk(all(attrs[k] == v for k, v in GDN_ATTRS.items())
         and attrs["gate_activation"] in ("qwen", "softplus"), f"{c.GATED_DELTA_NET} attributes",
         f"layer {i}: {attrs}")
-    chk(_name(_inp(n, 3)) == c.CU_SEQLENS and all(_inp(n, k) is not None for k in (4, 5)),
-        f"{c.GATED_DELTA_NET} operands",
-        f"layer {i}: cu_seqlens {_name(_inp(n, 3))!r}, raw a/b present")
-    rd = _dims(inputs[c.PAST_RECURRENT % i]) if c.PAST_RECURRENT % i in inputs else ()
+    chk(rd.name(rd.operand(n, 3)) == c.CU_SEQLENS
+        and all(rd.operand(n, k) is not None for k in (4, 5)), f"{c.GATED_DELTA_NET} operands",
+        f"layer {i}: cu_seqlens {rd.name(rd.operand(n, 3))!r}, raw a/b present")
+    state = rd.dims(inputs[c.PAST_RECURRENT % i]) if c.PAST_RECURRENT % i in inputs else ()
     for k, label in ((7, "a_log"), (8, "dt_bias")):
-        v = _inp(n, k)
-        ok = (v is not None and v.const_value is not None and _dtype(v) == "float"
-              and len(rd) == 4 and _dims(v) == (rd[1],))
+        v = rd.operand(n, k)
+        ok = (v is not None and v.const_value is not None and rd.dtype(v) == "float"
+              and len(state) == 4 and rd.dims(v) == (state[1],))
         chk(ok, f"{c.GATED_DELTA_NET} gates", f"layer {i}: {label} "
-            f"{_dtype(v) if v is not None else 'absent'} {list(_dims(v)) if v else []} "
+            f"{rd.dtype(v) if v is not None else 'absent'} {list(rd.dims(v)) if v else []} "
             f"(float initializer [Hv])")
-    normed = {role: _l2_normalized(_skip(_inp(n, k), "Split")) for k, role in ((0, "q"),
-                                                                                  (1, "k"))}
+    normed = {role: rd.l2_normalized(rd.skip(rd.operand(n, k), "Split"))
+              for k, role in ((0, "q"), (1, "k"))}
     chk(all(x is not None and eps is not None and abs(eps - QK_L2_NORM_EPS) <= 1e-12
             for x, eps in normed.values()), "q/k l2 norm",
         f"layer {i}: eps {[eps for _, eps in normed.values()]} (HF: x * 1/sqrt(sum(x^2) + "
         f"{QK_L2_NORM_EPS:g}) in float32 before {c.GATED_DELTA_NET}, qk_l2_norm=0)")
-    q, val = _reshape_dims(normed["q"][0]), _reshape_dims(_skip_cast(_inp(n, 2)))
-    ok = (q is not None and val is not None and len(q) == 3 and len(val) == 3 and len(rd) == 4
-          and list(rd[1:]) == [val[1], val[2], q[2]])
-    chk(ok, "recurrent state layout", f"layer {i}: state {list(rd)}, q heads {q}, v heads {val} "
+    q, val = rd.reshape_dims(normed["q"][0]), rd.reshape_dims(rd.skip_cast(rd.operand(n, 2)))
+    ok = (q is not None and val is not None and len(q) == 3 and len(val) == 3 and len(state) == 4
+          and list(state[1:]) == [val[1], val[2], q[2]])
+    chk(ok, "recurrent state layout", f"layer {i}: state {list(state)}, q heads {q}, v heads {val} "
         "(expected V-major [B, Hv, Dv, Dk])")
 
 
@@ -620,7 +528,7 @@ def _verify_genai(genai: dict[str, Any], meta: dict[str, str], full: list[int],
     chk(genai.get("search", {}).get("past_present_share_buffer") is True, "genai search",
         f"past_present_share_buffer = {genai.get('search', {}).get('past_present_share_buffer')}")
     if logits is not None:
-        rows = _dims(logits)[0] if _dims(logits) else None
+        rows = rd.dims(logits)[0] if rd.dims(logits) else None
         pruned = meta.get(c.META_PRUNE_LOGITS) == "1"
         chk(rows == (c.DIM_BATCH if pruned else c.DIM_TOKENS), "logits rows",
             f"{rows} (prune_logits={pruned})")
