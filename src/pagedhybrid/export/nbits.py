@@ -210,7 +210,7 @@ Read = Callable[[str], torch.Tensor]  # a checkpoint tensor by name, as stored
 
 
 def _init(node: ir.Node, k: int) -> ir.Value | None:
-    v = node.inputs[k] if k < len(node.inputs) else None
+    v = rd.operand(node, k)
     return v if v is not None and v.const_value is not None else None
 
 
