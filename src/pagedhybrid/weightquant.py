@@ -168,6 +168,15 @@ def quantize(weight: torch.Tensor, fmt: WeightFormat, name: str = "weight") -> Q
     return QuantizedWeight(q.contiguous(), s16.contiguous(), zeros, fmt, k)
 
 
+def quantized_nbytes(shape: tuple[int, int], fmt: WeightFormat) -> tuple[int, int, int]:
+    """Bytes of the codes, scales and zero points (0: symmetric) of a ``[N, K]`` weight in
+    ``fmt``, before it is quantised."""
+    n, k = shape
+    block = fmt.block_for(k)
+    nb = -(-k // block)
+    return n * nb * block * fmt.bits // 8, 2 * n * nb, 0 if fmt.symmetric else n * nb
+
+
 def unpack_codes(q: QuantizedWeight) -> torch.Tensor:
     """The codes as uint8 ``[N, n_blocks, block]`` (4-bit ones unpacked)."""
     if q.fmt.bits == 8:

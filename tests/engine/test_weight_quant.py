@@ -25,7 +25,8 @@ from pagedhybrid.engine import Engine, EngineConfig, RequestOutput, SamplingPara
 from pagedhybrid.errors import ContractViolation, UnsupportedConfiguration
 from pagedhybrid.kernels.native import status
 from pagedhybrid.models.qwen35 import Qwen35ForCausalLM, load
-from pagedhybrid.weightquant import WeightFormat, dequantize
+from pagedhybrid.models.qwen35.weights import HUGE_PAGE, HugePageArena
+from pagedhybrid.weightquant import WeightFormat, dequantize, quantized_nbytes
 
 PROMPTS = [prompt_of(s, n) for s, n in ((1, 9), (2, 40), (3, 75), (4, 20))]
 SCORE = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, prompt_logprobs=0,
@@ -116,6 +117,14 @@ def test_the_model_holds_codes(tiny_dir: Path) -> None:
     assert proj.quant is not None and proj.weight.is_meta
     assert proj.quant.codes.dtype == torch.uint8 and proj.quant.scales.dtype == torch.float16
     assert not model.model.embed_tokens.weight.is_meta
+    # every projection's codes and scales in one huge-page arena, exactly sized
+    held = [m.quant for m in model.modules() if getattr(m, "quant", None) is not None]
+    ptrs = sorted(t.data_ptr() for q in held for t in (q.codes, q.scales))
+    assert ptrs[0] % HUGE_PAGE == 0 and all(p % 64 == 0 for p in ptrs)
+    assert all(quantized_nbytes(q.shape, q.fmt) == (q.codes.numel(), 2 * q.scales.numel(), 0)
+               for q in held)
+    assert ptrs[-1] - ptrs[0] < sum(HugePageArena.room(n) for q in held
+                                    for n in quantized_nbytes(q.shape, q.fmt))
     summary = e.runner.kernel_summary()
     assert "int4 weights: quant.linear (" in summary
     assert ("vpdpbusd" if status().isa in ("avx512_bf16", "avx512_vnni") else "vpmaddubsw") \

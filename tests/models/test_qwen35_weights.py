@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import mmap
 from pathlib import Path
 
 import pytest
@@ -11,8 +12,16 @@ from qwen35_tiny import build_hf_model, hf_logits, save_checkpoint, tiny_hf_conf
 from safetensors.torch import save_file
 from transformers import Qwen3_5Config
 
+from pagedhybrid.engine.memory import weight_bytes
+from pagedhybrid.errors import ContractViolation
 from pagedhybrid.models.qwen35 import CheckpointError, load
-from pagedhybrid.models.qwen35.weights import SafetensorsFile, release_pages
+from pagedhybrid.models.qwen35.weights import (
+    HUGE_PAGE,
+    HugePageArena,
+    SafetensorsFile,
+    is_mapped,
+    release_pages,
+)
 
 IDS = torch.tensor([[5, 17, 3, 90, 41, 8, 0, 66]])
 
@@ -69,6 +78,60 @@ def test_release_pages_drops_a_mapped_tensors_pages_and_nothing_else(tmp_path):
     release_pages(own)
     release_pages(state["a"][:, ::2])  # a strided view: not its pages alone, nothing released
     assert torch.equal(own, state["b"])
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The ``VmFlags`` of the mapping holding ``address`` (``/proc/self/smaps``)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_huge_page_arena_holds_exact_copies():
+    gen = torch.Generator().manual_seed(0)
+    parts = [torch.randn(257, 33, generator=gen).to(torch.bfloat16),
+             torch.randint(0, 255, (64, 3, 16), dtype=torch.uint8, generator=gen),
+             torch.randn(5, generator=gen).half(), torch.randn(3, 1000, generator=gen)]
+    arena = HugePageArena(sum(HugePageArena.room(t.numel() * t.element_size()) for t in parts))
+    held = [arena.hold(t) for t in parts]
+    for t, h in zip(parts, held, strict=True):
+        assert torch.equal(t, h) and h.dtype == t.dtype and h.data_ptr() != t.data_ptr()
+        assert h.data_ptr() % 64 == 0 and not is_mapped(h)
+    assert held[0].data_ptr() % HUGE_PAGE == 0
+    assert HugePageArena.room(1) == 64 and HugePageArena.room(128) == 128
+    with pytest.raises(ContractViolation, match="'size' must hold 10 more bytes"):
+        arena.hold(torch.zeros(10, dtype=torch.uint8))  # exactly sized: full
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # the mapping carries the advice ("hg")
+        assert "hg" in _vm_flags(held[0].data_ptr())
+    del arena
+    assert torch.equal(held[3] * 2, parts[3] * 2)  # the views keep the mapping
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_hold_projections_copies_them_out_of_the_mapping(tmp_path, tied):
+    hf = build_hf_model(tiny_hf_config(tie_word_embeddings=tied), seed=3)
+    model = load(save_checkpoint(hf, tmp_path / "m"))
+    proj = model.model.layers[0].mlp.down_proj.weight
+    assert is_mapped(proj) and is_mapped(model.lm_head.weight)
+    before, mapped = model.forward_dense(IDS)[0], weight_bytes(model, mapped_only=True)
+    assert mapped == weight_bytes(model)
+    model.hold_projections()
+    assert model.model.layers[0].mlp.down_proj.weight is proj and not is_mapped(proj)
+    assert not is_mapped(model.lm_head.weight)
+    assert is_mapped(model.model.embed_tokens.weight) != tied  # a tied head's table moved once
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    assert torch.equal(model.forward_dense(IDS)[0], before)
+    # the memory plan no longer counts them as still to be paged in
+    norms = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                if "norm" in n)
+    assert weight_bytes(model, mapped_only=True) < mapped - 20 * norms
+    assert weight_bytes(model) == mapped
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

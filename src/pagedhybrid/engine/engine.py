@@ -92,7 +92,7 @@ class Engine:
         self.memory: MemoryPlan = plan_memory(
             model.config, self.config, model.dtype, weight_bytes(model),
             available=None if local == 1 else available_memory() // local,
-            unmapped=weight_bytes(model, quantized=False))
+            unmapped=weight_bytes(model, mapped_only=True))
         for warning in self.memory.warnings:
             print(f"pagedhybrid: warning: {warning}", file=sys.stderr)
         self.sizes = self.memory.sizes

@@ -9,9 +9,10 @@ Budget:
   for the cache: the machine's available memory (``MemAvailable`` of ``/proc/meminfo``, or the
   cgroup's limit less its use when that is lower) less the weights (counted as still to be paged
   in: they are memory-mapped, so the kernel counts their pages as reclaimable -- all but the
-  packed ones, which are private copies made before the plan and already out of the available
-  memory) and less the workspace of the largest step (``workspace_bytes``; with speculative
-  decoding it includes every state slot's verify-step capsules, ``capsule_bytes``).
+  private copies made before the plan, already out of the available memory: int8 / int4 codes
+  and the projections the runner holds in huge pages) and less the workspace of the largest
+  step (``workspace_bytes``; with speculative decoding it includes every state slot's
+  verify-step capsules, ``capsule_bytes``).
 
 Split: state slots = ``num_state_slots`` or ``max_num_seqs``; state checkpoints =
 ``num_state_checkpoints`` or one per slot (prefix caching on); pages = the rest, at most what
@@ -40,6 +41,7 @@ from pagedhybrid.engine.config import EngineConfig, PoolSizes, page_bytes, slot_
 from pagedhybrid.errors import CapacityError
 from pagedhybrid.kernels.capsule import capsule_bytes
 from pagedhybrid.models.qwen35.config import Qwen35Config
+from pagedhybrid.models.qwen35.weights import is_mapped
 
 DEFAULT_CACHE_FRACTION = 0.5  # of the memory there is for the cache (module docstring)
 MIN_CONTEXT = 4096  # tokens one sequence must fit when max_model_len is not given
@@ -84,18 +86,19 @@ def workspace_bytes(config: Qwen35Config, cfg: EngineConfig) -> int:
     return WORKSPACE_FLOOR + 4 * (t * per_row + scores + logits) + capsules
 
 
-def weight_bytes(model: torch.nn.Module, quantized: bool = True) -> int:
+def weight_bytes(model: torch.nn.Module, mapped_only: bool = False) -> int:
     """Bytes of the model's parameters, each storage once, and of its int8 / int4 projections
     (codes, scales, zero points; their fp placeholders on the meta device hold nothing);
-    ``quantized=False`` leaves out the quantised weights (their codes are in private memory,
-    not in the checkpoint's mapping)."""
+    ``mapped_only`` counts only the parameters that are still views of the checkpoint's mapping
+    (``weights.is_mapped``) -- the rest (quantised codes, weights held in a ``HugePageArena``,
+    converted copies) are private memory, already out of the available memory."""
     seen: set[int] = set()
     total = 0
-    if quantized:
+    if not mapped_only:
         total += sum(q.nbytes for m in model.modules()
                      if (q := getattr(m, "quant", None)) is not None)
     for p in model.parameters():
-        if p.is_meta:
+        if p.is_meta or (mapped_only and not is_mapped(p)):
             continue
         if p.data_ptr() not in seen:
             seen.add(p.data_ptr())

@@ -314,6 +314,8 @@ class ModelRunner:
         model.backend = self.kernels.backend
         if config.weight_format is not None:
             model.quantize(config.weight_format)
+        if torch.device(config.device).type == "cpu":
+            model.hold_projections()  # in huge pages (models/qwen35/weights.py)
         if self.kernels.backend.name not in ("native", "native_batch_invariant") and \
                 config.backend == "auto":
             print(f"pagedhybrid: {self.kernels.reason}", file=sys.stderr)

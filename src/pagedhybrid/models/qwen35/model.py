@@ -69,6 +69,7 @@ from pagedhybrid.models.qwen35.packed import OP, PackedBatch, PagedHybridCache
 from pagedhybrid.models.qwen35.rope import RopeTable, mrope_cos_sin
 from pagedhybrid.models.qwen35.stack import bind_stack
 from pagedhybrid.models.qwen35.weights import (
+    HugePageArena,
     experts_layout,
     fuse_experts,
     per_expert_shapes,
@@ -82,7 +83,7 @@ from pagedhybrid.parallel.linear import (
     replicated_weight_loader,
     weight_loader,
 )
-from pagedhybrid.weightquant import WeightFormat
+from pagedhybrid.weightquant import WeightFormat, quantized_nbytes
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DENSE_OP = "pagedhybrid.Qwen35.forward_dense"
@@ -186,18 +187,40 @@ class Qwen35ForCausalLM(nn.Module):
         embedding table, the norms, the convolution, a mixture of experts' router gates and
         routed experts -- in ``fmt`` (``pagedhybrid.weightquant``), round to nearest from the
         loaded weights, releasing them and their mapped file pages (a tied head gets its own
-        codes; the embedding keeps the table). The fused decode layers multiply them with the
-        integer kernel."""
+        codes; the embedding keeps the table), the codes in one ``HugePageArena``. The fused decode
+        layers multiply them with the integer kernel."""
         routers = {id(r) for block in self.modules() if isinstance(block, SparseMoE)
                    for r in (block.gate, block.shared_expert_gate)}
         table = self.model.embed_tokens.weight
-        for name, m in self.named_modules():
-            if isinstance(m, ReplicatedLinear) and id(m) not in routers:
-                plain = m.quantize(fmt, f"{name}.weight")
-                if plain is not None and plain is not table:  # (the embedding reads the table)
+        todo = [(name, m) for name, m in self.named_modules()
+                if isinstance(m, ReplicatedLinear) and id(m) not in routers]
+        arena = HugePageArena(sum(HugePageArena.room(n) for _, m in todo if m.quant is None
+                                  for n in quantized_nbytes(tuple(m.weight.shape), fmt)))
+        for name, m in todo:
+            plain = m.quantize(fmt, f"{name}.weight")
+            if plain is not None:
+                q = m.quant
+                m.quant = q._replace(codes=arena.hold(q.codes), scales=arena.hold(q.scales),
+                                     zeros=None if q.zeros is None else arena.hold(q.zeros))
+                if plain is not table:  # (the embedding reads the table)
                     release_pages(plain)
         if self._backend is not None:
             self.backend = self._backend  # the bundle's quantised product
+
+    def hold_projections(self) -> None:
+        """Copy every plain projection weight -- the ``ReplicatedLinear`` ones not held in 8 / 4
+        bits, a tied head's table once -- into one ``HugePageArena`` and release its mapped file
+        pages (``weights.py``: decode streams them). The parameters stay the same objects; the
+        fused decode layers gather them again."""
+        params = {id(m.weight): m.weight for m in self.modules()
+                  if isinstance(m, ReplicatedLinear) and not m.weight.is_meta}
+        arena = HugePageArena(sum(HugePageArena.room(p.numel() * p.element_size())
+                                  for p in params.values()))
+        for p in params.values():
+            plain = p.data
+            p.data = arena.hold(plain.contiguous())
+            release_pages(plain)
+        PARAMETER_EPOCH[0] += 1  # (what was gathered from the old tensors is stale)
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
         """Checkpoint tensor name -> full (unsharded) shape (``lm_head.weight`` absent when

@@ -21,6 +21,16 @@ HF's). With tied embeddings ``lm_head.weight`` is not read (the model reuses
 copy): the mapping is private and never written, so a later read of ``t`` faults them in again
 from the file; a tensor that is not a view of a live mapping is left alone.
 
+Where the weights live while they are served (``HugePageArena``, filled by the model runner on
+CPU): every projection weight -- plain or int8 / int4 codes -- is copied into one private
+anonymous mapping advised for transparent huge pages, and its mapped file pages are released.
+Decode streams every weight byte once per token; on 4 KiB pages each 4 KiB of the stream is a
+TLB miss and the end of a hardware prefetch run. Measured on the per-token products of the 141M
+benchmark model (2 threads; the same weights in either kind of page, alternating in one process,
+200 rounds; AMD EPYC, THP ``madvise``): bf16 1.16x, int8 1.10x, int4 1.12x faster.
+``is_mapped(t)`` tells whether a tensor is still a view of a checkpoint mapping (the memory plan
+counts those as still to be paged in).
+
 ``read_tensors`` streams the checked views one at a time (the model's loader slices each to its
 TP rank's part before anything is converted); ``load_state_dict`` collects them in a serving dtype.
 
@@ -48,6 +58,7 @@ from pathlib import Path
 import torch
 
 from pagedhybrid.dtypes import find
+from pagedhybrid.errors import ContractViolation
 from pagedhybrid.models.qwen35.errors import CheckpointError
 
 
@@ -72,21 +83,70 @@ _MAX_HEADER = 100 * 1024 * 1024
 _MAPS: list[tuple[weakref.ref[mmap.mmap], int, int]] = []  # live mappings: (map, address, size)
 
 
-def release_pages(t: torch.Tensor) -> None:
-    """Drop the resident pages wholly inside ``t`` when it is a view of a live checkpoint
-    mapping (module docstring); anything else is left alone."""
-    if not t.is_contiguous():
-        return
+def _mapping_of(t: torch.Tensor) -> tuple[mmap.mmap, int] | None:
+    """The live checkpoint mapping ``t`` is a contiguous view of, and its address."""
+    if not t.is_contiguous() or t.is_meta:
+        return None
     begin, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
     _MAPS[:] = [e for e in _MAPS if e[0]() is not None]
     for ref, address, size in _MAPS:
         m = ref()
         if m is not None and address <= begin and end <= address + size:
-            lo = -(-(begin - address) // mmap.PAGESIZE) * mmap.PAGESIZE
-            hi = (end - address) // mmap.PAGESIZE * mmap.PAGESIZE
-            if hi > lo:
-                m.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
-            return
+            return m, address
+    return None
+
+
+def is_mapped(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a view of a live checkpoint mapping (module docstring)."""
+    return _mapping_of(t) is not None
+
+
+def release_pages(t: torch.Tensor) -> None:
+    """Drop the resident pages wholly inside ``t`` when it is a view of a live checkpoint
+    mapping (module docstring); anything else is left alone."""
+    found = _mapping_of(t)
+    if found is None:
+        return
+    m, address = found
+    begin, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    lo = -(-(begin - address) // mmap.PAGESIZE) * mmap.PAGESIZE
+    hi = (end - address) // mmap.PAGESIZE * mmap.PAGESIZE
+    if hi > lo:
+        m.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
+
+HUGE_PAGE = 2 << 20  # bytes: the x86-64 transparent huge page
+_ALIGN = 64  # bytes: each tensor's start in an arena (a cache line)
+
+
+class HugePageArena:
+    """One private anonymous mapping of ``size`` bytes advised ``MADV_HUGEPAGE`` (module
+    docstring), starting on a huge-page boundary; ``hold(t)`` copies a tensor into it, cache-line
+    aligned, and returns the view (views keep the mapping alive). ``room(n)`` is what a tensor of
+    ``n`` bytes takes. Where the kernel gives no huge pages (THP ``never``, no
+    ``MADV_HUGEPAGE``) the pages are plain private ones: the same values either way."""
+
+    def __init__(self, size: int) -> None:
+        self._map = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            self._map.madvise(mmap.MADV_HUGEPAGE)
+        self._flat = torch.frombuffer(self._map, dtype=torch.uint8)
+        self._offset = -self._flat.data_ptr() % HUGE_PAGE
+        self._end = self._offset + size
+
+    @staticmethod
+    def room(nbytes: int) -> int:
+        return -(-nbytes // _ALIGN) * _ALIGN
+
+    def hold(self, t: torch.Tensor) -> torch.Tensor:
+        n = t.numel() * t.element_size()
+        if self._offset + n > self._end:
+            raise ContractViolation("HugePageArena", "size", f"must hold {n} more bytes",
+                                    f"{self._end - self._offset} left")
+        view = self._flat[self._offset:self._offset + n].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        self._offset += self.room(n)
+        return view
 
 
 def canonical_name(name: str, mtp: bool = False) -> str | None:
