@@ -8,7 +8,10 @@
 * batch-invariant mode with int4 weights: a request's logprobs equal it run alone, bitwise;
 * the model really holds codes: the fp32 weights are released (meta placeholders), the tied
   LM head gets its own codes while the embedding keeps the table, routers stay unquantised;
-  the kernel line names the format and the CPU's int8 dot instruction;
+  the kernel line names the format and the CPU's int8 dot instruction; the codes lie in one
+  huge-page arena, exactly sized;
+* ``huge_pages`` (default on, ``--no-huge-pages``): plain projections copied out of the
+  checkpoint's mapping or left as its views, the same tokens and logprobs either way;
 * bad configurations are refused by name: an unknown format, a bundle without a quantised
   product (torch), a model quantised twice in different formats.
 """
@@ -22,10 +25,11 @@ import torch
 from engine_helpers import prompt_of, run_all
 
 from pagedhybrid.engine import Engine, EngineConfig, RequestOutput, SamplingParams
+from pagedhybrid.engine.cli import _engine_kwargs, add_engine_arguments
 from pagedhybrid.errors import ContractViolation, UnsupportedConfiguration
 from pagedhybrid.kernels.native import status
 from pagedhybrid.models.qwen35 import Qwen35ForCausalLM, load
-from pagedhybrid.models.qwen35.weights import HUGE_PAGE, HugePageArena
+from pagedhybrid.models.qwen35.weights import HUGE_PAGE, HugePageArena, is_mapped
 from pagedhybrid.weightquant import WeightFormat, dequantize, quantized_nbytes
 
 PROMPTS = [prompt_of(s, n) for s, n in ((1, 9), (2, 40), (3, 75), (4, 20))]
@@ -158,3 +162,24 @@ def test_bad_configurations_are_refused_by_name(tiny_dir: Path) -> None:
         model.quantize(WeightFormat.parse("int8"))
     model.quantize(WeightFormat.parse("int4"))  # the same format again: nothing to do
     assert isinstance(model, Qwen35ForCausalLM)
+
+
+def test_huge_pages_option(tiny_dir: Path) -> None:
+    """Default (``huge_pages``): the plain projections leave the checkpoint's mapping for one
+    huge-page arena; off (``--no-huge-pages``): they stay views of it. Same tokens either way."""
+    import argparse
+
+    outs = []
+    for huge in (True, False):
+        e = engine(tiny_dir, huge_pages=huge)
+        projs = [m.weight for m in e.model.modules() if hasattr(m, "quant")]
+        assert all(is_mapped(w) != huge for w in projs)
+        if huge:
+            assert min(w.data_ptr() for w in projs) % HUGE_PAGE == 0
+        outs.append(run(e, PROMPTS[:2]))
+    assert [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[1]]
+    assert all(torch.equal(logprobs(a), logprobs(b)) for a, b in zip(*outs, strict=True))
+    p = argparse.ArgumentParser()
+    add_engine_arguments(p)
+    assert _engine_kwargs(p.parse_args([]))["huge_pages"] is True
+    assert _engine_kwargs(p.parse_args(["--no-huge-pages"]))["huge_pages"] is False

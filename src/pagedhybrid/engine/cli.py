@@ -58,6 +58,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--backend", default="auto", help="kernels: auto | native | torch")
     g.add_argument("--adaptive-threads", action=argparse.BooleanOptionalAction, default=True,
                    help="one thread while other processes keep the cores busy (default on)")
+    g.add_argument("--huge-pages", action=argparse.BooleanOptionalAction, default=True,
+                   help="copy the projection weights into transparent huge pages (default on; "
+                   "off: plain weights stay shared views of the checkpoint file)")
     g.add_argument("--batch-invariant", action="store_true",
                    help="logits bitwise independent of the batch (rollout == training recompute)")
     g.add_argument("--quantization", default=None, metavar="FORMAT",
@@ -136,7 +139,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
             "kv_cache_dtype": args.kv_cache_dtype, "kv_quant": args.kv_quant,
             "kv_scales": args.kv_scales, "batch_invariant": args.batch_invariant,
             "quantization": args.quantization,
-            "adaptive_threads": args.adaptive_threads,
+            "adaptive_threads": args.adaptive_threads, "huge_pages": args.huge_pages,
             "speculative_config": args.speculative_config,
             "kv_events_config": args.kv_events_config,
             "tensor_parallel_size": args.tensor_parallel_size,

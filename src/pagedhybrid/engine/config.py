@@ -59,6 +59,13 @@ class EngineConfig:
     and multiplied by the bundle's int8 / int4 kernel (activations quantised per row on the fly);
     a bundle without one is refused. The model object is quantised in place.
 
+    ``huge_pages`` (on by default; CPU): every projection weight, plain or quantised, is copied
+    into one private mapping advised for transparent huge pages and its checkpoint pages are
+    released (``models/qwen35/weights.py``: decode 1.06-1.13x faster on the 141M benchmark
+    model). Off, plain weights stay views of the checkpoint's mapping -- which processes serving
+    the same files on one machine share through the page cache -- and quantised codes are kept
+    in ordinary pages.
+
     ``adaptive_threads`` (on by default; off in batch-invariant mode): the engine drops to one
     thread while other processes keep the cores busy and returns to its threads when they leave
     room (``engine/contention.py``).
@@ -105,6 +112,7 @@ class EngineConfig:
     batch_invariant: bool = False
     quantization: str | None = None  # int8 | int4[:BLOCK][:asym] weights (weightquant)
     adaptive_threads: bool = True  # one thread while other processes keep the cores busy
+    huge_pages: bool = True  # projection weights copied into huge pages (CPU)
     speculative_config: SpeculativeConfig | Mapping[str, Any] | None = None
     kv_events_config: KVEventsConfig | Mapping[str, Any] | str | None = None  # vLLM's JSON
     tensor_parallel_size: int = 1

@@ -312,10 +312,11 @@ class ModelRunner:
             speculative=config.speculative is not None,
             weight_format=None if fmt is None else fmt.name))
         model.backend = self.kernels.backend
+        huge = config.huge_pages and torch.device(config.device).type == "cpu"
         if config.weight_format is not None:
-            model.quantize(config.weight_format)
-        if torch.device(config.device).type == "cpu":
-            model.hold_projections()  # in huge pages (models/qwen35/weights.py)
+            model.quantize(config.weight_format, huge_pages=huge)
+        if huge:
+            model.hold_projections()  # (models/qwen35/weights.py)
         if self.kernels.backend.name not in ("native", "native_batch_invariant") and \
                 config.backend == "auto":
             print(f"pagedhybrid: {self.kernels.reason}", file=sys.stderr)

@@ -182,26 +182,29 @@ class Qwen35ForCausalLM(nn.Module):
         """The format the projections are held in (None: the model dtype)."""
         return self.lm_head.quant.fmt if self.lm_head.quant is not None else None
 
-    def quantize(self, fmt: WeightFormat) -> None:
+    def quantize(self, fmt: WeightFormat, huge_pages: bool = True) -> None:
         """Hold every projection weight -- the LM head and the MTP head's included; not the
         embedding table, the norms, the convolution, a mixture of experts' router gates and
         routed experts -- in ``fmt`` (``pagedhybrid.weightquant``), round to nearest from the
         loaded weights, releasing them and their mapped file pages (a tied head gets its own
-        codes; the embedding keeps the table), the codes in one ``HugePageArena``. The fused decode
-        layers multiply them with the integer kernel."""
+        codes; the embedding keeps the table), the codes in one ``HugePageArena`` (``huge_pages``;
+        else in ordinary pages). The fused decode layers multiply them with the integer
+        kernel."""
         routers = {id(r) for block in self.modules() if isinstance(block, SparseMoE)
                    for r in (block.gate, block.shared_expert_gate)}
         table = self.model.embed_tokens.weight
         todo = [(name, m) for name, m in self.named_modules()
                 if isinstance(m, ReplicatedLinear) and id(m) not in routers]
         arena = HugePageArena(sum(HugePageArena.room(n) for _, m in todo if m.quant is None
-                                  for n in quantized_nbytes(tuple(m.weight.shape), fmt)))
+                                  for n in quantized_nbytes(tuple(m.weight.shape), fmt))
+                              ) if huge_pages else None
         for name, m in todo:
             plain = m.quantize(fmt, f"{name}.weight")
             if plain is not None:
                 q = m.quant
-                m.quant = q._replace(codes=arena.hold(q.codes), scales=arena.hold(q.scales),
-                                     zeros=None if q.zeros is None else arena.hold(q.zeros))
+                if arena is not None:
+                    m.quant = q._replace(codes=arena.hold(q.codes), scales=arena.hold(q.scales),
+                                         zeros=None if q.zeros is None else arena.hold(q.zeros))
                 if plain is not table:  # (the embedding reads the table)
                     release_pages(plain)
         if self._backend is not None:
