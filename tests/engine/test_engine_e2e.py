@@ -134,6 +134,23 @@ def _same_step(a: StepBatch, b: StepBatch) -> None:
         b.rows, b.sampling, b.sample_rows, b.prompt_spans, b.requests)
 
 
+def test_the_step_log_keeps_the_last_steps(make_engine: Callable[..., Engine],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server steps for days: the per-step log is bounded (``stats.STEP_LOG``), not a list
+    that grows with every step."""
+    from pagedhybrid.engine import stats
+
+    monkeypatch.setattr(stats, "STEP_LOG", 3)
+    engine = make_engine(block_size=16, num_blocks=16)
+    engine.add_request("a", prompt_of(0, 5), GREEDY)
+    for _ in range(6):
+        engine.step()
+    assert engine.stats.steps == 6 and len(engine.stats.step_log) == 3
+    assert [n for n, _, _, _ in engine.stats.step_log] == [1, 1, 1]
+    share, steps = engine.stats.overhead_at(1)
+    assert steps == 3 and 0.0 < share < 1.0
+
+
 def test_a_decode_step_advanced_from_the_last_equals_one_built_from_lists(
         make_engine: Callable[..., Engine]) -> None:
     """The runner's persistent batch: every step it advances from the previous one equals, field

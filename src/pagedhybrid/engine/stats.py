@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 
@@ -30,6 +31,9 @@ class SpecStats:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
 
+STEP_LOG = 100_000  # steps kept in EngineStats.step_log
+
+
 @dataclass
 class EngineStats:
     """Cumulative counters; times in seconds."""
@@ -55,8 +59,10 @@ class EngineStats:
     peak_running: int = 0
     peak_blocks: int = 0
     spec: SpecStats = field(default_factory=SpecStats)  # speculative decoding
-    # per step: (sequences, tokens, scheduling + batch building s, whole step s)
-    step_log: list[tuple[int, int, float, float]] = field(default_factory=list)
+    # per step: (sequences, tokens, scheduling + batch building s, whole step s), the last
+    # STEP_LOG steps (a server steps for days: all of them would grow without end)
+    step_log: deque[tuple[int, int, float, float]] = field(
+        default_factory=lambda: deque(maxlen=STEP_LOG))
 
     @property
     def total_s(self) -> float:
