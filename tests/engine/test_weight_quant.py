@@ -29,7 +29,7 @@ from pagedhybrid.engine.cli import _engine_kwargs, add_engine_arguments
 from pagedhybrid.errors import ContractViolation, UnsupportedConfiguration
 from pagedhybrid.kernels.native import status
 from pagedhybrid.models.qwen35 import Qwen35ForCausalLM, load
-from pagedhybrid.models.qwen35.weights import HUGE_PAGE, HugePageArena, is_mapped
+from pagedhybrid.models.qwen35.weights import HUGE_PAGE, HugePageArena, is_mapped, thp_mode
 from pagedhybrid.weightquant import WeightFormat, dequantize, quantized_nbytes
 
 PROMPTS = [prompt_of(s, n) for s, n in ((1, 9), (2, 40), (3, 75), (4, 20))]
@@ -131,6 +131,7 @@ def test_the_model_holds_codes(tiny_dir: Path) -> None:
                                     for n in quantized_nbytes(q.shape, q.fmt))
     summary = e.runner.kernel_summary()
     assert "int4 weights: quant.linear (" in summary
+    assert "weights in huge pages: " in summary and f"MiB granted (THP {thp_mode()})" in summary
     assert ("vpdpbusd" if status().isa in ("avx512_bf16", "avx512_vnni") else "vpmaddubsw") \
         in summary
     # tied head: its own codes, the table kept; a MoE model's routers stay in the model dtype
@@ -176,6 +177,8 @@ def test_huge_pages_option(tiny_dir: Path) -> None:
         assert all(is_mapped(w) != huge for w in projs)
         if huge:
             assert min(w.data_ptr() for w in projs) % HUGE_PAGE == 0
+        else:
+            assert "ordinary pages (--no-huge-pages)" in e.runner.kernel_summary()
         outs.append(run(e, PROMPTS[:2]))
     assert [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[1]]
     assert all(torch.equal(logprobs(a), logprobs(b)) for a, b in zip(*outs, strict=True))

@@ -21,6 +21,8 @@ from pagedhybrid.models.qwen35.weights import (
     SafetensorsFile,
     is_mapped,
     release_pages,
+    smaps_field,
+    thp_mode,
 )
 
 IDS = torch.tensor([[5, 17, 3, 90, 41, 8, 0, 66]])
@@ -80,17 +82,19 @@ def test_release_pages_drops_a_mapped_tensors_pages_and_nothing_else(tmp_path):
     assert torch.equal(own, state["b"])
 
 
-def _vm_flags(address: int) -> list[str]:
-    """The ``VmFlags`` of the mapping holding ``address`` (``/proc/self/smaps``)."""
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and all(c in "0123456789abcdef-" for c in head):
-            lo, hi = (int(v, 16) for v in head.split("-"))
-            inside = lo <= address < hi
-        elif inside and head == "VmFlags:":
-            return line.split()[1:]
-    raise AssertionError(f"no mapping holds {address:#x}")
+def test_smaps_field_and_thp_mode(tmp_path):
+    smaps = tmp_path / "smaps"
+    smaps.write_text("1000-3000 rw-p 00000000 00:00 0\nAnonHugePages:      4096 kB\n"
+                     "VmFlags: rd wr hg\n7000-8000 r--p 00000000 00:00 0\nAnonHugePages:  0 kB\n")
+    assert smaps_field(0x2000, "AnonHugePages", smaps) == "4096 kB"
+    assert smaps_field(0x1000, "VmFlags", smaps) == "rd wr hg"
+    assert smaps_field(0x7500, "AnonHugePages", smaps) == "0 kB"
+    assert smaps_field(0x7500, "VmFlags", smaps) is None  # (no such field there)
+    assert smaps_field(0x5000, "VmFlags", smaps) is None  # (no mapping there)
+    assert smaps_field(0x2000, "VmFlags", tmp_path / "absent") is None
+    enabled = tmp_path / "enabled"
+    enabled.write_text("always [madvise] never\n")
+    assert thp_mode(enabled) == "madvise" and thp_mode(tmp_path / "absent") == "unknown"
 
 
 def test_huge_page_arena_holds_exact_copies():
@@ -108,7 +112,12 @@ def test_huge_page_arena_holds_exact_copies():
     with pytest.raises(ContractViolation, match="'size' must hold 10 more bytes"):
         arena.hold(torch.zeros(10, dtype=torch.uint8))  # exactly sized: full
     if hasattr(mmap, "MADV_HUGEPAGE"):  # the mapping carries the advice ("hg")
-        assert "hg" in _vm_flags(held[0].data_ptr())
+        assert "hg" in (smaps_field(held[0].data_ptr(), "VmFlags") or "").split()
+        huge = arena.huge_bytes()
+        assert huge is not None and 0 <= huge <= HUGE_PAGE * (1 + arena.held // HUGE_PAGE)
+        if thp_mode() == "never":
+            assert huge == 0
+    assert arena.held == sum(HugePageArena.room(t.numel() * t.element_size()) for t in parts)
     del arena
     assert torch.equal(held[3] * 2, parts[3] * 2)  # the views keep the mapping
 

@@ -128,6 +128,7 @@ class Qwen35ForCausalLM(nn.Module):
         self.dtype = dtype
         self._backend = backend
         self.source_dir: Path | None = None  # the checkpoint folder (set by ``load``)
+        self.arenas: list[HugePageArena] = []  # where quantize / hold_projections put weights
         self.model = Qwen35TextModel(config, dtype, self.parallel)
         self.lm_head = ReplicatedLinear(config.hidden_size, config.vocab_size, dtype)
         if config.tie_word_embeddings:
@@ -197,7 +198,9 @@ class Qwen35ForCausalLM(nn.Module):
                 if isinstance(m, ReplicatedLinear) and id(m) not in routers]
         arena = HugePageArena(sum(HugePageArena.room(n) for _, m in todo if m.quant is None
                                   for n in quantized_nbytes(tuple(m.weight.shape), fmt))
-                              ) if huge_pages else None
+                              ) if huge_pages and any(m.quant is None for _, m in todo) else None
+        if arena is not None:
+            self.arenas.append(arena)
         for name, m in todo:
             plain = m.quantize(fmt, f"{name}.weight")
             if plain is not None:
@@ -217,8 +220,11 @@ class Qwen35ForCausalLM(nn.Module):
         fused decode layers gather them again."""
         params = {id(m.weight): m.weight for m in self.modules()
                   if isinstance(m, ReplicatedLinear) and not m.weight.is_meta}
+        if not params:
+            return
         arena = HugePageArena(sum(HugePageArena.room(p.numel() * p.element_size())
                                   for p in params.values()))
+        self.arenas.append(arena)
         for p in params.values():
             plain = p.data
             p.data = arena.hold(plain.contiguous())

@@ -123,7 +123,8 @@ class HugePageArena:
     """One private anonymous mapping of ``size`` bytes advised ``MADV_HUGEPAGE`` (module
     docstring), starting on a huge-page boundary; ``hold(t)`` copies a tensor into it, cache-line
     aligned, and returns the view (views keep the mapping alive). ``room(n)`` is what a tensor of
-    ``n`` bytes takes. Where the kernel gives no huge pages (THP ``never``, no
+    ``n`` bytes takes; ``held`` what is in it; ``huge_bytes()`` how much of it the kernel backs
+    with huge pages. Where the kernel gives no huge pages (THP ``never``, no
     ``MADV_HUGEPAGE``) the pages are plain private ones: the same values either way."""
 
     def __init__(self, size: int) -> None:
@@ -131,12 +132,23 @@ class HugePageArena:
         if hasattr(mmap, "MADV_HUGEPAGE"):
             self._map.madvise(mmap.MADV_HUGEPAGE)
         self._flat = torch.frombuffer(self._map, dtype=torch.uint8)
-        self._offset = -self._flat.data_ptr() % HUGE_PAGE
+        self._start = self._offset = -self._flat.data_ptr() % HUGE_PAGE
         self._end = self._offset + size
 
     @staticmethod
     def room(nbytes: int) -> int:
         return -(-nbytes // _ALIGN) * _ALIGN
+
+    @property
+    def held(self) -> int:
+        """Bytes held so far (each tensor's ``room``)."""
+        return self._offset - self._start
+
+    def huge_bytes(self) -> int | None:
+        """Bytes of the mapping the kernel backs with huge pages (``AnonHugePages``; None where
+        ``/proc/self/smaps`` does not say)."""
+        kib = smaps_field(self._flat.data_ptr(), "AnonHugePages")
+        return None if kib is None else int(kib.split()[0]) * 1024
 
     def hold(self, t: torch.Tensor) -> torch.Tensor:
         n = t.numel() * t.element_size()
@@ -147,6 +159,34 @@ class HugePageArena:
         view.copy_(t)
         self._offset += self.room(n)
         return view
+
+
+def smaps_field(address: int, name: str, smaps: Path = Path("/proc/self/smaps")) -> str | None:
+    """The value of field ``name`` (``AnonHugePages``, ``VmFlags``, ...) of the mapping holding
+    ``address`` in ``smaps`` (None: no such mapping or field, or no ``smaps``)."""
+    try:
+        lines = smaps.read_text().splitlines()
+    except OSError:
+        return None
+    inside = False
+    for line in lines:
+        head, _, rest = line.partition(" ")
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == name + ":":
+            return rest.strip()
+    return None
+
+
+def thp_mode(path: Path = Path("/sys/kernel/mm/transparent_hugepage/enabled")) -> str:
+    """The kernel's transparent-huge-page mode (``always`` | ``madvise`` | ``never``;
+    ``unknown`` where it cannot be read)."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return "unknown"
+    return text[text.index("[") + 1:text.index("]")] if "[" in text else "unknown"
 
 
 def canonical_name(name: str, mtp: bool = False) -> str | None:
