@@ -74,7 +74,7 @@ from pagedhybrid.kvquant import (
     load_scales,
 )
 from pagedhybrid.models.qwen35 import PackedBatch, PagedHybridCache, Qwen35ForCausalLM
-from pagedhybrid.models.qwen35.weights import thp_mode
+from pagedhybrid.models.qwen35.weights import residence
 
 _NO_ROWS = torch.empty(0, dtype=torch.int64)  # a rank other than 0 computes no logits
 SCORE_TOKENS = 8192  # tokens per scoring forward (whole sequences; a longer one goes alone)
@@ -365,22 +365,10 @@ class ModelRunner:
         if fmt is not None and qm is not None:
             parts.append(f"{fmt.name} weights: {qm.__module__.rsplit('.', 1)[-1]}.{qm.__name__}"
                          + (f" ({native_quant.int_dot()})" if self._native else ""))
-        parts.append(self._pages_summary())
+        parts.append(residence(self.model.arenas, self.config.huge_pages))
         if self._native:
             parts.append(openmp.summary())
         return "; ".join(parts)
-
-    def _pages_summary(self) -> str:
-        """Where the projection weights live: how much of the huge-page arenas the kernel backs
-        with huge pages, under which THP mode."""
-        if not self.model.arenas:
-            return "weights in the checkpoint's mapping and ordinary pages" + (
-                " (--no-huge-pages)" if not self.config.huge_pages else "")
-        held = sum(a.held for a in self.model.arenas)
-        huge = [a.huge_bytes() for a in self.model.arenas]  # (whole 2 MiB pages: cap at held)
-        granted = "?" if None in huge else f"{min(held, sum(h or 0 for h in huge)) / 2**20:.1f}"
-        return (f"weights in huge pages: {granted} of {held / 2**20:.1f} MiB granted "
-                f"(THP {thp_mode()})")
 
     def _kv_scales(self, kvd: torch.dtype) -> dict[int, KVScales]:
         cfg, mc = self.config, self.model.config

@@ -196,9 +196,9 @@ class Qwen35ForCausalLM(nn.Module):
         table = self.model.embed_tokens.weight
         todo = [(name, m) for name, m in self.named_modules()
                 if isinstance(m, ReplicatedLinear) and id(m) not in routers]
-        arena = HugePageArena(sum(HugePageArena.room(n) for _, m in todo if m.quant is None
-                                  for n in quantized_nbytes(tuple(m.weight.shape), fmt))
-                              ) if huge_pages and any(m.quant is None for _, m in todo) else None
+        size = sum(HugePageArena.room(n) for _, m in todo if m.quant is None
+                   for n in quantized_nbytes(tuple(m.weight.shape), fmt))
+        arena = HugePageArena(size) if huge_pages and size else None
         if arena is not None:
             self.arenas.append(arena)
         for name, m in todo:

@@ -179,6 +179,19 @@ def smaps_field(address: int, name: str, smaps: Path = Path("/proc/self/smaps"))
     return None
 
 
+def residence(arenas: list[HugePageArena], huge_pages: bool = True) -> str:
+    """Where a model's projection weights live, for the engine's kernel line: how much of its
+    arenas the kernel backs with huge pages, under which THP mode -- or, with no arena, the
+    checkpoint's mapping (``huge_pages=False``: the engine was asked for that)."""
+    if not arenas:
+        return "weights in the checkpoint's mapping and ordinary pages" + (
+            "" if huge_pages else " (--no-huge-pages)")
+    held = sum(a.held for a in arenas)
+    huge = [a.huge_bytes() for a in arenas]  # (whole 2 MiB pages: capped at what is held)
+    granted = "?" if None in huge else f"{min(held, sum(h or 0 for h in huge)) / 2**20:.1f}"
+    return f"weights in huge pages: {granted} of {held / 2**20:.1f} MiB granted (THP {thp_mode()})"
+
+
 def thp_mode(path: Path = Path("/sys/kernel/mm/transparent_hugepage/enabled")) -> str:
     """The kernel's transparent-huge-page mode (``always`` | ``madvise`` | ``never``;
     ``unknown`` where it cannot be read)."""
