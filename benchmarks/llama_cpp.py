@@ -58,7 +58,19 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 
 class LlamaCppError(RuntimeError):
-    """A llama.cpp tool (or the converter) failed or is not built."""
+    """A llama.cpp tool (or the converter) failed or is not built; ``crashed``: it died of a
+    signal (e.g. SIGSEGV in its AMX kernels, see ``NO_REPACK``)."""
+
+    def __init__(self, message: str, crashed: bool = False) -> None:
+        super().__init__(message)
+        self.crashed = crashed
+
+
+# ``repack=False`` in the tools below: no extra buffer types (the repacked q4_0 / q8_0 layouts
+# and the AMX kernels). llama.cpp 0.3.36 built with GGML_NATIVE on a Xeon with AMX-INT8 dies of
+# SIGSEGV in ggml_backend_amx_mul_mat on every quantised batch of more than one token (prompts,
+# llama-batched-bench, llama-perplexity) while its single-token decode runs; callers retry such
+# a crash without them and say so.
 
 
 def find(dest: str | Path | None = None) -> Path | None:
@@ -97,7 +109,8 @@ def _run(cmd: Sequence[str | Path], timeout: float | None = None, *, name: str =
                             ) from None
     if p.returncode != 0:
         tail = "\n".join((p.stderr or p.stdout).strip().splitlines()[-25:])
-        raise LlamaCppError(f"{name} failed (exit {p.returncode}): {' '.join(cmd)}\n{tail}")
+        raise LlamaCppError(f"{name} failed (exit {p.returncode}): {' '.join(cmd)}\n{tail}",
+                            crashed=p.returncode < 0)
     return p
 
 
@@ -136,7 +149,7 @@ def quantize(src_gguf: str | Path, qtype: str, out_path: str | Path, *, threads:
 
 
 def bench(gguf: str | Path, threads: int = 2, pp: int = 512, tg: int = 128, reps: int = 3, *,
-          extra: Sequence[str] = (), dest: str | Path | None = None,
+          repack: bool = True, extra: Sequence[str] = (), dest: str | Path | None = None,
           timeout: float | None = 3600) -> dict[str, Any]:
     """``llama-bench -o json``: prompt processing of ``pp`` tokens and generation of ``tg``.
 
@@ -144,7 +157,8 @@ def bench(gguf: str | Path, threads: int = 2, pp: int = 512, tg: int = 128, reps
     ``tg_median`` (median of its samples), ``pp_std`` / ``tg_std``, ``model_size`` (bytes),
     ``n_params``, ``type`` (llama.cpp's model description) and ``raw`` (its JSON records)."""
     cmd = [binary("llama-bench", dest), "-m", gguf, "-t", str(threads), "-p", str(pp),
-           "-n", str(tg), "-r", str(reps), "-o", "json", *extra]
+           "-n", str(tg), "-r", str(reps), "-o", "json", *([] if repack else ["--repack", "0"]),
+           *extra]
     p = _run(cmd, timeout=timeout)
     try:
         rows = json.loads(p.stdout)
@@ -164,7 +178,7 @@ def bench(gguf: str | Path, threads: int = 2, pp: int = 512, tg: int = 128, reps
 
 def batched(gguf: str | Path, threads: int = 2, n_parallel: Sequence[int] = (8, 32), *,
             npp: int = 128, ntg: int = 128, ctx: int | None = None, shared_prompt: bool = False,
-            extra: Sequence[str] = (), dest: str | Path | None = None,
+            repack: bool = True, extra: Sequence[str] = (), dest: str | Path | None = None,
             timeout: float | None = 3600) -> dict[int, dict[str, float]]:
     """``llama-batched-bench``: ``B`` sequences of ``npp`` prompt + ``ntg`` generated tokens for
     each B in ``n_parallel``. Returns ``{B: {"tg": S_TG, "pp": S_PP, "total": S}}`` (tok/s; S_TG
@@ -176,7 +190,7 @@ def batched(gguf: str | Path, threads: int = 2, n_parallel: Sequence[int] = (8, 
     cmd = [binary("llama-batched-bench", dest), "-m", gguf, "-t", str(threads), "-c", str(ctx),
            "-b", "2048", "-ub", "512", "-npp", str(npp), "-ntg", str(ntg),
            "-npl", ",".join(map(str, n_pl)), "--output-format", "jsonl",
-           *(["-pps"] if shared_prompt else []), *extra]
+           *(["-pps"] if shared_prompt else []), *([] if repack else ["--no-repack"]), *extra]
     p = _run(cmd, timeout=timeout)
     out: dict[int, dict[str, float]] = {}
     for line in p.stdout.splitlines():
@@ -191,12 +205,12 @@ def batched(gguf: str | Path, threads: int = 2, n_parallel: Sequence[int] = (8, 
 
 
 def perplexity(gguf: str | Path, text_path: str | Path, ctx: int = 512, *, threads: int = 2,
-               extra: Sequence[str] = (), dest: str | Path | None = None,
+               repack: bool = True, extra: Sequence[str] = (), dest: str | Path | None = None,
                timeout: float | None = 3600) -> float:
     """``llama-perplexity`` on a text file: llama.cpp's "Final estimate" (windows of ``ctx``
     tokens, BOS first, each scored on its second half). The text must tokenise to >= 2*ctx."""
     cmd = [binary("llama-perplexity", dest), "-m", gguf, "-f", text_path, "-c", str(ctx),
-           "-t", str(threads), *extra]
+           "-t", str(threads), *([] if repack else ["--no-repack"]), *extra]
     p = _run(cmd, timeout=timeout)
     m = re.search(r"Final estimate: PPL = ([0-9.eE+-]+|nan|inf)", p.stderr + p.stdout)
     if not m:

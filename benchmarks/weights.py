@@ -16,7 +16,9 @@ fp32 activations except bf16. llama.cpp (``benchmarks/llama_cpp.py``, when built
 ``scripts/build_llama_cpp.sh``): its own GGUF conversion of the same checkpoint in ``f32``,
 ``bf16``, ``q8_0``, ``q4_0`` and ``q4_K_M``, ``llama-bench`` pp512 / tg128 and
 ``llama-batched-bench`` at 8 and 32 sequences, same threads, in the same run (formats
-alternate: ours, then llama.cpp's at the same bits).
+alternate: ours, then llama.cpp's at the same bits). Each llama.cpp tool runs with its extra
+buffer types (repacked layouts, AMX) and, where it crashes with them (``llama_cpp.py``: its AMX
+kernels on a Xeon with AMX-INT8), again without; the report's ``repacked`` says which.
 
 Memory-bandwidth limit: the bytes of weights a decode step reads per token at batch 1 (every
 projection and the LM head as held: codes + scales for int8 / int4; the embedding row is
@@ -142,13 +144,33 @@ def gguf(model_dir: Path, qtype: str, folder: Path, made: dict[str, Path]) -> Pa
     return llama_cpp.quantize(made["f32"], qtype, out)
 
 
-def peer_speed(path: Path, threads: int, reps: int) -> dict[str, Any]:
+def repacked(call: Any, *args: Any, **kw: Any) -> tuple[Any, bool]:
+    """(call(..., repack=True), True), or -- where that crashes (``llama_cpp.NO_REPACK``'s AMX
+    segfault) -- (call(..., repack=False), False)."""
     import llama_cpp
 
-    r = llama_cpp.bench(path, threads=threads, reps=reps)
-    b = llama_cpp.batched(path, threads=threads, n_parallel=(8, 32))
-    return {"pp512": r["pp_median"], "tg128": r["tg_median"], "b8": b[8]["tg"],
-            "b32": b[32]["tg"], "file_bytes": path.stat().st_size, "type": r["type"]}
+    try:
+        return call(*args, **kw), True
+    except llama_cpp.LlamaCppError as e:
+        if not e.crashed:
+            raise
+        print(f"  llama.cpp crashed, run again with --no-repack: {str(e).splitlines()[0]}",
+              flush=True)
+        return call(*args, **kw, repack=False), False
+
+
+def peer_speed(path: Path, threads: int, reps: int) -> dict[str, Any]:
+    """llama.cpp's pp512 / tg128 (separate llama-bench runs, so that a prompt crash does not
+    take the decode's repacked layout away) and batched decode; ``repacked`` says which ran with
+    llama.cpp's extra buffer types."""
+    import llama_cpp
+
+    tg, tg_r = repacked(llama_cpp.bench, path, threads=threads, pp=0, reps=reps)
+    pp, pp_r = repacked(llama_cpp.bench, path, threads=threads, tg=0, reps=reps)
+    b, b_r = repacked(llama_cpp.batched, path, threads=threads, n_parallel=(8, 32))
+    return {"pp512": pp["pp_median"], "tg128": tg["tg_median"], "b8": b[8]["tg"],
+            "b32": b[32]["tg"], "file_bytes": path.stat().st_size, "type": tg["type"],
+            "repacked": {"pp512": pp_r, "tg128": tg_r, "batched": b_r}}
 
 
 def ours_quality(fmt: str, tokens: int, ids: list[int], passages: list[list[int]],
@@ -235,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows[f"llama.cpp {qt}"] = lr = peer_speed(ggufs[qt], a.threads, a.reps)
                 print(f"llama.cpp {qt:6s} pp512 {lr['pp512']:7.1f}  tg128 {lr['tg128']:6.1f}  "
                       f"b8 {lr['b8']:6.1f}  b32 {lr['b32']:6.1f} tok/s  file "
-                      f"{lr['file_bytes'] / 2**20:6.1f} MiB", flush=True)
+                      f"{lr['file_bytes'] / 2**20:6.1f} MiB  repacked {lr['repacked']}",
+                      flush=True)
         report["speed"] = rows
         # quality on the trained built-in model
         tok = load_tokenizer(default_model_dir())
@@ -260,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
             for qtype in ("f32", "bf16", "q8_0", "q4_0", "q4_K_M"):
                 g = gguf(default_model_dir(), qtype, Path(tmp) / "builtin-gguf", built)
                 built[qtype] = g
-                quality[f"llama.cpp {qtype}"] = {"perplexity": llama_cpp.perplexity(g, head)}
+                ppl, rp = repacked(llama_cpp.perplexity, g, head)
+                quality[f"llama.cpp {qtype}"] = {"perplexity": ppl, "repacked": rp}
                 print(f"quality llama.cpp {qtype}: {quality[f'llama.cpp {qtype}']}", flush=True)
         report["quality"] = quality
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

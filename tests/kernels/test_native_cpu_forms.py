@@ -16,6 +16,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -35,6 +36,7 @@ from pagedhybrid.kernels.native.sampling import (
 from pagedhybrid.kernels.step import StepMetadata
 
 HERE = native.runnable_forms()
+CPUINFO = Path("/proc/cpuinfo").read_text()  # the vendor picks the codes' prefetch (quant.cpp)
 LANES = {"avx512_bf16": 16, "avx512_vnni": 16, "avx512": 16, "avx2": 8}
 
 
@@ -64,6 +66,8 @@ def test_every_form_this_cpu_runs_is_built_and_says_what_it_is() -> None:
         assert lib.bf16_dot() == (form == "avx512_bf16")
         assert lib.vector_lanes() == LANES[form]
         assert lib.int8_dot() == ("vpdpbusd" if form in native.VNNI_FORMS else "vpmaddubsw")
+        assert lib.code_prefetch() == ("NTA 2 KiB ahead (AMD)" if "AuthenticAMD" in CPUINFO
+                                       else "T0 4 KiB ahead")
     for form in set(native.FORMS) - set(HERE):
         assert "cannot run" in native.form_status(form).reason
 

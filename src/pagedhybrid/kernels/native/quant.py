@@ -25,9 +25,12 @@ from pagedhybrid.weightquant import QuantizedWeight
 
 
 def int_dot() -> str:
-    """The chosen form's int8 dot-product instructions, as the engine's kernel line names them."""
-    return ("vpdpbusd, AVX512-VNNI" if library().int8_dot() == "vpdpbusd"  # type: ignore[attr-defined]
-            else "vpmaddubsw + vpmaddwd")
+    """The chosen form's int8 dot-product instructions and the prefetch of the weight codes this
+    CPU gets (NTA on AMD, T0 elsewhere), as the engine's kernel line names them."""
+    lib = library()
+    dot = ("vpdpbusd, AVX512-VNNI" if lib.int8_dot() == "vpdpbusd"  # type: ignore[attr-defined]
+           else "vpmaddubsw + vpmaddwd")
+    return f"{dot}; codes prefetched {lib.code_prefetch()}"  # type: ignore[attr-defined]
 
 
 DEQUANT_ROWS = 64  # rows from which the fast form dequantises chunks for the fp32 GEMM

@@ -30,6 +30,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "common.h"
@@ -43,16 +44,32 @@ constexpr int kAct = 32;              // activation sub-block (elements per acti
 constexpr int64_t kRowsPerTask = 64;  // rows of x per task
 constexpr int64_t kColsPerTask = 16;  // weight rows per task
 constexpr int kRowBlock = 4;          // rows sharing one weight load
-// Weight codes are prefetched kAhead bytes ahead of the loads, non-temporally: the rows of a
-// task are contiguous, so this runs into the next rows, which the hardware prefetcher (a new
-// stream every 512-byte row of a 1024-wide int4 weight) fetches late; kept out of the outer
-// caches, they also leave the step's other data there. Int4 decode products (an LM head and a
-// layer's projections, M = 1, interleaved with and without) 1346 -> 1123 us (-17%), int8 -10%,
-// int4 block 128 -21%, and a torch op after them ~12% faster; a T0 prefetch as fast but that op
-// slower. (The bf16 / fp32 kernels' next-rows prefetch, gemm.h, gained nothing from this hint.)
-constexpr int64_t kAhead = 2048;
-inline void prefetch_codes(const uint8_t* p) {
-  _mm_prefetch(reinterpret_cast<const char*>(p + kAhead), _MM_HINT_NTA);
+// Weight codes are prefetched ahead of the loads, with a hint chosen by the CPU's vendor at load
+// (code_prefetch(); one instantiation of the kernels per policy, chosen once per call):
+// * AMD (`NtaAhead`): 2 KiB ahead, non-temporally. The rows of a task are contiguous, so this
+//   runs into the next rows, which the hardware prefetcher (a new stream every 512-byte row of a
+//   1024-wide int4 weight) fetches late; kept out of the outer caches, they also leave the step's
+//   other data there. On the 2-core EPYC: int4 decode products (an LM head and a layer's
+//   projections, M = 1, interleaved with and without) 1346 -> 1123 us (-17%), int8 -10%, int4
+//   block 128 -21%, a torch op after them ~12% faster; a T0 prefetch as fast but that op slower.
+// * Intel and the rest (`T0Ahead`): 4 KiB ahead into L1. An NTA prefetch there fills L1 alone
+//   and the line is gone before its load: the int4 block-32 loop read 32 MiB of codes in huge
+//   pages at 5.0 GB/s with it against 22.6 with no prefetch and 23.8 with T0 4 KiB ahead (one
+//   thread, a 2-core Xeon with AVX512-BF16 / AMX, alternating; T1 / T2 at 2-8 KiB 22.9-23.9).
+struct NtaAhead {
+  static constexpr const char* kName = "NTA 2 KiB ahead";
+  static void at(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p + 2048), _MM_HINT_NTA); }
+};
+struct T0Ahead {
+  static constexpr const char* kName = "T0 4 KiB ahead";
+  static void at(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p + 4096), _MM_HINT_T0); }
+};
+bool amd_cpu() {
+  static const bool amd = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("amd") != 0;
+  }();
+  return amd;
 }
 // at one task of rows (decode) a task takes at least kTaskBytes of codes: 16 weight rows of a
 // 1024-wide int4 weight are 8 KiB, and claiming 2000 such tasks for a [32000, 1024] LM head
@@ -223,7 +240,7 @@ inline float zero_correction(const c10::Half* scales, const uint8_t* zeros, cons
 // 8-bit weights, R rows (from `r0`) of the activations against one weight row: out[r * ldo].
 // Two fp32 accumulators per row take alternate sub-blocks (two independent FMA chains), summed
 // at the end.
-template <int R, typename TO>
+template <class PF, int R, typename TO>
 inline void dot_rows8(const Rows& x, int64_t r0, const uint8_t* codes, const c10::Half* scales,
                       const uint8_t* zeros, int64_t block, TO* out, int64_t ldo) {
   constexpr int BITS = 8, kBytes = kAct;
@@ -255,7 +272,7 @@ inline void dot_rows8(const Rows& x, int64_t r0, const uint8_t* codes, const c10
   const int64_t total = x.subs;
   int64_t s = 0;
   for (; s + 2 <= total; s += 2) {
-    prefetch_codes(codes + s * kBytes);  // (two sub-blocks: one line)
+    PF::at(codes + s * kBytes);  // (two sub-blocks: one line)
     step(s, acc[0]);
     step(s + 1, acc[1]);
   }
@@ -321,7 +338,7 @@ inline void single4(const Rows& x, int64_t r0, const uint8_t* codes, int64_t s, 
 // 256-bit steps and the scalar sum, in a fixed order: a row's bits do not depend on R.
 // Against dot_rows4's 256-bit pairs: half the instructions per code byte (decode products
 // compute-bound at ~22 GB/s of codes per core from L2).
-template <int R, typename TO>
+template <class PF, int R, typename TO>
 inline void dot_quads(const Rows& x, int64_t r0, const uint8_t* codes, const c10::Half* scales,
                       const uint8_t* zeros, TO* out, int64_t ldo) {
   const __m512i mask = _mm512_set1_epi8(0x0F);
@@ -364,7 +381,7 @@ inline void dot_quads(const Rows& x, int64_t r0, const uint8_t* codes, const c10
   const int64_t quads = x.subs / 4;
   int64_t g = 0;
   for (; g + 4 <= quads; g += 4) {  // 16 sub-blocks: 16 blocks, 256 bytes of codes
-    for (int l = 0; l < 4; ++l) prefetch_codes(codes + g * 64 + 64 * l);
+    for (int l = 0; l < 4; ++l) PF::at(codes + g * 64 + 64 * l);
     const __m512 w16 = _mm512_cvtph_ps(
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + 4 * g)));
     const __m512 wz = zeros ? _mm512_mul_ps(w16, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
@@ -377,7 +394,7 @@ inline void dot_quads(const Rows& x, int64_t r0, const uint8_t* codes, const c10
   }
   const int64_t grouped = 4 * g;  // blocks whose correction is in corr
   for (; g < quads; ++g) {  // quads past the groups: their four scales
-    prefetch_codes(codes + g * 64);
+    PF::at(codes + g * 64);
     int64_t four;
     std::memcpy(&four, scales + 4 * g, 8);
     const __m512 w4 = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi64_si128(four)));
@@ -409,7 +426,7 @@ inline void dot_quads(const Rows& x, int64_t r0, const uint8_t* codes, const c10
 // pair layout quantize_row stored the activations in; int32 lanes 0-3 hold sub-block s's dot
 // product, 4-7 s + 1's, scaled by [scale_s d_s x 4 | scale_s+1 d_s+1 x 4]. Even pairs go to one
 // accumulator, odd ones to the other (two FMA chains), a last unpaired sub-block to the first.
-template <int R, typename TO>
+template <class PF, int R, typename TO>
 inline void dot_rows4(const Rows& x, int64_t r0, const uint8_t* codes, const c10::Half* scales,
                       const uint8_t* zeros, int64_t block, TO* out, int64_t ldo) {
   const int64_t subs = block / kAct;  // sub-blocks per weight block
@@ -430,8 +447,8 @@ inline void dot_rows4(const Rows& x, int64_t r0, const uint8_t* codes, const c10
   int64_t i = 0;
   if (subs == 1) {  // block 32: a pair spans two blocks; 8 scales converted at a time
     for (; i + 4 <= npairs; i += 4) {
-      prefetch_codes(codes + 2 * i * 16);  // (four pairs: two lines)
-      prefetch_codes(codes + 2 * i * 16 + 64);
+      PF::at(codes + 2 * i * 16);  // (four pairs: two lines)
+      PF::at(codes + 2 * i * 16 + 64);
       const __m256 w8 = _mm256_cvtph_ps(
           _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 2 * i)));
       for (int j = 0; j < 4; ++j)
@@ -455,7 +472,7 @@ inline void dot_rows4(const Rows& x, int64_t r0, const uint8_t* codes, const c10
       return _mm256_set1_ps(_cvtsh_ss(scales[x.blocks == 1 ? 0 : (2 * k) >> shift].x));
     };
     for (; i + 2 <= npairs; i += 2) {
-      prefetch_codes(codes + 2 * i * 16);  // (two pairs: one line)
+      PF::at(codes + 2 * i * 16);  // (two pairs: one line)
       pair(i, ws(i), acc[0]);
       pair(i + 1, ws(i + 1), acc[1]);
     }
@@ -471,16 +488,16 @@ inline void dot_rows4(const Rows& x, int64_t r0, const uint8_t* codes, const c10
 }
 
 // R rows against one weight row in the form for BITS.
-template <int BITS, int R, typename TO>
+template <class PF, int BITS, int R, typename TO>
 inline void rows_dot(const Rows& x, int64_t r0, const uint8_t* codes, const c10::Half* scales,
                      const uint8_t* zeros, int64_t block, TO* out, int64_t ldo) {
   if constexpr (BITS == 4) {
 #if defined(__AVX512BW__)
-    if (block == kAct) return dot_quads<R>(x, r0, codes, scales, zeros, out, ldo);
+    if (block == kAct) return dot_quads<PF, R>(x, r0, codes, scales, zeros, out, ldo);
 #endif
-    dot_rows4<R>(x, r0, codes, scales, zeros, block, out, ldo);
+    dot_rows4<PF, R>(x, r0, codes, scales, zeros, block, out, ldo);
   } else {
-    dot_rows8<R>(x, r0, codes, scales, zeros, block, out, ldo);
+    dot_rows8<PF, R>(x, r0, codes, scales, zeros, block, out, ldo);
   }
 }
 
@@ -494,7 +511,7 @@ struct Weight {  // one weight's rows, and where its products go
 
 // out_j = x . w_j^T for every weight j (all with the activations' layout): one parallel step,
 // tasks of up to kRowsPerTask rows x kColsPerTask rows of one weight.
-template <int BITS, typename TO>
+template <class PF, int BITS, typename TO>
 void product(const Rows& x, int64_t m, const std::vector<Weight>& ws, int64_t block) {
   const int64_t row_bytes = x.width * BITS / 8;
   const int64_t row_tasks = (m + kRowsPerTask - 1) / kRowsPerTask;
@@ -519,11 +536,11 @@ void product(const Rows& x, int64_t m, const std::vector<Weight>& ws, int64_t bl
       const uint8_t* zc = w.zeros ? w.zeros + c * x.blocks : nullptr;
       int64_t r = r0;
       for (; r + kRowBlock <= r1; r += kRowBlock)
-        rows_dot<BITS, kRowBlock>(x, r, wc, sc, zc, block, out + r * n + c, n);
+        rows_dot<PF, BITS, kRowBlock>(x, r, wc, sc, zc, block, out + r * n + c, n);
       switch (r1 - r) {
-        case 3: rows_dot<BITS, 3>(x, r, wc, sc, zc, block, out + r * n + c, n); break;
-        case 2: rows_dot<BITS, 2>(x, r, wc, sc, zc, block, out + r * n + c, n); break;
-        case 1: rows_dot<BITS, 1>(x, r, wc, sc, zc, block, out + r * n + c, n); break;
+        case 3: rows_dot<PF, BITS, 3>(x, r, wc, sc, zc, block, out + r * n + c, n); break;
+        case 2: rows_dot<PF, BITS, 2>(x, r, wc, sc, zc, block, out + r * n + c, n); break;
+        case 1: rows_dot<PF, BITS, 1>(x, r, wc, sc, zc, block, out + r * n + c, n); break;
         default: break;
       }
     }
@@ -597,10 +614,15 @@ void quant_linear_many(const at::Tensor& x, int64_t bits, const std::vector<Quan
                    d.data() + r * (width / kAct), xsum.data() + r * nb);
     });
     const Rows rows{q.data(), d.data(), xsum.data(), pairs.data(), width, width / kAct, nb};
-    if (bits == 4) {
-      product<4, scalar_t>(rows, m, weights, block);
+    const bool nta = amd_cpu();
+    if (bits == 4 && nta) {
+      product<NtaAhead, 4, scalar_t>(rows, m, weights, block);
+    } else if (bits == 4) {
+      product<T0Ahead, 4, scalar_t>(rows, m, weights, block);
+    } else if (nta) {
+      product<NtaAhead, 8, scalar_t>(rows, m, weights, block);
     } else {
-      product<8, scalar_t>(rows, m, weights, block);
+      product<T0Ahead, 8, scalar_t>(rows, m, weights, block);
     }
   };
   if (xt == at::kFloat) {
@@ -683,10 +705,16 @@ void quant_dequantize(const at::Tensor& codes, const at::Tensor& scales,
   });
 }
 
+// The prefetch of the codes this CPU gets, as the engine's kernel line names it.
+std::string code_prefetch() {
+  return amd_cpu() ? std::string(NtaAhead::kName) + " (AMD)" : std::string(T0Ahead::kName);
+}
+
 }  // namespace
 }  // namespace pagedhybrid
 
 TORCH_LIBRARY_FRAGMENT(PH_NS, m) {
+  m.def("code_prefetch() -> str", &pagedhybrid::code_prefetch);
   m.def("quant_linear(Tensor x, Tensor codes, Tensor scales, Tensor? zeros, int bits, "
         "Tensor(a!) out) -> ()");
   m.def("quant_dequantize(Tensor codes, Tensor scales, Tensor? zeros, int bits, int row0, "
