@@ -102,12 +102,14 @@ def test_kernel_matches_the_reference(spec: str, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("form", runnable_forms())
-@pytest.mark.parametrize("spec", ["int4", "int4:32:asym", "int4:64", "int8"])
+@pytest.mark.parametrize("spec", ["int4", "int4:32:asym", "int4:64", "int8", "int8:32",
+                                  "int8:64:asym"])
 def test_every_cpu_form_matches_the_reference(form: str, spec: str) -> None:
     """Each CPU form this machine runs (the AVX-512 forms take 4-bit blocks of 32 as 512-bit
     quads of sub-blocks, the zero points' correction in the same loop; then the 16-block
-    groups' leftover quads, a pair and a last sub-block) against the reference, K from 1 to 33
-    sub-blocks across those boundaries, M = 1..6; a row's bits are its bits alone."""
+    groups' leftover quads, a pair and a last sub-block; 8-bit codes per channel, in blocks of
+    32 and with zero points) against the reference, K from 1 to 33 sub-blocks across those
+    boundaries, M = 1..6; a row's bits are its bits alone."""
     fmt = WeightFormat.parse(spec)
     lib = form_library(form)
     gen = torch.Generator().manual_seed(9)
