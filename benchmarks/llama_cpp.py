@@ -59,7 +59,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 class LlamaCppError(RuntimeError):
     """A llama.cpp tool (or the converter) failed or is not built; ``crashed``: it died of a
-    signal (e.g. SIGSEGV in its AMX kernels, see ``NO_REPACK``)."""
+    signal (e.g. SIGSEGV in its AMX kernels: ``repack=False`` below)."""
 
     def __init__(self, message: str, crashed: bool = False) -> None:
         super().__init__(message)

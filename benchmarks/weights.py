@@ -145,8 +145,8 @@ def gguf(model_dir: Path, qtype: str, folder: Path, made: dict[str, Path]) -> Pa
 
 
 def repacked(call: Any, *args: Any, **kw: Any) -> tuple[Any, bool]:
-    """(call(..., repack=True), True), or -- where that crashes (``llama_cpp.NO_REPACK``'s AMX
-    segfault) -- (call(..., repack=False), False)."""
+    """(call(..., repack=True), True), or -- where that crashes (llama.cpp's AMX kernels on an
+    AMX Xeon: ``llama_cpp.py``'s ``repack``) -- (call(..., repack=False), False)."""
     import llama_cpp
 
     try:

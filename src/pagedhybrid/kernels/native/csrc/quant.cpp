@@ -58,11 +58,15 @@ constexpr int kRowBlock = 4;          // rows sharing one weight load
 //   thread, a 2-core Xeon with AVX512-BF16 / AMX, alternating; T1 / T2 at 2-8 KiB 22.9-23.9).
 struct NtaAhead {
   static constexpr const char* kName = "NTA 2 KiB ahead";
-  static void at(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p + 2048), _MM_HINT_NTA); }
+  static void at(const uint8_t* p) {
+    _mm_prefetch(reinterpret_cast<const char*>(p + 2048), _MM_HINT_NTA);
+  }
 };
 struct T0Ahead {
   static constexpr const char* kName = "T0 4 KiB ahead";
-  static void at(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p + 4096), _MM_HINT_T0); }
+  static void at(const uint8_t* p) {
+    _mm_prefetch(reinterpret_cast<const char*>(p + 4096), _MM_HINT_T0);
+  }
 };
 bool amd_cpu() {
   static const bool amd = [] {
@@ -614,15 +618,18 @@ void quant_linear_many(const at::Tensor& x, int64_t bits, const std::vector<Quan
                    d.data() + r * (width / kAct), xsum.data() + r * nb);
     });
     const Rows rows{q.data(), d.data(), xsum.data(), pairs.data(), width, width / kAct, nb};
-    const bool nta = amd_cpu();
-    if (bits == 4 && nta) {
-      product<NtaAhead, 4, scalar_t>(rows, m, weights, block);
-    } else if (bits == 4) {
-      product<T0Ahead, 4, scalar_t>(rows, m, weights, block);
-    } else if (nta) {
-      product<NtaAhead, 8, scalar_t>(rows, m, weights, block);
+    const auto with = [&](auto policy) {
+      using PF = decltype(policy);
+      if (bits == 4) {
+        product<PF, 4, scalar_t>(rows, m, weights, block);
+      } else {
+        product<PF, 8, scalar_t>(rows, m, weights, block);
+      }
+    };
+    if (amd_cpu()) {
+      with(NtaAhead{});
     } else {
-      product<T0Ahead, 8, scalar_t>(rows, m, weights, block);
+      with(T0Ahead{});
     }
   };
   if (xt == at::kFloat) {
