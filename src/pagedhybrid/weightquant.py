@@ -13,9 +13,14 @@ Layout (``QuantizedWeight``): exactly ``com.microsoft.MatMulNBits``' ``B`` for a
 ``n_blocks * block``; 4-bit codes two to a byte, element ``2j`` in the low nibble and ``2j + 1``
 in the high one; ``scales`` float16 ``[N, n_blocks]``; ``zeros`` uint8 ``[N, n_blocks]`` (one
 unpacked zero point per block; None = symmetric, the implied ``2^(bits-1)``: 8 / 128). The value
-is ``(code - zero) * scale``. The engine's kernels read these bytes and the export writes them
-(the 4-bit zero points packed two to a byte as MatMulNBits wants), so the engine and an ONNX
-package compute from the same codes and scales.
+is ``(code - zero) * scale``. The export writes these bytes (the 4-bit zero points packed two to
+a byte as MatMulNBits wants) and the engine's kernels read the same codes and scales, so the
+engine and an ONNX package compute from the same values. The engine holds one format's codes in
+another order (``group_channels``): 8-bit codes per output channel in groups of ``GROUP`` = 16
+rows, ``[ceil(N / 16), 1, block / 4, 64]`` -- the 64 bytes of quad ``j`` are the group's 16 rows'
+elements ``4j .. 4j + 3`` (row ``i`` at bytes ``4i ..``; rows past ``N`` padding), the order in
+which one vector instruction multiplies 16 rows by four activation codes
+(``kernels/native/csrc/quant.cpp`` ``group_rows8``). ``unpack_codes`` reads either order.
 
 Quantisation (round to nearest, ties to even; the scale rounded to float16 first and the codes
 computed with the rounded scale, so ``dequantize`` is exactly what either runtime multiplies by):
@@ -47,6 +52,7 @@ from pagedhybrid.errors import ContractViolation
 
 OP = "pagedhybrid.weightquant"
 ACT_BLOCK = 32  # activation sub-block of the kernels (and the smallest weight block)
+GROUP = 16  # rows of a group of 8-bit per-channel codes in the engine (module docstring)
 BLOCKS = (32, 64, 128, 256)
 BITS = (4, 8)
 
@@ -109,7 +115,7 @@ class WeightFormat:
 class QuantizedWeight(NamedTuple):
     """A ``[N, K]`` weight in a ``WeightFormat`` (module docstring: the MatMulNBits layout)."""
 
-    codes: torch.Tensor  # uint8 [N, n_blocks, block * bits / 8]
+    codes: torch.Tensor  # uint8 [N, n_blocks, block * bits / 8] (or grouped: group_channels)
     scales: torch.Tensor  # float16 [N, n_blocks]
     zeros: torch.Tensor | None  # uint8 [N, n_blocks]; None: symmetric (2^(bits-1))
     fmt: WeightFormat
@@ -117,11 +123,16 @@ class QuantizedWeight(NamedTuple):
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.codes.shape[0], self.in_features
+        return self.scales.shape[0], self.in_features
+
+    @property
+    def grouped(self) -> bool:
+        """The codes in groups of ``GROUP`` rows (``group_channels``)."""
+        return self.codes.dim() == 4
 
     @property
     def block(self) -> int:
-        return self.codes.shape[2] * 8 // self.fmt.bits
+        return self.codes.shape[2] * (4 if self.grouped else 8 // self.fmt.bits)
 
     @property
     def nbytes(self) -> int:
@@ -168,20 +179,44 @@ def quantize(weight: torch.Tensor, fmt: WeightFormat, name: str = "weight") -> Q
     return QuantizedWeight(q.contiguous(), s16.contiguous(), zeros, fmt, k)
 
 
+def groups_channels(fmt: WeightFormat) -> bool:
+    """Whether the engine holds ``fmt``'s codes in groups of rows (8 bits per channel)."""
+    return fmt.bits == 8 and fmt.block == 0
+
+
 def quantized_nbytes(shape: tuple[int, int], fmt: WeightFormat) -> tuple[int, int, int]:
     """Bytes of the codes, scales and zero points (0: symmetric) of a ``[N, K]`` weight in
-    ``fmt``, before it is quantised."""
+    ``fmt`` as the engine holds it (``group_channels``), before it is quantised."""
     n, k = shape
     block = fmt.block_for(k)
     nb = -(-k // block)
-    return n * nb * block * fmt.bits // 8, 2 * n * nb, 0 if fmt.symmetric else n * nb
+    rows = -(-n // GROUP) * GROUP if groups_channels(fmt) else n
+    return rows * nb * block * fmt.bits // 8, 2 * n * nb, 0 if fmt.symmetric else n * nb
+
+
+def group_channels(q: QuantizedWeight) -> QuantizedWeight:
+    """``q`` with 8-bit per-channel codes in groups of ``GROUP`` rows (module docstring), the
+    engine's order for them; any other format as it is."""
+    if not groups_channels(q.fmt) or q.grouped:
+        return q
+    n, _, block = q.codes.shape
+    g = -(-n // GROUP)
+    rows = torch.full((g * GROUP, block), 1 << 7, dtype=torch.uint8)
+    rows[:n] = q.codes[:, 0]
+    codes = rows.view(g, GROUP, block // 4, 4).transpose(1, 2).reshape(g, 1, block // 4,
+                                                                       4 * GROUP)
+    return q._replace(codes=codes.contiguous())
 
 
 def unpack_codes(q: QuantizedWeight) -> torch.Tensor:
-    """The codes as uint8 ``[N, n_blocks, block]`` (4-bit ones unpacked)."""
-    if q.fmt.bits == 8:
-        return q.codes
+    """The codes as uint8 ``[N, n_blocks, block]`` in row order (4-bit ones unpacked)."""
     c = q.codes
+    if q.grouped:
+        g, _, quads, _ = c.shape
+        rows = c.view(g, quads, GROUP, 4).transpose(1, 2).reshape(g * GROUP, 1, quads * 4)
+        return rows[:q.shape[0]]
+    if q.fmt.bits == 8:
+        return c
     return torch.stack((c & 0x0F, c >> 4), dim=-1).flatten(-2)
 
 
@@ -226,4 +261,4 @@ def reference_linear(x: torch.Tensor, q: QuantizedWeight) -> torch.Tensor:
     xq, d = quantize_rows(x.reshape(-1, k))
     xd = (xq.double().view(xq.shape[0], -1, ACT_BLOCK) * d.double()[..., None]).flatten(1)
     out = xd[:, :k] @ dequantize(q, torch.float64).T
-    return out.to(x.dtype).view(*lead, q.codes.shape[0])
+    return out.to(x.dtype).view(*lead, q.shape[0])

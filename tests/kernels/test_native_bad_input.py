@@ -675,8 +675,28 @@ def _run_dequant(a: Args) -> None:
                                a["rows"])
 
 
+def _grouped(then: Callable[[Args], None]) -> Callable[[Args], None]:
+    """The weight as the engine holds 8-bit per-channel codes (in groups of 16 rows), then
+    ``then``."""
+    def mutate(a: Args) -> None:
+        from pagedhybrid.weightquant import WeightFormat, group_channels, quantize
+
+        q = group_channels(quantize(torch.randn(6, 80, generator=torch.Generator().manual_seed(8)),
+                                    WeightFormat.parse("int8")))
+        a.update(codes=q.codes, scales=q.scales, zeros=None, bits=8)
+        then(a)
+
+    return mutate
+
+
 QUANT_WEIGHT: list[Corruption] = [
     ("bits", _set("bits", lambda a: 3), r"bits: must be 4 or 8 \(got 3\)"),
+    ("grouped 4-bit", _grouped(_set("bits", lambda a: 4)),
+     r"codes: grouped codes must be 8-bit \[ceil\(N / 16\), 1, block / 4, 64\]"),
+    ("grouped quads", _grouped(_set("codes", lambda a: a["codes"].view(1, 1, 48, 32))),
+     r"codes: grouped codes must be 8-bit"),
+    ("grouped groups", _grouped(_set("codes", lambda a: torch.cat([a["codes"]] * 2))),
+     r"codes: .*ceil\(N / 16\).* N = 6 rows of scales"),
     ("codes dtype", _set("codes", lambda a: a["codes"].to(torch.int8)), r"codes: must be Byte"),
     ("codes dims", _set("codes", lambda a: a["codes"].flatten(1)),
      r"codes: must have 3 dimensions"),
@@ -698,7 +718,7 @@ QUANT: list[Corruption] = [
      r"codes: must hold K = 64 columns"),
     ("out dtype", _set("out", lambda a: a["out"].bfloat16()), r"out: must be Float"),
     ("out columns", _set("out", lambda a: torch.zeros(3, 5)),
-     r"out: size\(1\) must equal the rows N of codes = 6"),
+     r"out: size\(1\) must equal the rows N of the weight = 6"),
     ("x not contiguous", _set("x", lambda a: torch.randn(80, 3).t()), r"x: must be contiguous"),
 ]
 DEQUANT: list[Corruption] = [

@@ -8,7 +8,10 @@
   weights dequantised, float64): every format, fp32 / bf16 / fp16 activations, K not a multiple
   of the block, M = 1..33; the integer form is batch-invariant (a row's bits do not depend on
   the other rows); the prefill form (dequantised chunks and the fp32 GEMM) vs
-  dequantise-then-matmul; ``quant_dequantize`` equals ``dequantize`` bit for bit.
+  dequantise-then-matmul; ``quant_dequantize`` equals ``dequantize`` bit for bit;
+* the engine's order of 8-bit per-channel codes (``group_channels``: groups of 16 rows, a spec
+  ending in " grouped" here): the same values, read back exactly; the kernels on it vs the
+  reference on every CPU form, N not a multiple of 16, each element the same bits on every form.
 """
 
 from __future__ import annotations
@@ -19,8 +22,11 @@ import torch
 from pagedhybrid.errors import ContractViolation
 from pagedhybrid.kernels.native import form_library, quant, runnable_forms, status
 from pagedhybrid.weightquant import (
+    GROUP,
+    QuantizedWeight,
     WeightFormat,
     dequantize,
+    group_channels,
     quantize,
     quantize_rows,
     reference_linear,
@@ -29,6 +35,17 @@ from pagedhybrid.weightquant import (
 
 FORMATS = ["int8", "int8:32", "int8:64:asym", "int4", "int4:64", "int4:128", "int4:32:asym",
            "int4:256:asym", "int4:channel"]
+GROUPED = ["int8 grouped", "int8:channel:asym grouped"]  # as the engine holds them
+
+
+def held(w: torch.Tensor, spec: str) -> QuantizedWeight:
+    """``w`` quantised in ``spec``; a spec ending in " grouped" in the engine's order."""
+    name, _, order = spec.partition(" ")
+    q = quantize(w, WeightFormat.parse(name))
+    if order:
+        q = group_channels(q)
+        assert q.grouped
+    return q
 SHAPES = [(1, 256, 64), (2, 32, 3), (3, 96, 17), (5, 200, 33), (17, 1000, 70), (33, 160, 9)]
 
 
@@ -85,13 +102,12 @@ def test_dequantised_weights_are_within_a_step(spec: str) -> None:
     assert rel < (0.01 if fmt.bits == 8 else 0.12)
 
 
-@pytest.mark.parametrize("spec", FORMATS)
+@pytest.mark.parametrize("spec", FORMATS + GROUPED)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_kernel_matches_the_reference(spec: str, dtype: torch.dtype) -> None:
-    fmt = WeightFormat.parse(spec)
     gen = torch.Generator().manual_seed(2)
     for m, k, n in SHAPES:
-        q = quantize(torch.randn(n, k, generator=gen) * 0.05, fmt)
+        q = held(torch.randn(n, k, generator=gen) * 0.05, spec)
         x = torch.randn(m, k, generator=gen).to(dtype)
         want = reference_linear(x.float(), q).double()
         got = quant.invariant_linear(x, q)
@@ -127,6 +143,45 @@ def test_every_cpu_form_matches_the_reference(form: str, spec: str) -> None:
             assert torch.equal(one[0], out[r]), (form, spec, k, r)
 
 
+@pytest.mark.parametrize("spec", GROUPED)
+def test_grouped_codes_are_the_same_values(spec: str) -> None:
+    """Rows 4j .. of a group's quad j; rows past N padding; ``unpack_codes`` reads them back."""
+    for n in (1, 16, 37):
+        q = held(torch.randn(n, 100, generator=torch.Generator().manual_seed(n)), spec.split()[0])
+        g = group_channels(q)
+        assert g.codes.shape == (-(-n // GROUP), 1, 128 // 4, 4 * GROUP) and g.shape == q.shape
+        assert g.block == q.block == 128 and g.scales is q.scales and g.zeros is q.zeros
+        row = min(n - 1, 20)
+        quad = g.codes[row // GROUP, 0, 5, 4 * (row % GROUP):4 * (row % GROUP) + 4]
+        assert torch.equal(quad, q.codes[row, 0, 20:24])
+        assert torch.equal(unpack_codes(g), q.codes) and torch.equal(dequantize(g), dequantize(q))
+    q4 = quantize(torch.randn(3, 64), WeightFormat.parse("int4"))
+    assert group_channels(q4) is q4  # other formats keep MatMulNBits' rows
+
+
+@pytest.mark.parametrize("form", runnable_forms())
+@pytest.mark.parametrize("spec", GROUPED)
+def test_grouped_codes_on_every_cpu_form(form: str, spec: str) -> None:
+    """vpdpbusd on 16 rows at a time (the VNNI forms) or 8 with vpmaddubsw: each element the
+    reference's within fp32 accumulation, its bits its own whatever M, the same on every form
+    (the forms do each element's float operations in one order); N past a whole group."""
+    lib, base = form_library(form), form_library(runnable_forms()[-1])
+    gen = torch.Generator().manual_seed(10)
+    for n, k in ((37, 1000), (16, 32), (5, 96), (40, 1056)):
+        q = held(torch.randn(n, k, generator=gen) * 0.05, spec)
+        x = torch.randn(6, k, generator=gen)
+        out, ref = torch.full((6, n), float("nan")), torch.full((6, n), float("nan"))
+        lib.quant_linear(x, q.codes, q.scales, q.zeros, 8, out)
+        base.quant_linear(x, q.codes, q.scales, q.zeros, 8, ref)
+        want = reference_linear(x, q).double()
+        assert ((out.double() - want).abs().max() / want.abs().max()) < 1e-5, (form, n, k)
+        assert torch.equal(out, ref), (form, runnable_forms()[-1], n, k)
+        for r in (0, 5):
+            one = torch.empty(1, n)
+            lib.quant_linear(x[r:r + 1].contiguous(), q.codes, q.scales, q.zeros, 8, one)
+            assert torch.equal(one[0], out[r]), (form, n, k, r)
+
+
 def test_the_activation_codes_are_the_kernels() -> None:
     """A weight of one-hot rows reads single activation codes back: q * d exactly."""
     k = 64
@@ -139,10 +194,10 @@ def test_the_activation_codes_are_the_kernels() -> None:
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("spec", ["int8", "int4", "int4:32:asym"])
+@pytest.mark.parametrize("spec", ["int8", "int4", "int4:32:asym", *GROUPED])
 def test_the_integer_form_is_batch_invariant(spec: str) -> None:
     gen = torch.Generator().manual_seed(4)
-    q = quantize(torch.randn(40, 300, generator=gen) * 0.05, WeightFormat.parse(spec))
+    q = held(torch.randn(40, 300, generator=gen) * 0.05, spec)
     x = torch.randn(70, 300, generator=gen)
     full = quant.invariant_linear(x, q)
     for rows in (slice(0, 1), slice(5, 6), slice(3, 11), slice(30, 63), slice(69, 70)):
@@ -150,10 +205,10 @@ def test_the_integer_form_is_batch_invariant(spec: str) -> None:
     assert torch.equal(quant.invariant_linear(x.flip(0), q), full.flip(0))
 
 
-@pytest.mark.parametrize("spec", ["int8", "int4", "int4:128:asym"])
+@pytest.mark.parametrize("spec", ["int8", "int4", "int4:128:asym", *GROUPED])
 def test_the_prefill_form_is_dequantise_then_matmul(spec: str) -> None:
     gen = torch.Generator().manual_seed(5)
-    q = quantize(torch.randn(300, 130, generator=gen) * 0.05, WeightFormat.parse(spec))
+    q = held(torch.randn(300, 130, generator=gen) * 0.05, spec)
     x = torch.randn(quant.DEQUANT_ROWS + 9, 130, generator=gen)
     want = x.double() @ dequantize(q).double().T
     got = quant.linear(x, q)
@@ -162,12 +217,11 @@ def test_the_prefill_form_is_dequantise_then_matmul(spec: str) -> None:
     assert torch.equal(quant.linear(x[:5], q), quant.invariant_linear(x[:5], q))
 
 
-@pytest.mark.parametrize("spec", FORMATS)
+@pytest.mark.parametrize("spec", FORMATS + GROUPED)
 def test_dequantize_op_equals_dequantize(spec: str) -> None:
     from pagedhybrid.kernels.native import library
 
-    q = quantize(torch.randn(9, 100, generator=torch.Generator().manual_seed(6)),
-                 WeightFormat.parse(spec))
+    q = held(torch.randn(9, 100, generator=torch.Generator().manual_seed(6)), spec)
     out = torch.empty(5, 100)
     library().quant_dequantize(q.codes, q.scales, q.zeros, q.fmt.bits, 3, out)
     assert torch.equal(out, dequantize(q)[3:8])

@@ -5,13 +5,15 @@ weight's codes are read in place (4 or 8 bits per parameter and a float16 scale 
 decode step streams a quarter / an eighth of the fp32 bytes), the activations are quantised per
 row to int8 on the fly (``weightquant.quantize_rows``) and each 32-element sub-block is an exact
 integer dot product (``vpmaddubsw`` + ``vpmaddwd``, or ``vpdpbusd`` on a CPU form with
-AVX512-VNNI), scaled and accumulated in fp32. Its arithmetic per output element does not depend
-on the number of rows or their order: ``invariant_linear`` is that kernel at every size, the
-batch-invariant bundle's product. ``linear`` (the fast form) takes it below ``DEQUANT_ROWS``
-rows; from there on (prefill) the integer form is bound by its per-sub-block scaling while the
-fp32 GEMM is bound by arithmetic, so the weight rows are dequantised a cache-sized chunk at a
-time (``quant_dequantize``, ``WIDEN_CHUNK_BYTES`` of fp32) and multiplied by torch's fp32 GEMM
-(at 512 rows of a [8192, 2048] weight: int8 kernel 144 ms, int4 191 ms, fp32 GEMM 116 ms).
+AVX512-VNNI), scaled and accumulated in fp32 (8-bit codes per channel in the engine's groups of
+16 rows, ``weightquant.group_channels``: 16 rows' sums a vector at a time). Its arithmetic per
+output element does not depend on the number of rows or their order: ``invariant_linear`` is
+that kernel at every size, the batch-invariant bundle's product. ``linear`` (the fast form)
+takes it below ``DEQUANT_ROWS`` rows; from there on (prefill) the integer form is bound by its
+per-sub-block scaling while the fp32 GEMM is bound by arithmetic, so the weight rows are
+dequantised a cache-sized chunk at a time (``quant_dequantize``, ``WIDEN_CHUNK_BYTES`` of fp32)
+and multiplied by torch's fp32 GEMM (at 512 rows of a [8192, 2048] weight: int8 kernel 144 ms,
+int4 191 ms, fp32 GEMM 116 ms).
 """
 
 from __future__ import annotations
@@ -21,16 +23,18 @@ import torch.nn.functional as F
 
 from pagedhybrid.kernels.native import library
 from pagedhybrid.kernels.native.dense import MIN_CHUNK_ROWS, WIDEN_CHUNK_BYTES
-from pagedhybrid.weightquant import QuantizedWeight
+from pagedhybrid.weightquant import GROUP, QuantizedWeight, WeightFormat, groups_channels
 
 
-def int_dot() -> str:
-    """The chosen form's int8 dot-product instructions and the prefetch of the weight codes this
-    CPU gets (NTA on AMD, T0 elsewhere), as the engine's kernel line names them."""
+def int_dot(fmt: WeightFormat) -> str:
+    """The chosen form's int8 dot-product instructions, the order the engine holds ``fmt``'s
+    codes in (8-bit per channel: groups of 16 rows) and the prefetch of the codes this CPU gets
+    (NTA on AMD, T0 elsewhere), as the engine's kernel line names them."""
     lib = library()
     dot = ("vpdpbusd, AVX512-VNNI" if lib.int8_dot() == "vpdpbusd"  # type: ignore[attr-defined]
            else "vpmaddubsw + vpmaddwd")
-    return f"{dot}; codes prefetched {lib.code_prefetch()}"  # type: ignore[attr-defined]
+    order = f"codes in groups of {GROUP} rows; " if groups_channels(fmt) else ""
+    return f"{dot}; {order}codes prefetched {lib.code_prefetch()}"  # type: ignore[attr-defined]
 
 
 DEQUANT_ROWS = 64  # rows from which the fast form dequantises chunks for the fp32 GEMM
@@ -45,7 +49,7 @@ def linear(x: torch.Tensor, q: QuantizedWeight) -> torch.Tensor:
     if m < DEQUANT_ROWS:
         return invariant_linear(x, q)
     x2 = x.reshape(m, k).float()
-    n = q.codes.shape[0]
+    n = q.shape[0]
     rows = max(MIN_CHUNK_ROWS, WIDEN_CHUNK_BYTES // (4 * k))
     out = torch.empty(m, n, dtype=x.dtype)
     chunk = torch.empty(min(rows, n), k)
@@ -64,7 +68,7 @@ def invariant_linear(x: torch.Tensor, q: QuantizedWeight) -> torch.Tensor:
     x2 = x.reshape(-1, k)
     if not x2.is_contiguous():
         x2 = x2.contiguous()
-    n = q.codes.shape[0]
+    n = q.shape[0]
     out = torch.empty(x2.shape[0], n, dtype=x.dtype)
     library().quant_linear(x2, q.codes, q.scales, q.zeros, q.fmt.bits, out)  # type: ignore[attr-defined]
     return out if x.dim() == 2 else out.view(*x.shape[:-1], n)

@@ -103,14 +103,14 @@ inline int32_t hsum(__m256i v) {
 }
 
 // One row of x: k elements (zero-padded to width, a multiple of the weight block) into codes q
-// [width] and scales d [width / kAct]; xsum [width / block] = per weight block
-// sum over its sub-blocks of d * sum(q). With `odd_even` (4-bit weights) each pair of
+// [width] and scales d [width / kAct]; isum [width / kAct] = sum(q) per sub-block, xsum
+// [width / block] = per weight block sum over its sub-blocks of d * sum(q). With `odd_even` (4-bit weights) each pair of
 // sub-blocks (s, s + 1) is stored as [evens of s | evens of s + 1 | odds of s | odds of s + 1]
 // -- the order in which 32 bytes of 4-bit codes unpack into low and high nibbles -- with
 // pairs[8 i ..] = [d_s x 4 | d_s+1 x 4]; a last unpaired sub-block as [evens | odds].
 template <typename TX>
 void quantize_row(const TX* x, int64_t k, int64_t width, int64_t block, bool odd_even,
-                  float* pairs, int8_t* q, float* d, float* xsum) {
+                  float* pairs, int8_t* q, float* d, float* xsum, int32_t* isum) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   // per 128-bit lane: bytes 0, 2, ..., 14 then 1, 3, ..., 15
@@ -149,7 +149,8 @@ void quantize_row(const TX* x, int64_t k, int64_t width, int64_t block, bool odd
     }
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + e0), packed);
     d[s] = dv;
-    block_sum += dv * static_cast<float>(hsum(total));
+    isum[s] = hsum(total);
+    block_sum += dv * static_cast<float>(isum[s]);
     if ((s + 1) % subs_per_block == 0) {
       xsum[s / subs_per_block] = block_sum;
       block_sum = 0.0f;
@@ -208,6 +209,7 @@ struct Rows {  // the quantised activations
   const int8_t* q;
   const float* d;
   const float* xsum;
+  const int32_t* isum;  // [subs] per row: sum(q) of each sub-block
   const float* pairs;  // 4-bit weights: [d_s x 4 | d_s+1 x 4] per pair of sub-blocks
   int64_t width, subs, blocks;  // per row: codes, sub-block scales, block sums
 };
@@ -505,34 +507,157 @@ inline void rows_dot(const Rows& x, int64_t r0, const uint8_t* codes, const c10:
   }
 }
 
+// 8-bit weights per output channel, held in groups of kGroup = 16 rows (weightquant's
+// pack_channels; the engine's layout for `int8`): codes [G, 1, block / 4, 64], G = ceil(N / 16),
+// where the 64 bytes of quad j hold the group's 16 rows' elements 4j .. 4j + 3 (row i at bytes
+// 4i ..; rows past N are padding), the codes as stored (c, zero 128 or the row's zero point z);
+// scales [N, 1] and zeros [N, 1] or none as in the row layout. A sub-block of one row of x
+// against a group is 8 quads, each row's four activation codes broadcast against 16 rows' four
+// weight codes: with AVX512-VNNI, vpdpbusd of the codes as unsigned, started from -z * sum(q),
+// 16 rows to a register; without, the codes as signed c - 128 (|.| <= 128) by the activation
+// codes with their sign (int16 pairs <= 2 * 128 * 127), started from -(z - 128) * sum(q), 8 rows
+// to a register. Either way the exact int32 sum of (c - z) * q of the sub-block, per row; then
+// f[s & 1] += float(D_s) * d_s (two FMA chains) and out = (f0 + f1) * scale, rounded once: each
+// element is computed the same way on every form, whatever M is and wherever its row sits.
+// Against the row layout's per-row sub-blocks (four integer ops, a conversion and an FMA per 32
+// bytes of codes and row of x): a load and one vpdpbusd per 64 bytes, a conversion and an FMA
+// per 512 -- the 141M benchmark model's decode products, codes in huge pages, 16.8 -> 25 GB/s
+// on the 2-core Xeon (AMX, AVX512-BF16), where the row form was bound by its instructions.
+constexpr int64_t kGroup = 16;
+// at one task of rows (decode) a task takes this many bytes of codes in whole groups (16 rows of
+// a 1024-wide weight are 16 KiB): 4 -> 16 groups of the benchmark model 22.9 -> 25.0 GB/s
+constexpr int64_t kGroupTaskBytes = 131072;
+
+template <class PF, int R, typename TO>
+inline void group_rows8(const Rows& x, int64_t r0, const uint8_t* codes, const c10::Half* scales,
+                        const uint8_t* zeros, int64_t cols, TO* out, int64_t ldo) {
+  const int32_t* a[R];  // each row's codes, four to an int32
+  const float* d[R];
+  const int32_t* is[R];
+  for (int r = 0; r < R; ++r) {
+    a[r] = reinterpret_cast<const int32_t*>(x.q + (r0 + r) * x.width);
+    d[r] = x.d + (r0 + r) * x.subs;
+    is[r] = x.isum + (r0 + r) * x.subs;
+  }
+  float scale[kGroup] = {}, res[R][kGroup];
+  int32_t zero[kGroup];
+  for (int64_t i = 0; i < kGroup; ++i) {
+    scale[i] = i < cols ? _cvtsh_ss(scales[i].x) : 0.0f;
+    zero[i] = i < cols && zeros ? zeros[i] : 128;
+  }
+#if defined(__AVX512VNNI__)
+  const __m512i z = _mm512_loadu_si512(zero);
+  __m512 f[2][R];
+  for (int r = 0; r < R; ++r) f[0][r] = f[1][r] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < x.subs; ++s) {
+    const uint8_t* w = codes + s * 8 * 64;
+    __m512i acc[2][R];
+    for (int r = 0; r < R; ++r) {
+      acc[0][r] = _mm512_mullo_epi32(z, _mm512_set1_epi32(-is[r][s]));
+      acc[1][r] = _mm512_setzero_si512();
+    }
+    for (int j = 0; j < 8; ++j) {
+      PF::at(w + 64 * j);
+      const __m512i wj = _mm512_loadu_si512(w + 64 * j);
+      for (int r = 0; r < R; ++r)
+        acc[j & 1][r] = _mm512_dpbusd_epi32(acc[j & 1][r], wj, _mm512_set1_epi32(a[r][8 * s + j]));
+    }
+    for (int r = 0; r < R; ++r)
+      f[s & 1][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(acc[0][r], acc[1][r])),
+                                    _mm512_set1_ps(d[r][s]), f[s & 1][r]);
+  }
+  for (int r = 0; r < R; ++r)
+    _mm512_storeu_ps(res[r], _mm512_mul_ps(_mm512_add_ps(f[0][r], f[1][r]),
+                                           _mm512_loadu_ps(scale)));
+#else
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+  for (int64_t h = 0; h < kGroup && h < cols; h += 8) {  // 8 rows of the group at a time
+    const __m256i z = _mm256_sub_epi32(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(zero + h)), _mm256_set1_epi32(128));
+    __m256 f[2][R];
+    for (int r = 0; r < R; ++r) f[0][r] = f[1][r] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < x.subs; ++s) {
+      const uint8_t* w = codes + s * 8 * 64 + 4 * h;
+      __m256i acc[R];
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_mullo_epi32(z, _mm256_set1_epi32(-is[r][s]));
+      for (int j = 0; j < 8; ++j) {
+        PF::at(w + 64 * j);
+        const __m256i wj = _mm256_xor_si256(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * j)), flip);
+        const __m256i mag = _mm256_abs_epi8(wj);
+        for (int r = 0; r < R; ++r) {
+          const __m256i aj = _mm256_sign_epi8(_mm256_set1_epi32(a[r][8 * s + j]), wj);
+          acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, aj), ones));
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        f[s & 1][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), _mm256_set1_ps(d[r][s]),
+                                      f[s & 1][r]);
+    }
+    for (int r = 0; r < R; ++r)
+      _mm256_storeu_ps(res[r] + h, _mm256_mul_ps(_mm256_add_ps(f[0][r], f[1][r]),
+                                                 _mm256_loadu_ps(scale + h)));
+  }
+#endif
+  for (int r = 0; r < R; ++r)
+    for (int64_t i = 0; i < cols; ++i) out[r * ldo + i] = from_float<TO>(res[r][i]);
+}
+
 struct Weight {  // one weight's rows, and where its products go
   const uint8_t* codes;
   const c10::Half* scales;
   const uint8_t* zeros;
   int64_t n;
   void* out;  // [M, n] in x's dtype
+  bool grouped;  // 8-bit codes in groups of kGroup rows (group_rows8)
 };
 
+// R rows of x from r0 against the groups of rows [c0, c1) of a grouped weight w.
+template <class PF, int R, typename TO>
+inline void groups8(const Rows& x, int64_t r0, const Weight& w, int64_t c0, int64_t c1) {
+  TO* out = static_cast<TO*>(w.out) + r0 * w.n;
+  for (int64_t c = c0; c < c1; c += kGroup)
+    group_rows8<PF, R>(x, r0, w.codes + c * x.width, w.scales + c, w.zeros ? w.zeros + c : nullptr,
+                       std::min(kGroup, w.n - c), out + c, w.n);
+}
+
 // out_j = x . w_j^T for every weight j (all with the activations' layout): one parallel step,
-// tasks of up to kRowsPerTask rows x kColsPerTask rows of one weight.
+// tasks of up to kRowsPerTask rows x kColsPerTask rows of one weight (a grouped weight: whole
+// groups, kGroupTaskBytes of codes at one task of rows).
 template <class PF, int BITS, typename TO>
 void product(const Rows& x, int64_t m, const std::vector<Weight>& ws, int64_t block) {
   const int64_t row_bytes = x.width * BITS / 8;
   const int64_t row_tasks = (m + kRowsPerTask - 1) / kRowsPerTask;
   const int64_t cols = row_tasks > 1 ? kColsPerTask  // a task's weight rows
                                      : std::max<int64_t>(kColsPerTask, kTaskBytes / row_bytes);
+  const int64_t group_cols = kGroup * (row_tasks > 1 ? 1 : std::max<int64_t>(
+                                           1, kGroupTaskBytes / (kGroup * row_bytes)));
   std::vector<int64_t> first(ws.size() + 1, 0);  // each weight's first task
   int64_t total_n = 0;
   for (size_t j = 0; j < ws.size(); ++j) {
-    first[j + 1] = first[j] + row_tasks * ((ws[j].n + cols - 1) / cols);
+    const int64_t unit = ws[j].grouped ? group_cols : cols;
+    first[j + 1] = first[j] + row_tasks * ((ws[j].n + unit - 1) / unit);
     total_n += ws[j].n;
   }
   parallel_items(first.back(), 1, m * total_n * x.width, [&](int64_t item) {
     const size_t j = std::upper_bound(first.begin(), first.end(), item) - first.begin() - 1;
     const Weight& w = ws[j];
-    const int64_t task = item - first[j], n = w.n;
-    const int64_t c0 = (task / row_tasks) * cols, r0 = (task % row_tasks) * kRowsPerTask;
-    const int64_t c1 = std::min(n, c0 + cols), r1 = std::min(m, r0 + kRowsPerTask);
+    const int64_t task = item - first[j], n = w.n, unit = w.grouped ? group_cols : cols;
+    const int64_t c0 = (task / row_tasks) * unit, r0 = (task % row_tasks) * kRowsPerTask;
+    const int64_t c1 = std::min(n, c0 + unit), r1 = std::min(m, r0 + kRowsPerTask);
+    if constexpr (BITS == 8) {
+      if (w.grouped) {
+        int64_t r = r0;
+        for (; r + kRowBlock <= r1; r += kRowBlock) groups8<PF, kRowBlock, TO>(x, r, w, c0, c1);
+        switch (r1 - r) {
+          case 3: groups8<PF, 3, TO>(x, r, w, c0, c1); break;
+          case 2: groups8<PF, 2, TO>(x, r, w, c0, c1); break;
+          case 1: groups8<PF, 1, TO>(x, r, w, c0, c1); break;
+          default: break;
+        }
+        return;
+      }
+    }
     TO* out = static_cast<TO*>(w.out);
     for (int64_t c = c0; c < c1; ++c) {
       const uint8_t* wc = w.codes + c * row_bytes;
@@ -553,17 +678,46 @@ void product(const Rows& x, int64_t m, const std::vector<Weight>& ws, int64_t bl
 
 }  // namespace
 
+// A weight's codes: the row layout [N, nb, block * bits / 8], or 8-bit codes in groups of
+// kGroup rows [ceil(N / 16), 1, block / 4, 64] (N: the scales' rows).
+struct CodeLayout {
+  int64_t nb, block;
+  bool grouped;
+};
+CodeLayout code_layout(const at::Tensor& codes, int64_t bits) {
+  if (codes.dim() == 4) return {codes.size(1), codes.size(2) * 4, true};
+  return {codes.size(1), codes.size(2) * 8 / bits, false};
+}
+
 void check_quant_weight(const char* op, const std::string& name, const at::Tensor& codes,
                         const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
                         int64_t bits, int64_t k) {
   const std::string c = name + "codes", s = name + "scales", z = name + "zeros";
   PH_CHECK(bits == 4 || bits == 8, op, name + "bits", "must be 4 or 8 (got ", bits, ")");
-  check_tensor(op, c.c_str(), codes, 3, at::kByte);
-  const int64_t n = codes.size(0), nb = codes.size(1), bytes = codes.size(2);
-  const int64_t block = bytes * 8 / bits;
-  PH_CHECK(block >= kAct && block % kAct == 0 && bytes * 8 % bits == 0, op, c,
-           "size(2) * 8 / bits (the block) must be a multiple of ", kAct, " (got shape ",
-           shape_of(codes), ", bits ", bits, ")");
+  PH_CHECK(codes.defined(), op, c, "must be a tensor");
+  int64_t n = codes.size(0), nb = 0, block = 0;
+  if (codes.dim() == 4) {  // 8-bit, per output channel, in groups of kGroup rows
+    check_tensor(op, c.c_str(), codes, 4, at::kByte);
+    PH_CHECK(bits == 8 && codes.size(1) == 1 && codes.size(3) == 4 * kGroup, op, c,
+             "grouped codes must be 8-bit [ceil(N / ", kGroup, "), 1, block / 4, ", 4 * kGroup,
+             "] (got shape ", shape_of(codes), ", bits ", bits, ")");
+    check_tensor(op, s.c_str(), scales, 2, at::kHalf);
+    n = scales.size(0);
+    PH_CHECK(codes.size(0) == (n + kGroup - 1) / kGroup, op, c, "size(0) must be ceil(N / ",
+             kGroup, ") for the N = ", n, " rows of scales (got shape ", shape_of(codes), ")");
+    nb = 1;
+    block = codes.size(2) * 4;
+    PH_CHECK(block >= kAct && block % kAct == 0, op, c, "size(2) * 4 (the block) must be a "
+             "multiple of ", kAct, " (got shape ", shape_of(codes), ")");
+  } else {
+    check_tensor(op, c.c_str(), codes, 3, at::kByte);
+    nb = codes.size(1);
+    const int64_t bytes = codes.size(2);
+    block = bytes * 8 / bits;
+    PH_CHECK(block >= kAct && block % kAct == 0 && bytes * 8 % bits == 0, op, c,
+             "size(2) * 8 / bits (the block) must be a multiple of ", kAct, " (got shape ",
+             shape_of(codes), ", bits ", bits, ")");
+  }
   PH_CHECK(nb >= 1 && k <= nb * block && k > (nb - 1) * block, op, c, "must hold K = ", k,
            " columns in size(1) blocks of ", block, " (got shape ", shape_of(codes), ")");
   check_tensor(op, s.c_str(), scales, 2, at::kHalf);
@@ -588,26 +742,27 @@ void quant_linear_many(const at::Tensor& x, int64_t bits, const std::vector<Quan
   PH_CHECK(!ws.empty() && ws.size() == outs.size(), op, "out", "one per weight");
   for (size_t j = 0; j < ws.size(); ++j) {
     check_quant_weight(op, "", ws[j].codes, ws[j].scales, ws[j].zeros, bits, x.size(1));
-    PH_CHECK(ws[j].codes.size(1) == ws[0].codes.size(1) &&
-                 ws[j].codes.size(2) == ws[0].codes.size(2), op, "codes",
+    const CodeLayout lj = code_layout(ws[j].codes, bits), l0 = code_layout(ws[0].codes, bits);
+    PH_CHECK(lj.nb == l0.nb && lj.block == l0.block, op, "codes",
              "the weights of one call must share their blocks (got ", shape_of(ws[j].codes),
              " and ", shape_of(ws[0].codes), ")");
     check_tensor(op, "out", outs[j], 2, xt);
     check_size(op, "out", outs[j], 0, x.size(0), "the rows M of x");
-    check_size(op, "out", outs[j], 1, ws[j].codes.size(0), "the rows N of codes");
+    check_size(op, "out", outs[j], 1, ws[j].scales.size(0), "the rows N of the weight");
   }
-  const int64_t m = x.size(0), k = x.size(1), nb = ws[0].codes.size(1);
-  const int64_t block = ws[0].codes.size(2) * 8 / bits, width = nb * block;
+  const CodeLayout lay = code_layout(ws[0].codes, bits);
+  const int64_t m = x.size(0), k = x.size(1), nb = lay.nb, block = lay.block, width = nb * block;
   if (m == 0) return;
   std::vector<int8_t> q(m * width);
   std::vector<float> d(m * (width / kAct)), xsum(m * nb);
+  std::vector<int32_t> isum(m * (width / kAct));
   std::vector<float> pairs(bits == 4 ? m * (width / kAct / 2) * 8 : 0);
   std::vector<Weight> weights;
   for (size_t j = 0; j < ws.size(); ++j) {
     const auto& z = ws[j].zeros;
     weights.push_back({ws[j].codes.data_ptr<uint8_t>(), ws[j].scales.data_ptr<c10::Half>(),
                        z.has_value() && z->defined() ? z->data_ptr<uint8_t>() : nullptr,
-                       ws[j].codes.size(0), outs[j].data_ptr()});
+                       ws[j].scales.size(0), outs[j].data_ptr(), ws[j].codes.dim() == 4});
   }
   const auto run = [&](auto tag) {
     using scalar_t = decltype(tag);
@@ -615,9 +770,11 @@ void quant_linear_many(const at::Tensor& x, int64_t bits, const std::vector<Quan
     parallel_items(m, 8, m * width * 8, [&](int64_t r) {
       quantize_row(xp + r * k, k, width, block, bits == 4,
                    pairs.data() + r * (width / kAct / 2) * 8, q.data() + r * width,
-                   d.data() + r * (width / kAct), xsum.data() + r * nb);
+                   d.data() + r * (width / kAct), xsum.data() + r * nb,
+                   isum.data() + r * (width / kAct));
     });
-    const Rows rows{q.data(), d.data(), xsum.data(), pairs.data(), width, width / kAct, nb};
+    const Rows rows{q.data(), d.data(), xsum.data(), isum.data(), pairs.data(), width,
+                    width / kAct, nb};
     const auto with = [&](auto policy) {
       using PF = decltype(policy);
       if (bits == 4) {
@@ -655,18 +812,21 @@ void quant_dequantize(const at::Tensor& codes, const at::Tensor& scales,
                       at::Tensor out) {
   const char* op = "quant_dequantize";
   PH_CHECK(bits == 4 || bits == 8, op, "bits", "must be 4 or 8 (got ", bits, ")");
-  check_tensor(op, "codes", codes, 3, at::kByte);
+  const bool grouped = codes.defined() && codes.dim() == 4;
   check_tensor(op, "out", out, 2, at::kFloat);
-  const int64_t n = codes.size(0), nb = codes.size(1), block = codes.size(2) * 8 / bits;
+  if (grouped) check_quant_weight(op, "", codes, scales, zeros, bits, out.size(1));
+  check_tensor(op, "codes", codes, grouped ? 4 : 3, at::kByte);
+  check_tensor(op, "scales", scales, 2, at::kHalf);
+  const CodeLayout lay = code_layout(codes, bits);
+  const int64_t n = scales.size(0), nb = lay.nb, block = lay.block;
   const int64_t rows = out.size(0), k = out.size(1);
   PH_CHECK(row0 >= 0 && row0 + rows <= n, op, "row0", "rows [row0, row0 + out.size(0)) must lie "
            "in [0, ", n, ") (got row0 ", row0, ", ", rows, " rows)");
   PH_CHECK(block >= kAct && block % kAct == 0 && k <= nb * block && k > (nb - 1) * block, op,
            "out", "size(1) must be the K the codes hold (got shape ", shape_of(out),
            ", codes ", shape_of(codes), ")");
-  check_tensor(op, "scales", scales, 2, at::kHalf);
-  check_size(op, "scales", scales, 0, n, "the rows N of codes");
   check_size(op, "scales", scales, 1, nb, "the blocks of codes");
+  if (!grouped) check_size(op, "scales", scales, 0, codes.size(0), "the rows N of codes");
   const uint8_t* zp = nullptr;
   if (zeros.has_value() && zeros->defined()) {
     check_tensor(op, "zeros", *zeros, 2, at::kByte);
@@ -677,7 +837,7 @@ void quant_dequantize(const at::Tensor& codes, const at::Tensor& scales,
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const c10::Half* sp = scales.data_ptr<c10::Half>();
   float* op_ = out.data_ptr<float>();
-  const int64_t row_bytes = codes.size(1) * codes.size(2);
+  const int64_t row_bytes = nb * block * bits / 8;
   parallel_items(rows, 4, rows * k * 4, [&](int64_t r) {
     const int64_t c = row0 + r;
     float* o = op_ + r * k;
@@ -688,7 +848,14 @@ void quant_dequantize(const at::Tensor& codes, const at::Tensor& scales,
       const uint8_t* src = cp + c * row_bytes + b * (block * bits / 8);
       for (int64_t e = 0; e < block && b * block + e < k; e += 8) {
         __m256i v;
-        if (bits == 4) {  // 8 elements from 4 bytes: low nibble first
+        if (grouped) {  // 8 elements from two quads of the row's group
+          const uint8_t* g = cp + (c / kGroup) * kGroup * row_bytes + (c % kGroup) * 4 + e * 16;
+          uint32_t lo, hi;
+          std::memcpy(&lo, g, 4);
+          std::memcpy(&hi, g + 4 * kGroup, 4);
+          v = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(
+              static_cast<int64_t>((static_cast<uint64_t>(hi) << 32) | lo)));
+        } else if (bits == 4) {  // 8 elements from 4 bytes: low nibble first
           uint32_t four;
           std::memcpy(&four, src + e / 2, 4);
           const __m128i b4 = _mm_cvtsi32_si128(static_cast<int>(four));
