@@ -15,12 +15,17 @@ in the high one; ``scales`` float16 ``[N, n_blocks]``; ``zeros`` uint8 ``[N, n_b
 unpacked zero point per block; None = symmetric, the implied ``2^(bits-1)``: 8 / 128). The value
 is ``(code - zero) * scale``. The export writes these bytes (the 4-bit zero points packed two to
 a byte as MatMulNBits wants) and the engine's kernels read the same codes and scales, so the
-engine and an ONNX package compute from the same values. The engine holds one format's codes in
-another order (``group_channels``): 8-bit codes per output channel in groups of ``GROUP`` = 16
-rows, ``[ceil(N / 16), 1, block / 4, 64]`` -- the 64 bytes of quad ``j`` are the group's 16 rows'
-elements ``4j .. 4j + 3`` (row ``i`` at bytes ``4i ..``; rows past ``N`` padding), the order in
-which one vector instruction multiplies 16 rows by four activation codes
-(``kernels/native/csrc/quant.cpp`` ``group_rows8``). ``unpack_codes`` reads either order.
+engine and an ONNX package compute from the same values.
+
+The engine holds a weight whose N is a multiple of ``GROUP`` = 16 in groups of 16 rows
+(``group_rows``; ``ungroup`` gives the layout above back, byte for byte): ``codes`` uint8
+``[N / 16, n_blocks, L, 64]``, ``scales`` float16 and ``zeros`` uint8 ``[N / 16, n_blocks, 16]``
+(row ``i`` of the group at index ``i``). Each 64-byte line holds the group's 16 rows' four bytes
+(row ``i`` at bytes ``4i ..``), the order in which one vector instruction multiplies 16 rows by
+four activation codes (``kernels/native/csrc/quant.cpp`` ``group_rows``): 8-bit line ``j`` of a
+block = its elements ``4j .. 4j + 3`` (``L = block / 4``); 4-bit line ``j`` = its elements
+``8j .. 8j + 7``, byte ``t`` holding element ``8j + t`` in the low nibble and ``8j + 4 + t`` in
+the high one (``L = block / 8``).
 
 Quantisation (round to nearest, ties to even; the scale rounded to float16 first and the codes
 computed with the rounded scale, so ``dequantize`` is exactly what either runtime multiplies by):
@@ -52,7 +57,7 @@ from pagedhybrid.errors import ContractViolation
 
 OP = "pagedhybrid.weightquant"
 ACT_BLOCK = 32  # activation sub-block of the kernels (and the smallest weight block)
-GROUP = 16  # rows of a group of 8-bit per-channel codes in the engine (module docstring)
+GROUP = 16  # rows of a group of the engine's codes (module docstring)
 BLOCKS = (32, 64, 128, 256)
 BITS = (4, 8)
 
@@ -115,24 +120,25 @@ class WeightFormat:
 class QuantizedWeight(NamedTuple):
     """A ``[N, K]`` weight in a ``WeightFormat`` (module docstring: the MatMulNBits layout)."""
 
-    codes: torch.Tensor  # uint8 [N, n_blocks, block * bits / 8] (or grouped: group_channels)
-    scales: torch.Tensor  # float16 [N, n_blocks]
-    zeros: torch.Tensor | None  # uint8 [N, n_blocks]; None: symmetric (2^(bits-1))
+    codes: torch.Tensor  # uint8 [N, n_blocks, block * bits / 8] (grouped: group_rows)
+    scales: torch.Tensor  # float16 [N, n_blocks] (grouped: [N / 16, n_blocks, 16])
+    zeros: torch.Tensor | None  # uint8 as scales; None: symmetric (2^(bits-1))
     fmt: WeightFormat
     in_features: int  # K
 
     @property
-    def shape(self) -> tuple[int, int]:
-        return self.scales.shape[0], self.in_features
-
-    @property
     def grouped(self) -> bool:
-        """The codes in groups of ``GROUP`` rows (``group_channels``)."""
+        """In groups of ``GROUP`` rows (``group_rows``)."""
         return self.codes.dim() == 4
 
     @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape[0] * (GROUP if self.grouped else 1), self.in_features
+
+    @property
     def block(self) -> int:
-        return self.codes.shape[2] * (4 if self.grouped else 8 // self.fmt.bits)
+        return (self.codes.shape[2] * 32 if self.grouped else self.codes.shape[2] * 8) \
+            // self.fmt.bits
 
     @property
     def nbytes(self) -> int:
@@ -179,49 +185,69 @@ def quantize(weight: torch.Tensor, fmt: WeightFormat, name: str = "weight") -> Q
     return QuantizedWeight(q.contiguous(), s16.contiguous(), zeros, fmt, k)
 
 
-def groups_channels(fmt: WeightFormat) -> bool:
-    """Whether the engine holds ``fmt``'s codes in groups of rows (8 bits per channel)."""
-    return fmt.bits == 8 and fmt.block == 0
-
-
 def quantized_nbytes(shape: tuple[int, int], fmt: WeightFormat) -> tuple[int, int, int]:
     """Bytes of the codes, scales and zero points (0: symmetric) of a ``[N, K]`` weight in
-    ``fmt`` as the engine holds it (``group_channels``), before it is quantised."""
+    ``fmt``, before it is quantised (either order)."""
     n, k = shape
     block = fmt.block_for(k)
     nb = -(-k // block)
-    rows = -(-n // GROUP) * GROUP if groups_channels(fmt) else n
-    return rows * nb * block * fmt.bits // 8, 2 * n * nb, 0 if fmt.symmetric else n * nb
+    return n * nb * block * fmt.bits // 8, 2 * n * nb, 0 if fmt.symmetric else n * nb
 
 
-def group_channels(q: QuantizedWeight) -> QuantizedWeight:
-    """``q`` with 8-bit per-channel codes in groups of ``GROUP`` rows (module docstring), the
-    engine's order for them; any other format as it is."""
-    if not groups_channels(q.fmt) or q.grouped:
+def _elements(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Row-layout codes ``[N, n_blocks, block * bits / 8]`` as one uint8 per element."""
+    if bits == 8:
+        return codes
+    return torch.stack((codes & 0x0F, codes >> 4), dim=-1).flatten(-2)
+
+
+def group_rows(q: QuantizedWeight) -> QuantizedWeight:
+    """``q`` in groups of ``GROUP`` rows (module docstring), the engine's order; ``q`` itself
+    when its N is not a multiple of ``GROUP`` or it is grouped already."""
+    n, nb, _ = q.codes.shape if not q.grouped else (0, 0, 0)
+    if q.grouped or n % GROUP:
         return q
-    n, _, block = q.codes.shape
-    g = -(-n // GROUP)
-    rows = torch.full((g * GROUP, block), 1 << 7, dtype=torch.uint8)
-    rows[:n] = q.codes[:, 0]
-    codes = rows.view(g, GROUP, block // 4, 4).transpose(1, 2).reshape(g, 1, block // 4,
-                                                                       4 * GROUP)
-    return q._replace(codes=codes.contiguous())
+    g, block = n // GROUP, q.block
+    e = _elements(q.codes, q.fmt.bits).view(g, GROUP, nb, block)
+    if q.fmt.bits == 8:  # [g, nb, block / 4, row, 4]
+        lines = e.view(g, GROUP, nb, block // 4, 4).permute(0, 2, 3, 1, 4)
+    else:  # byte t of row i, line j: element 8j + t low, 8j + 4 + t high
+        e = e.view(g, GROUP, nb, block // 8, 2, 4)
+        lines = (e[..., 0, :] | (e[..., 1, :] << 4)).permute(0, 2, 3, 1, 4)
+
+    def by_group(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.view(g, GROUP, nb).transpose(1, 2).contiguous()
+
+    return q._replace(codes=lines.reshape(g, nb, -1, 4 * GROUP).contiguous(),
+                      scales=by_group(q.scales), zeros=by_group(q.zeros))
+
+
+def ungroup(q: QuantizedWeight) -> QuantizedWeight:
+    """``q`` in MatMulNBits' row layout (``group_rows`` undone; ``q`` itself when it is in it)."""
+    if not q.grouped:
+        return q
+    g, nb, lines, _ = q.codes.shape
+    c = q.codes.view(g, nb, lines, GROUP, 4).permute(0, 3, 1, 2, 4)  # [g, row, nb, line, 4]
+    if q.fmt.bits == 8:
+        codes = c.reshape(g * GROUP, nb, lines * 4)
+    else:  # back to elements, then two to a byte, 2j low
+        e = torch.stack((c & 0x0F, c >> 4), dim=-2).reshape(g * GROUP, nb, lines * 8)
+        codes = e[..., 0::2] | (e[..., 1::2] << 4)
+
+    def by_row(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.transpose(1, 2).reshape(g * GROUP, nb).contiguous()
+
+    return q._replace(codes=codes.contiguous(), scales=by_row(q.scales), zeros=by_row(q.zeros))
 
 
 def unpack_codes(q: QuantizedWeight) -> torch.Tensor:
     """The codes as uint8 ``[N, n_blocks, block]`` in row order (4-bit ones unpacked)."""
-    c = q.codes
-    if q.grouped:
-        g, _, quads, _ = c.shape
-        rows = c.view(g, quads, GROUP, 4).transpose(1, 2).reshape(g * GROUP, 1, quads * 4)
-        return rows[:q.shape[0]]
-    if q.fmt.bits == 8:
-        return c
-    return torch.stack((c & 0x0F, c >> 4), dim=-1).flatten(-2)
+    return _elements(ungroup(q).codes, q.fmt.bits)
 
 
 def zero_points(q: QuantizedWeight) -> torch.Tensor:
     """float32 ``[N, n_blocks]`` zero points (the implied ones of a symmetric format)."""
+    q = ungroup(q)
     if q.zeros is not None:
         return q.zeros.float()
     return torch.full(q.scales.shape, float(1 << (q.fmt.bits - 1)))
@@ -229,6 +255,7 @@ def zero_points(q: QuantizedWeight) -> torch.Tensor:
 
 def dequantize(q: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``(code - zero) * scale`` as ``[N, K]``: what either runtime multiplies by."""
+    q = ungroup(q)
     codes = unpack_codes(q).float()
     w = (codes - zero_points(q)[..., None]) * q.scales.float()[..., None]
     return w.flatten(1)[:, :q.in_features].to(dtype).contiguous()

@@ -136,7 +136,7 @@ def test_the_model_holds_codes(tiny_dir: Path) -> None:
         in summary
     amd = "AuthenticAMD" in Path("/proc/cpuinfo").read_text()
     prefetch = "NTA 2 KiB ahead (AMD)" if amd else "T0 4 KiB ahead"
-    assert f"codes prefetched {prefetch}" in summary
+    assert f"codes in groups of 16 rows; prefetched {prefetch}" in summary
     # tied head: its own codes, the table kept; a MoE model's routers stay in the model dtype
     cfg = dataclasses.replace(tiny_byte_config(), num_hidden_layers=2,
                               layer_types=("linear_attention", "full_attention"),

@@ -676,14 +676,13 @@ def _run_dequant(a: Args) -> None:
 
 
 def _grouped(then: Callable[[Args], None]) -> Callable[[Args], None]:
-    """The weight as the engine holds 8-bit per-channel codes (in groups of 16 rows), then
-    ``then``."""
+    """The weight in the engine's groups of 16 rows, then ``then``."""
     def mutate(a: Args) -> None:
-        from pagedhybrid.weightquant import WeightFormat, group_channels, quantize
+        from pagedhybrid.weightquant import WeightFormat, group_rows, quantize
 
-        q = group_channels(quantize(torch.randn(6, 80, generator=torch.Generator().manual_seed(8)),
-                                    WeightFormat.parse("int8")))
-        a.update(codes=q.codes, scales=q.scales, zeros=None, bits=8)
+        q = group_rows(quantize(torch.randn(16, 80, generator=torch.Generator().manual_seed(8)),
+                                WeightFormat.parse("int4:32:asym")))
+        a.update(codes=q.codes, scales=q.scales, zeros=q.zeros, out=torch.zeros(3, 16))
         then(a)
 
     return mutate
@@ -691,12 +690,12 @@ def _grouped(then: Callable[[Args], None]) -> Callable[[Args], None]:
 
 QUANT_WEIGHT: list[Corruption] = [
     ("bits", _set("bits", lambda a: 3), r"bits: must be 4 or 8 \(got 3\)"),
-    ("grouped 4-bit", _grouped(_set("bits", lambda a: 4)),
-     r"codes: grouped codes must be 8-bit \[ceil\(N / 16\), 1, block / 4, 64\]"),
-    ("grouped quads", _grouped(_set("codes", lambda a: a["codes"].view(1, 1, 48, 32))),
-     r"codes: grouped codes must be 8-bit"),
-    ("grouped groups", _grouped(_set("codes", lambda a: torch.cat([a["codes"]] * 2))),
-     r"codes: .*ceil\(N / 16\).* N = 6 rows of scales"),
+    ("grouped lines", _grouped(_set("codes", lambda a: a["codes"].view(1, 3, 16, 16))),
+     r"codes: grouped codes must be \[N / 16, blocks, block \* bits / 32, 64\]"),
+    ("grouped scales", _grouped(_set("scales", lambda a: a["scales"].flatten(1))),
+     r"scales: must have 3 dimensions"),
+    ("grouped zeros", _grouped(_set("zeros", lambda a: a["zeros"][:, :, :8].contiguous())),
+     r"zeros: size\(2\) must equal the rows of a group = 16"),
     ("codes dtype", _set("codes", lambda a: a["codes"].to(torch.int8)), r"codes: must be Byte"),
     ("codes dims", _set("codes", lambda a: a["codes"].flatten(1)),
      r"codes: must have 3 dimensions"),
@@ -718,7 +717,7 @@ QUANT: list[Corruption] = [
      r"codes: must hold K = 64 columns"),
     ("out dtype", _set("out", lambda a: a["out"].bfloat16()), r"out: must be Float"),
     ("out columns", _set("out", lambda a: torch.zeros(3, 5)),
-     r"out: size\(1\) must equal the rows N of the weight = 6"),
+     r"out: size\(1\) must equal the rows N of codes = 6"),
     ("x not contiguous", _set("x", lambda a: torch.randn(80, 3).t()), r"x: must be contiguous"),
 ]
 DEQUANT: list[Corruption] = [

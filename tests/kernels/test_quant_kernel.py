@@ -9,9 +9,10 @@
   of the block, M = 1..33; the integer form is batch-invariant (a row's bits do not depend on
   the other rows); the prefill form (dequantised chunks and the fp32 GEMM) vs
   dequantise-then-matmul; ``quant_dequantize`` equals ``dequantize`` bit for bit;
-* the engine's order of 8-bit per-channel codes (``group_channels``: groups of 16 rows, a spec
-  ending in " grouped" here): the same values, read back exactly; the kernels on it vs the
-  reference on every CPU form, N not a multiple of 16, each element the same bits on every form.
+* the engine's order (``group_rows``: groups of 16 rows, a spec ending in " grouped" here): the
+  same bytes back (``ungroup``); the kernels on it vs the reference on every CPU form, each
+  element the same bits on every form (a fused layer's call mixing grouped weights and weights
+  in rows: tests/models/test_qwen35_packed.py, bit for bit against the modules).
 """
 
 from __future__ import annotations
@@ -22,20 +23,20 @@ import torch
 from pagedhybrid.errors import ContractViolation
 from pagedhybrid.kernels.native import form_library, quant, runnable_forms, status
 from pagedhybrid.weightquant import (
-    GROUP,
     QuantizedWeight,
     WeightFormat,
     dequantize,
-    group_channels,
+    group_rows,
     quantize,
     quantize_rows,
     reference_linear,
+    ungroup,
     unpack_codes,
 )
 
 FORMATS = ["int8", "int8:32", "int8:64:asym", "int4", "int4:64", "int4:128", "int4:32:asym",
            "int4:256:asym", "int4:channel"]
-GROUPED = ["int8 grouped", "int8:channel:asym grouped"]  # as the engine holds them
+GROUPED = [f"{spec} grouped" for spec in [*FORMATS, "int8:channel:asym"]]  # as the engine
 
 
 def held(w: torch.Tensor, spec: str) -> QuantizedWeight:
@@ -43,7 +44,7 @@ def held(w: torch.Tensor, spec: str) -> QuantizedWeight:
     name, _, order = spec.partition(" ")
     q = quantize(w, WeightFormat.parse(name))
     if order:
-        q = group_channels(q)
+        q = group_rows(q)
         assert q.grouped
     return q
 SHAPES = [(1, 256, 64), (2, 32, 3), (3, 96, 17), (5, 200, 33), (17, 1000, 70), (33, 160, 9)]
@@ -107,6 +108,7 @@ def test_dequantised_weights_are_within_a_step(spec: str) -> None:
 def test_kernel_matches_the_reference(spec: str, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(2)
     for m, k, n in SHAPES:
+        n = -(-n // 16) * 16 if spec.endswith("grouped") else n  # (groups of 16 rows)
         q = held(torch.randn(n, k, generator=gen) * 0.05, spec)
         x = torch.randn(m, k, generator=gen).to(dtype)
         want = reference_linear(x.float(), q).double()
@@ -144,41 +146,54 @@ def test_every_cpu_form_matches_the_reference(form: str, spec: str) -> None:
 
 
 @pytest.mark.parametrize("spec", GROUPED)
-def test_grouped_codes_are_the_same_values(spec: str) -> None:
-    """Rows 4j .. of a group's quad j; rows past N padding; ``unpack_codes`` reads them back."""
-    for n in (1, 16, 37):
-        q = held(torch.randn(n, 100, generator=torch.Generator().manual_seed(n)), spec.split()[0])
-        g = group_channels(q)
-        assert g.codes.shape == (-(-n // GROUP), 1, 128 // 4, 4 * GROUP) and g.shape == q.shape
-        assert g.block == q.block == 128 and g.scales is q.scales and g.zeros is q.zeros
-        row = min(n - 1, 20)
-        quad = g.codes[row // GROUP, 0, 5, 4 * (row % GROUP):4 * (row % GROUP) + 4]
-        assert torch.equal(quad, q.codes[row, 0, 20:24])
-        assert torch.equal(unpack_codes(g), q.codes) and torch.equal(dequantize(g), dequantize(q))
-    q4 = quantize(torch.randn(3, 64), WeightFormat.parse("int4"))
-    assert group_channels(q4) is q4  # other formats keep MatMulNBits' rows
+def test_grouped_codes_are_the_same_bytes(spec: str) -> None:
+    """Line j of a block: 16 rows' four bytes, row i at 4i (8-bit: elements 4j ..; 4-bit:
+    element 8j + t low and 8j + 4 + t high in byte t); scales and zero points by group; back
+    byte for byte; a weight whose N is not a multiple of 16 stays in rows."""
+    q = held(torch.randn(48, 200, generator=torch.Generator().manual_seed(11)), spec.split()[0])
+    g = group_rows(q)
+    nb, block = q.scales.shape[1], q.block
+    assert g.codes.shape == (3, nb, block * q.fmt.bits // 32, 64) and g.shape == q.shape
+    assert g.block == block and g.scales.shape == (3, nb, 16)
+    row, e = 21, block - 7  # group 1, row 5; the last block's element e
+    line, at = g.codes[1, nb - 1, :, 4 * 5:4 * 5 + 4], unpack_codes(q)[row, nb - 1]
+    if q.fmt.bits == 8:
+        assert line[e // 4, e % 4] == at[e]
+    else:
+        t = e % 8
+        assert (line[e // 8, t % 4] >> (4 * (t // 4))) & 0x0F == at[e]
+    assert g.scales[1, nb - 1, 5] == q.scales[row, nb - 1]
+    back = ungroup(g)
+    for got, want in zip(back, q, strict=True):
+        assert (got is None and want is None) or (
+            torch.is_tensor(got) and torch.equal(got, want)) or got == want
+    assert torch.equal(dequantize(g), dequantize(q))
+    assert torch.equal(unpack_codes(g), unpack_codes(q))
+    odd = held(torch.randn(8, 64), spec.split()[0])
+    assert group_rows(odd) is odd and group_rows(g) is g
 
 
 @pytest.mark.parametrize("form", runnable_forms())
-@pytest.mark.parametrize("spec", GROUPED)
+@pytest.mark.parametrize("spec", ["int8 grouped", "int8:64:asym grouped", "int4 grouped",
+                                  "int4:32:asym grouped", "int4:128 grouped"])
 def test_grouped_codes_on_every_cpu_form(form: str, spec: str) -> None:
     """vpdpbusd on 16 rows at a time (the VNNI forms) or 8 with vpmaddubsw: each element the
     reference's within fp32 accumulation, its bits its own whatever M, the same on every form
-    (the forms do each element's float operations in one order); N past a whole group."""
+    (the forms do each element's float operations in one order); K past whole blocks."""
     lib, base = form_library(form), form_library(runnable_forms()[-1])
     gen = torch.Generator().manual_seed(10)
-    for n, k in ((37, 1000), (16, 32), (5, 96), (40, 1056)):
+    for n, k in ((48, 1000), (16, 32), (16, 96), (32, 1056)):
         q = held(torch.randn(n, k, generator=gen) * 0.05, spec)
         x = torch.randn(6, k, generator=gen)
         out, ref = torch.full((6, n), float("nan")), torch.full((6, n), float("nan"))
-        lib.quant_linear(x, q.codes, q.scales, q.zeros, 8, out)
-        base.quant_linear(x, q.codes, q.scales, q.zeros, 8, ref)
+        lib.quant_linear(x, q.codes, q.scales, q.zeros, q.fmt.bits, out)
+        base.quant_linear(x, q.codes, q.scales, q.zeros, q.fmt.bits, ref)
         want = reference_linear(x, q).double()
         assert ((out.double() - want).abs().max() / want.abs().max()) < 1e-5, (form, n, k)
         assert torch.equal(out, ref), (form, runnable_forms()[-1], n, k)
         for r in (0, 5):
             one = torch.empty(1, n)
-            lib.quant_linear(x[r:r + 1].contiguous(), q.codes, q.scales, q.zeros, 8, one)
+            lib.quant_linear(x[r:r + 1].contiguous(), q.codes, q.scales, q.zeros, q.fmt.bits, one)
             assert torch.equal(one[0], out[r]), (form, n, k, r)
 
 
@@ -197,7 +212,7 @@ def test_the_activation_codes_are_the_kernels() -> None:
 @pytest.mark.parametrize("spec", ["int8", "int4", "int4:32:asym", *GROUPED])
 def test_the_integer_form_is_batch_invariant(spec: str) -> None:
     gen = torch.Generator().manual_seed(4)
-    q = held(torch.randn(40, 300, generator=gen) * 0.05, spec)
+    q = held(torch.randn(48, 300, generator=gen) * 0.05, spec)
     x = torch.randn(70, 300, generator=gen)
     full = quant.invariant_linear(x, q)
     for rows in (slice(0, 1), slice(5, 6), slice(3, 11), slice(30, 63), slice(69, 70)):
@@ -208,7 +223,7 @@ def test_the_integer_form_is_batch_invariant(spec: str) -> None:
 @pytest.mark.parametrize("spec", ["int8", "int4", "int4:128:asym", *GROUPED])
 def test_the_prefill_form_is_dequantise_then_matmul(spec: str) -> None:
     gen = torch.Generator().manual_seed(5)
-    q = held(torch.randn(300, 130, generator=gen) * 0.05, spec)
+    q = held(torch.randn(304, 130, generator=gen) * 0.05, spec)
     x = torch.randn(quant.DEQUANT_ROWS + 9, 130, generator=gen)
     want = x.double() @ dequantize(q).double().T
     got = quant.linear(x, q)
@@ -221,7 +236,7 @@ def test_the_prefill_form_is_dequantise_then_matmul(spec: str) -> None:
 def test_dequantize_op_equals_dequantize(spec: str) -> None:
     from pagedhybrid.kernels.native import library
 
-    q = held(torch.randn(9, 100, generator=torch.Generator().manual_seed(6)), spec)
+    q = held(torch.randn(16, 100, generator=torch.Generator().manual_seed(6)), spec)
     out = torch.empty(5, 100)
     library().quant_dequantize(q.codes, q.scales, q.zeros, q.fmt.bits, 3, out)
     assert torch.equal(out, dequantize(q)[3:8])

@@ -364,7 +364,7 @@ class ModelRunner:
         fmt, qm = self.model.weight_format, self.kernels.backend.quantized_linear
         if fmt is not None and qm is not None:
             parts.append(f"{fmt.name} weights: {qm.__module__.rsplit('.', 1)[-1]}.{qm.__name__}"
-                         + (f" ({native_quant.int_dot(fmt)})" if self._native else ""))
+                         + (f" ({native_quant.int_dot()})" if self._native else ""))
         parts.append(residence(self.model.arenas, self.config.huge_pages))
         if self._native:
             parts.append(openmp.summary())

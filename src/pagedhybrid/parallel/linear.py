@@ -45,7 +45,7 @@ from pagedhybrid.errors import ContractViolation, UnsupportedConfiguration
 from pagedhybrid.weightquant import (
     QuantizedWeight,
     WeightFormat,
-    group_channels,
+    group_rows,
     quantize,
     reference_linear,
 )
@@ -184,7 +184,7 @@ class ReplicatedLinear(nn.Module):
     """``y = x @ W^T``, the whole ``W`` on every rank (weights are loaded, never initialised).
 
     ``quantize(fmt)`` holds ``W`` (this rank's slice) in 8 or 4 bits instead
-    (``pagedhybrid.weightquant``; 8-bit per-channel codes in groups of rows, ``group_channels``):
+    (``pagedhybrid.weightquant``; in the engine's groups of 16 rows, ``group_rows``):
     ``quant`` then has the codes and scales, ``weight`` becomes a
     placeholder on the meta device (its shape and dtype, no memory) and the product is the
     bundle's ``qmatmul`` (``Backend.quantized_linear``; ``weightquant.reference_linear`` when no
@@ -217,7 +217,7 @@ class ReplicatedLinear(nn.Module):
                     f"{name} is already held as {self.quant.fmt.name}; load the checkpoint "
                     f"again to hold it as {fmt.name}")
             return None
-        self.quant = group_channels(quantize(w, fmt, name))
+        self.quant = group_rows(quantize(w, fmt, name))
         self.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"),
                                    requires_grad=False)
         return w

@@ -5,8 +5,8 @@ weight's codes are read in place (4 or 8 bits per parameter and a float16 scale 
 decode step streams a quarter / an eighth of the fp32 bytes), the activations are quantised per
 row to int8 on the fly (``weightquant.quantize_rows``) and each 32-element sub-block is an exact
 integer dot product (``vpmaddubsw`` + ``vpmaddwd``, or ``vpdpbusd`` on a CPU form with
-AVX512-VNNI), scaled and accumulated in fp32 (8-bit codes per channel in the engine's groups of
-16 rows, ``weightquant.group_channels``: 16 rows' sums a vector at a time). Its arithmetic per
+AVX512-VNNI), scaled and accumulated in fp32 (a weight in the engine's groups of 16 rows,
+``weightquant.group_rows``: 16 rows' sums a vector at a time). Its arithmetic per
 output element does not depend on the number of rows or their order: ``invariant_linear`` is
 that kernel at every size, the batch-invariant bundle's product. ``linear`` (the fast form)
 takes it below ``DEQUANT_ROWS`` rows; from there on (prefill) the integer form is bound by its
@@ -23,18 +23,18 @@ import torch.nn.functional as F
 
 from pagedhybrid.kernels.native import library
 from pagedhybrid.kernels.native.dense import MIN_CHUNK_ROWS, WIDEN_CHUNK_BYTES
-from pagedhybrid.weightquant import GROUP, QuantizedWeight, WeightFormat, groups_channels
+from pagedhybrid.weightquant import GROUP, QuantizedWeight
 
 
-def int_dot(fmt: WeightFormat) -> str:
-    """The chosen form's int8 dot-product instructions, the order the engine holds ``fmt``'s
-    codes in (8-bit per channel: groups of 16 rows) and the prefetch of the codes this CPU gets
-    (NTA on AMD, T0 elsewhere), as the engine's kernel line names them."""
+def int_dot() -> str:
+    """The chosen form's int8 dot-product instructions, the engine's order of the codes and the
+    prefetch of the codes this CPU gets (NTA on AMD, T0 elsewhere), as the engine's kernel line
+    names them."""
     lib = library()
     dot = ("vpdpbusd, AVX512-VNNI" if lib.int8_dot() == "vpdpbusd"  # type: ignore[attr-defined]
            else "vpmaddubsw + vpmaddwd")
-    order = f"codes in groups of {GROUP} rows; " if groups_channels(fmt) else ""
-    return f"{dot}; {order}codes prefetched {lib.code_prefetch()}"  # type: ignore[attr-defined]
+    return (f"{dot}; codes in groups of {GROUP} rows; "
+            f"prefetched {lib.code_prefetch()}")  # type: ignore[attr-defined]
 
 
 DEQUANT_ROWS = 64  # rows from which the fast form dequantises chunks for the fp32 GEMM

@@ -71,7 +71,7 @@ struct Proj {
   const at::Tensor* scales = nullptr;
   c10::optional<at::Tensor> zeros;
   int64_t bits = 0;
-  int64_t rows() const { return codes ? scales->size(0) : w.size(0); }  // (scales [N, nb])
+  int64_t rows() const { return codes ? quant_weight_rows(*codes) : w.size(0); }
 };
 
 Proj proj(const at::Tensor& w, at::TensorList quant, int64_t bits, size_t i) {
@@ -181,8 +181,8 @@ void check_weight(const char* op, const char* arg, const Proj& p, at::ScalarType
                   int64_t rows, const char* rows_are, int64_t cols, const char* cols_are) {
   if (p.codes) {
     check_quant_weight(op, std::string(arg) + ".", *p.codes, *p.scales, p.zeros, p.bits, cols);
-    PH_CHECK(p.rows() == rows, op, arg, "scales: size(0) (the weight's rows) must equal ",
-             rows_are, " = ", rows, " (got shape ", shape_of(*p.scales), ")");
+    PH_CHECK(p.rows() == rows, op, arg, "codes: the rows must equal ", rows_are, " = ", rows,
+             " (got shape ", shape_of(*p.codes), ")");
     return;
   }
   check_tensor(op, arg, p.w, 2, dt);

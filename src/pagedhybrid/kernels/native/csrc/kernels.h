@@ -30,6 +30,8 @@ struct QuantWeightRef {
 PH_LOCAL void quant_linear_many(const at::Tensor& x, int64_t bits,
                                 const std::vector<QuantWeightRef>& ws,
                                 const std::vector<at::Tensor>& outs);
+// the rows N of a weight's codes (in rows [N, nb, bytes] or in groups of 16 [N / 16, nb, L, 64])
+PH_LOCAL int64_t quant_weight_rows(const at::Tensor& codes);
 PH_LOCAL void check_quant_weight(const char* op, const std::string& name,
                                  const at::Tensor& codes, const at::Tensor& scales,
                                  const c10::optional<at::Tensor>& zeros, int64_t bits, int64_t k);

@@ -207,6 +207,7 @@ inline __m256i load_codes(const uint8_t* p) {
 
 struct Rows {  // the quantised activations
   const int8_t* q;
+  const int8_t* natural;  // the codes in their natural order (4-bit weights: q is reordered)
   const float* d;
   const float* xsum;
   const int32_t* isum;  // [subs] per row: sum(q) of each sub-block
@@ -507,100 +508,132 @@ inline void rows_dot(const Rows& x, int64_t r0, const uint8_t* codes, const c10:
   }
 }
 
-// 8-bit weights per output channel, held in groups of kGroup = 16 rows (weightquant's
-// pack_channels; the engine's layout for `int8`): codes [G, 1, block / 4, 64], G = ceil(N / 16),
-// where the 64 bytes of quad j hold the group's 16 rows' elements 4j .. 4j + 3 (row i at bytes
-// 4i ..; rows past N are padding), the codes as stored (c, zero 128 or the row's zero point z);
-// scales [N, 1] and zeros [N, 1] or none as in the row layout. A sub-block of one row of x
-// against a group is 8 quads, each row's four activation codes broadcast against 16 rows' four
-// weight codes: with AVX512-VNNI, vpdpbusd of the codes as unsigned, started from -z * sum(q),
-// 16 rows to a register; without, the codes as signed c - 128 (|.| <= 128) by the activation
-// codes with their sign (int16 pairs <= 2 * 128 * 127), started from -(z - 128) * sum(q), 8 rows
-// to a register. Either way the exact int32 sum of (c - z) * q of the sub-block, per row; then
-// f[s & 1] += float(D_s) * d_s (two FMA chains) and out = (f0 + f1) * scale, rounded once: each
-// element is computed the same way on every form, whatever M is and wherever its row sits.
-// Against the row layout's per-row sub-blocks (four integer ops, a conversion and an FMA per 32
-// bytes of codes and row of x): a load and one vpdpbusd per 64 bytes, a conversion and an FMA
-// per 512 -- the 141M benchmark model's decode products, codes in huge pages, 16.8 -> 25 GB/s
-// on the 2-core Xeon (AMX, AVX512-BF16), where the row form was bound by its instructions.
+// Weights in the engine's groups of kGroup = 16 rows (weightquant.group_rows; N a multiple of
+// 16): codes [N / 16, nb, L, 64], each 64-byte line the group's 16 rows' four bytes (row i at
+// bytes 4i ..) -- 8-bit: line j of a block its elements 4j .. 4j + 3 (L = block / 4); 4-bit:
+// line j its elements 8j .. 8j + 7, byte t element 8j + t in the low nibble and 8j + 4 + t in
+// the high one (L = block / 8) -- and scales / zeros [N / 16, nb, 16]. A sub-block of one row of
+// x (the activation codes in their natural order) against a group: each of the row's activation
+// quads broadcast against 16 rows' four codes -- with AVX512-VNNI by vpdpbusd, the codes as
+// unsigned, 16 rows to a register; without, 8 rows to a register by vpmaddubsw (8-bit codes as
+// signed c - 128 by the activation codes with their sign: pairs <= 2 * 128 * 127; 4-bit codes
+// unsigned: pairs <= 2 * 15 * 127) -- started from the zero point's part, -z * sum(q) (-(z - 128)
+// * sum(q) for the signed 8-bit codes): the exact int32 sum of (c - z) * q per row. Then
+// f[s & 1] += float(D_s) * (scale_b * d_s) (two FMA chains) and out = f0 + f1, rounded once:
+// each element is computed the same way on every form, whatever M is and wherever its row sits.
+// Against the row layout's per-row sub-blocks (several integer ops, a conversion and an FMA per
+// 32 bytes of codes and row of x): a load and one vpdpbusd per 64 bytes of 8-bit codes (two and
+// an unpacking for 4-bit ones), a conversion and an FMA per sub-block of 16 rows. The 141M
+// benchmark model's int8 decode products, codes in huge pages: 16.8 -> 25 GB/s on the 2-core
+// Xeon (AMX, AVX512-BF16), where the row form was bound by its instructions.
 constexpr int64_t kGroup = 16;
 // at one task of rows (decode) a task takes this many bytes of codes in whole groups (16 rows of
-// a 1024-wide weight are 16 KiB): 4 -> 16 groups of the benchmark model 22.9 -> 25.0 GB/s
+// a 1024-wide int8 weight are 16 KiB): 4 -> 16 groups of the benchmark model 22.9 -> 25.0 GB/s
 constexpr int64_t kGroupTaskBytes = 131072;
 
-template <class PF, int R, typename TO>
-inline void group_rows8(const Rows& x, int64_t r0, const uint8_t* codes, const c10::Half* scales,
-                        const uint8_t* zeros, int64_t cols, TO* out, int64_t ldo) {
-  const int32_t* a[R];  // each row's codes, four to an int32
+template <class PF, int BITS, int R, typename TO>
+inline void group_rows(const Rows& x, int64_t r0, const uint8_t* codes, const c10::Half* scales,
+                       const uint8_t* zeros, int64_t block, TO* out, int64_t ldo) {
+  constexpr int kLines = BITS == 8 ? 8 : 4;  // 64-byte lines of codes per sub-block
+  constexpr int32_t kZero = 1 << (BITS - 1);  // a symmetric format's zero point
+  const int64_t spb = block / kAct;           // sub-blocks per block
+  const int32_t* a[R];                        // each row's codes, four to an int32
   const float* d[R];
   const int32_t* is[R];
   for (int r = 0; r < R; ++r) {
-    a[r] = reinterpret_cast<const int32_t*>(x.q + (r0 + r) * x.width);
+    a[r] = reinterpret_cast<const int32_t*>(x.natural + (r0 + r) * x.width);
     d[r] = x.d + (r0 + r) * x.subs;
     is[r] = x.isum + (r0 + r) * x.subs;
   }
-  float scale[kGroup] = {}, res[R][kGroup];
-  int32_t zero[kGroup];
-  for (int64_t i = 0; i < kGroup; ++i) {
-    scale[i] = i < cols ? _cvtsh_ss(scales[i].x) : 0.0f;
-    zero[i] = i < cols && zeros ? zeros[i] : 128;
-  }
+  float res[R][kGroup];
 #if defined(__AVX512VNNI__)
-  const __m512i z = _mm512_loadu_si512(zero);
-  __m512 f[2][R];
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 f[2][R], sc = _mm512_setzero_ps();
+  __m512i z = _mm512_set1_epi32(kZero);
   for (int r = 0; r < R; ++r) f[0][r] = f[1][r] = _mm512_setzero_ps();
   for (int64_t s = 0; s < x.subs; ++s) {
-    const uint8_t* w = codes + s * 8 * 64;
+    if (s % spb == 0) {  // a new block: its 16 rows' scales and zero points
+      const int64_t b = s / spb;
+      sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + 16 * b)));
+      if (zeros)
+        z = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(zeros + 16 * b)));
+    }
+    const uint8_t* w = codes + s * kLines * 64;
     __m512i acc[2][R];
     for (int r = 0; r < R; ++r) {
       acc[0][r] = _mm512_mullo_epi32(z, _mm512_set1_epi32(-is[r][s]));
       acc[1][r] = _mm512_setzero_si512();
     }
-    for (int j = 0; j < 8; ++j) {
+    for (int j = 0; j < kLines; ++j) {
       PF::at(w + 64 * j);
-      const __m512i wj = _mm512_loadu_si512(w + 64 * j);
-      for (int r = 0; r < R; ++r)
-        acc[j & 1][r] = _mm512_dpbusd_epi32(acc[j & 1][r], wj, _mm512_set1_epi32(a[r][8 * s + j]));
+      const __m512i v = _mm512_loadu_si512(w + 64 * j);
+      if constexpr (BITS == 8) {
+        for (int r = 0; r < R; ++r)
+          acc[j & 1][r] = _mm512_dpbusd_epi32(acc[j & 1][r], v, _mm512_set1_epi32(a[r][8 * s + j]));
+      } else {
+        const __m512i lo = _mm512_and_si512(v, low);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        for (int r = 0; r < R; ++r) {
+          acc[0][r] = _mm512_dpbusd_epi32(acc[0][r], lo, _mm512_set1_epi32(a[r][8 * s + 2 * j]));
+          acc[1][r] = _mm512_dpbusd_epi32(acc[1][r], hi,
+                                          _mm512_set1_epi32(a[r][8 * s + 2 * j + 1]));
+        }
+      }
     }
     for (int r = 0; r < R; ++r)
       f[s & 1][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(acc[0][r], acc[1][r])),
-                                    _mm512_set1_ps(d[r][s]), f[s & 1][r]);
+                                    _mm512_mul_ps(sc, _mm512_set1_ps(d[r][s])), f[s & 1][r]);
   }
-  for (int r = 0; r < R; ++r)
-    _mm512_storeu_ps(res[r], _mm512_mul_ps(_mm512_add_ps(f[0][r], f[1][r]),
-                                           _mm512_loadu_ps(scale)));
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(res[r], _mm512_add_ps(f[0][r], f[1][r]));
 #else
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
-  for (int64_t h = 0; h < kGroup && h < cols; h += 8) {  // 8 rows of the group at a time
-    const __m256i z = _mm256_sub_epi32(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(zero + h)), _mm256_set1_epi32(128));
-    __m256 f[2][R];
+  const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int64_t h = 0; h < kGroup; h += 8) {  // 8 rows of the group at a time
+    __m256 f[2][R], sc = _mm256_setzero_ps();
+    __m256i z = _mm256_set1_epi32(kZero);
     for (int r = 0; r < R; ++r) f[0][r] = f[1][r] = _mm256_setzero_ps();
     for (int64_t s = 0; s < x.subs; ++s) {
-      const uint8_t* w = codes + s * 8 * 64 + 4 * h;
+      if (s % spb == 0) {
+        const int64_t b = s / spb;
+        sc = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 16 * b + h)));
+        if (zeros)
+          z = _mm256_cvtepu8_epi32(
+              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(zeros + 16 * b + h)));
+      }
+      // (8-bit codes enter signed, c - 128: their zero point's part is -(z - 128) * sum(q))
+      const __m256i zs = BITS == 8 ? _mm256_sub_epi32(z, _mm256_set1_epi32(128)) : z;
+      const uint8_t* w = codes + s * kLines * 64 + 4 * h;
       __m256i acc[R];
-      for (int r = 0; r < R; ++r) acc[r] = _mm256_mullo_epi32(z, _mm256_set1_epi32(-is[r][s]));
-      for (int j = 0; j < 8; ++j) {
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_mullo_epi32(zs, _mm256_set1_epi32(-is[r][s]));
+      for (int j = 0; j < kLines; ++j) {
         PF::at(w + 64 * j);
-        const __m256i wj = _mm256_xor_si256(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * j)), flip);
-        const __m256i mag = _mm256_abs_epi8(wj);
-        for (int r = 0; r < R; ++r) {
-          const __m256i aj = _mm256_sign_epi8(_mm256_set1_epi32(a[r][8 * s + j]), wj);
-          acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, aj), ones));
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * j));
+        if constexpr (BITS == 8) {
+          const __m256i c = _mm256_xor_si256(v, flip), mag = _mm256_abs_epi8(c);
+          for (int r = 0; r < R; ++r) {
+            const __m256i q = _mm256_sign_epi8(_mm256_set1_epi32(a[r][8 * s + j]), c);
+            acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, q), ones));
+          }
+        } else {
+          const __m256i lo = _mm256_and_si256(v, low);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          for (int r = 0; r < R; ++r) {
+            const __m256i pairs = _mm256_add_epi16(
+                _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a[r][8 * s + 2 * j])),
+                _mm256_maddubs_epi16(hi, _mm256_set1_epi32(a[r][8 * s + 2 * j + 1])));
+            acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(pairs, ones));
+          }
         }
       }
       for (int r = 0; r < R; ++r)
-        f[s & 1][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), _mm256_set1_ps(d[r][s]),
-                                      f[s & 1][r]);
+        f[s & 1][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]),
+                                      _mm256_mul_ps(sc, _mm256_set1_ps(d[r][s])), f[s & 1][r]);
     }
-    for (int r = 0; r < R; ++r)
-      _mm256_storeu_ps(res[r] + h, _mm256_mul_ps(_mm256_add_ps(f[0][r], f[1][r]),
-                                                 _mm256_loadu_ps(scale + h)));
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(res[r] + h, _mm256_add_ps(f[0][r], f[1][r]));
   }
 #endif
   for (int r = 0; r < R; ++r)
-    for (int64_t i = 0; i < cols; ++i) out[r * ldo + i] = from_float<TO>(res[r][i]);
+    for (int64_t i = 0; i < kGroup; ++i) out[r * ldo + i] = from_float<TO>(res[r][i]);
 }
 
 struct Weight {  // one weight's rows, and where its products go
@@ -609,16 +642,17 @@ struct Weight {  // one weight's rows, and where its products go
   const uint8_t* zeros;
   int64_t n;
   void* out;  // [M, n] in x's dtype
-  bool grouped;  // 8-bit codes in groups of kGroup rows (group_rows8)
+  bool grouped;  // in groups of kGroup rows (group_rows)
 };
 
 // R rows of x from r0 against the groups of rows [c0, c1) of a grouped weight w.
-template <class PF, int R, typename TO>
-inline void groups8(const Rows& x, int64_t r0, const Weight& w, int64_t c0, int64_t c1) {
+template <class PF, int BITS, int R, typename TO>
+inline void groups(const Rows& x, int64_t r0, const Weight& w, int64_t block, int64_t c0,
+                   int64_t c1) {
   TO* out = static_cast<TO*>(w.out) + r0 * w.n;
   for (int64_t c = c0; c < c1; c += kGroup)
-    group_rows8<PF, R>(x, r0, w.codes + c * x.width, w.scales + c, w.zeros ? w.zeros + c : nullptr,
-                       std::min(kGroup, w.n - c), out + c, w.n);
+    group_rows<PF, BITS, R>(x, r0, w.codes + c * (x.width * BITS / 8), w.scales + c * x.blocks,
+                            w.zeros ? w.zeros + c * x.blocks : nullptr, block, out + c, w.n);
 }
 
 // out_j = x . w_j^T for every weight j (all with the activations' layout): one parallel step,
@@ -645,18 +679,17 @@ void product(const Rows& x, int64_t m, const std::vector<Weight>& ws, int64_t bl
     const int64_t task = item - first[j], n = w.n, unit = w.grouped ? group_cols : cols;
     const int64_t c0 = (task / row_tasks) * unit, r0 = (task % row_tasks) * kRowsPerTask;
     const int64_t c1 = std::min(n, c0 + unit), r1 = std::min(m, r0 + kRowsPerTask);
-    if constexpr (BITS == 8) {
-      if (w.grouped) {
-        int64_t r = r0;
-        for (; r + kRowBlock <= r1; r += kRowBlock) groups8<PF, kRowBlock, TO>(x, r, w, c0, c1);
-        switch (r1 - r) {
-          case 3: groups8<PF, 3, TO>(x, r, w, c0, c1); break;
-          case 2: groups8<PF, 2, TO>(x, r, w, c0, c1); break;
-          case 1: groups8<PF, 1, TO>(x, r, w, c0, c1); break;
-          default: break;
-        }
-        return;
+    if (w.grouped) {
+      int64_t r = r0;
+      for (; r + kRowBlock <= r1; r += kRowBlock)
+        groups<PF, BITS, kRowBlock, TO>(x, r, w, block, c0, c1);
+      switch (r1 - r) {
+        case 3: groups<PF, BITS, 3, TO>(x, r, w, block, c0, c1); break;
+        case 2: groups<PF, BITS, 2, TO>(x, r, w, block, c0, c1); break;
+        case 1: groups<PF, BITS, 1, TO>(x, r, w, block, c0, c1); break;
+        default: break;
       }
+      return;
     }
     TO* out = static_cast<TO*>(w.out);
     for (int64_t c = c0; c < c1; ++c) {
@@ -676,17 +709,22 @@ void product(const Rows& x, int64_t m, const std::vector<Weight>& ws, int64_t bl
   });
 }
 
-}  // namespace
-
-// A weight's codes: the row layout [N, nb, block * bits / 8], or 8-bit codes in groups of
-// kGroup rows [ceil(N / 16), 1, block / 4, 64] (N: the scales' rows).
+// A weight's codes: the row layout [N, nb, block * bits / 8], or in groups of kGroup rows
+// [N / 16, nb, L, 64] (group_rows).
 struct CodeLayout {
-  int64_t nb, block;
+  int64_t n, nb, block;
   bool grouped;
 };
 CodeLayout code_layout(const at::Tensor& codes, int64_t bits) {
-  if (codes.dim() == 4) return {codes.size(1), codes.size(2) * 4, true};
-  return {codes.size(1), codes.size(2) * 8 / bits, false};
+  if (codes.dim() == 4)
+    return {codes.size(0) * kGroup, codes.size(1), codes.size(2) * 32 / bits, true};
+  return {codes.size(0), codes.size(1), codes.size(2) * 8 / bits, false};
+}
+
+}  // namespace
+
+int64_t quant_weight_rows(const at::Tensor& codes) {
+  return codes.dim() == 4 ? codes.size(0) * kGroup : codes.size(0);
 }
 
 void check_quant_weight(const char* op, const std::string& name, const at::Tensor& codes,
@@ -695,39 +733,32 @@ void check_quant_weight(const char* op, const std::string& name, const at::Tenso
   const std::string c = name + "codes", s = name + "scales", z = name + "zeros";
   PH_CHECK(bits == 4 || bits == 8, op, name + "bits", "must be 4 or 8 (got ", bits, ")");
   PH_CHECK(codes.defined(), op, c, "must be a tensor");
-  int64_t n = codes.size(0), nb = 0, block = 0;
-  if (codes.dim() == 4) {  // 8-bit, per output channel, in groups of kGroup rows
-    check_tensor(op, c.c_str(), codes, 4, at::kByte);
-    PH_CHECK(bits == 8 && codes.size(1) == 1 && codes.size(3) == 4 * kGroup, op, c,
-             "grouped codes must be 8-bit [ceil(N / ", kGroup, "), 1, block / 4, ", 4 * kGroup,
-             "] (got shape ", shape_of(codes), ", bits ", bits, ")");
-    check_tensor(op, s.c_str(), scales, 2, at::kHalf);
-    n = scales.size(0);
-    PH_CHECK(codes.size(0) == (n + kGroup - 1) / kGroup, op, c, "size(0) must be ceil(N / ",
-             kGroup, ") for the N = ", n, " rows of scales (got shape ", shape_of(codes), ")");
-    nb = 1;
-    block = codes.size(2) * 4;
-    PH_CHECK(block >= kAct && block % kAct == 0, op, c, "size(2) * 4 (the block) must be a "
-             "multiple of ", kAct, " (got shape ", shape_of(codes), ")");
+  const bool grouped = codes.dim() == 4;  // in groups of kGroup rows
+  check_tensor(op, c.c_str(), codes, grouped ? 4 : 3, at::kByte);
+  const CodeLayout lay = code_layout(codes, bits);
+  const int64_t n = lay.n, nb = lay.nb, block = lay.block;
+  if (grouped) {
+    PH_CHECK(codes.size(3) == 4 * kGroup && codes.size(2) * 32 % bits == 0 && block >= kAct &&
+                 block % kAct == 0, op, c, "grouped codes must be [N / ", kGroup,
+             ", blocks, block * bits / 32, ", 4 * kGroup, "] with the block a multiple of ", kAct,
+             " (got shape ", shape_of(codes), ", bits ", bits, ")");
   } else {
-    check_tensor(op, c.c_str(), codes, 3, at::kByte);
-    nb = codes.size(1);
-    const int64_t bytes = codes.size(2);
-    block = bytes * 8 / bits;
-    PH_CHECK(block >= kAct && block % kAct == 0 && bytes * 8 % bits == 0, op, c,
+    PH_CHECK(block >= kAct && block % kAct == 0 && codes.size(2) * 8 % bits == 0, op, c,
              "size(2) * 8 / bits (the block) must be a multiple of ", kAct, " (got shape ",
              shape_of(codes), ", bits ", bits, ")");
   }
   PH_CHECK(nb >= 1 && k <= nb * block && k > (nb - 1) * block, op, c, "must hold K = ", k,
            " columns in size(1) blocks of ", block, " (got shape ", shape_of(codes), ")");
-  check_tensor(op, s.c_str(), scales, 2, at::kHalf);
-  check_size(op, s.c_str(), scales, 0, n, "the rows N of codes");
-  check_size(op, s.c_str(), scales, 1, nb, "the blocks of codes");
-  if (zeros.has_value() && zeros->defined()) {
-    check_tensor(op, z.c_str(), *zeros, 2, at::kByte);
-    check_size(op, z.c_str(), *zeros, 0, n, "the rows N of codes");
-    check_size(op, z.c_str(), *zeros, 1, nb, "the blocks of codes");
-  }
+  // grouped: [N / 16, nb, 16], each group's rows last; else [N, nb]
+  const auto check_rows = [&](const std::string& arg, const at::Tensor& t, at::ScalarType dt) {
+    check_tensor(op, arg.c_str(), t, grouped ? 3 : 2, dt);
+    check_size(op, arg.c_str(), t, 0, grouped ? n / kGroup : n,
+               grouped ? "the groups of codes" : "the rows N of codes");
+    check_size(op, arg.c_str(), t, 1, nb, "the blocks of codes");
+    if (grouped) check_size(op, arg.c_str(), t, 2, kGroup, "the rows of a group");
+  };
+  check_rows(s, scales, at::kHalf);
+  if (zeros.has_value() && zeros->defined()) check_rows(z, *zeros, at::kByte);
 }
 
 void quant_linear_many(const at::Tensor& x, int64_t bits, const std::vector<QuantWeightRef>& ws,
@@ -748,12 +779,16 @@ void quant_linear_many(const at::Tensor& x, int64_t bits, const std::vector<Quan
              " and ", shape_of(ws[0].codes), ")");
     check_tensor(op, "out", outs[j], 2, xt);
     check_size(op, "out", outs[j], 0, x.size(0), "the rows M of x");
-    check_size(op, "out", outs[j], 1, ws[j].scales.size(0), "the rows N of the weight");
+    check_size(op, "out", outs[j], 1, quant_weight_rows(ws[j].codes), "the rows N of codes");
   }
   const CodeLayout lay = code_layout(ws[0].codes, bits);
   const int64_t m = x.size(0), k = x.size(1), nb = lay.nb, block = lay.block, width = nb * block;
   if (m == 0) return;
-  std::vector<int8_t> q(m * width);
+  bool grouped = false, rowwise = false;
+  for (const auto& w : ws) (w.codes.dim() == 4 ? grouped : rowwise) = true;
+  // 4-bit weights in rows take the codes reordered (quantize_row), grouped ones in order
+  const bool both = bits == 4 && grouped && rowwise;
+  std::vector<int8_t> q(m * width), natural(both ? m * width : 0);
   std::vector<float> d(m * (width / kAct)), xsum(m * nb);
   std::vector<int32_t> isum(m * (width / kAct));
   std::vector<float> pairs(bits == 4 ? m * (width / kAct / 2) * 8 : 0);
@@ -762,19 +797,27 @@ void quant_linear_many(const at::Tensor& x, int64_t bits, const std::vector<Quan
     const auto& z = ws[j].zeros;
     weights.push_back({ws[j].codes.data_ptr<uint8_t>(), ws[j].scales.data_ptr<c10::Half>(),
                        z.has_value() && z->defined() ? z->data_ptr<uint8_t>() : nullptr,
-                       ws[j].scales.size(0), outs[j].data_ptr(), ws[j].codes.dim() == 4});
+                       quant_weight_rows(ws[j].codes), outs[j].data_ptr(),
+                       ws[j].codes.dim() == 4});
   }
   const auto run = [&](auto tag) {
     using scalar_t = decltype(tag);
     const scalar_t* xp = x.data_ptr<scalar_t>();
-    parallel_items(m, 8, m * width * 8, [&](int64_t r) {
-      quantize_row(xp + r * k, k, width, block, bits == 4,
+    parallel_items(m, 8, m * width * 8, [&](int64_t r) {  // (4-bit in rows: reordered)
+      quantize_row(xp + r * k, k, width, block, bits == 4 && rowwise,
                    pairs.data() + r * (width / kAct / 2) * 8, q.data() + r * width,
                    d.data() + r * (width / kAct), xsum.data() + r * nb,
                    isum.data() + r * (width / kAct));
     });
-    const Rows rows{q.data(), d.data(), xsum.data(), isum.data(), pairs.data(), width,
-                    width / kAct, nb};
+    if (both) {  // the grouped weights' codes in order
+      parallel_items(m, 8, m * width * 8, [&](int64_t r) {
+        quantize_row(xp + r * k, k, width, block, false, nullptr, natural.data() + r * width,
+                     d.data() + r * (width / kAct), xsum.data() + r * nb,
+                     isum.data() + r * (width / kAct));
+      });
+    }
+    const Rows rows{q.data(), both ? natural.data() : q.data(), d.data(), xsum.data(),
+                    isum.data(), pairs.data(), width, width / kAct, nb};
     const auto with = [&](auto policy) {
       using PF = decltype(policy);
       if (bits == 4) {
@@ -812,60 +855,70 @@ void quant_dequantize(const at::Tensor& codes, const at::Tensor& scales,
                       at::Tensor out) {
   const char* op = "quant_dequantize";
   PH_CHECK(bits == 4 || bits == 8, op, "bits", "must be 4 or 8 (got ", bits, ")");
-  const bool grouped = codes.defined() && codes.dim() == 4;
   check_tensor(op, "out", out, 2, at::kFloat);
+  const bool grouped = codes.defined() && codes.dim() == 4;
   if (grouped) check_quant_weight(op, "", codes, scales, zeros, bits, out.size(1));
   check_tensor(op, "codes", codes, grouped ? 4 : 3, at::kByte);
-  check_tensor(op, "scales", scales, 2, at::kHalf);
   const CodeLayout lay = code_layout(codes, bits);
-  const int64_t n = scales.size(0), nb = lay.nb, block = lay.block;
+  const int64_t n = lay.n, nb = lay.nb, block = lay.block;
   const int64_t rows = out.size(0), k = out.size(1);
   PH_CHECK(row0 >= 0 && row0 + rows <= n, op, "row0", "rows [row0, row0 + out.size(0)) must lie "
            "in [0, ", n, ") (got row0 ", row0, ", ", rows, " rows)");
   PH_CHECK(block >= kAct && block % kAct == 0 && k <= nb * block && k > (nb - 1) * block, op,
            "out", "size(1) must be the K the codes hold (got shape ", shape_of(out),
            ", codes ", shape_of(codes), ")");
-  check_size(op, "scales", scales, 1, nb, "the blocks of codes");
-  if (!grouped) check_size(op, "scales", scales, 0, codes.size(0), "the rows N of codes");
-  const uint8_t* zp = nullptr;
-  if (zeros.has_value() && zeros->defined()) {
-    check_tensor(op, "zeros", *zeros, 2, at::kByte);
-    check_size(op, "zeros", *zeros, 0, n, "the rows N of codes");
-    check_size(op, "zeros", *zeros, 1, nb, "the blocks of codes");
-    zp = zeros->data_ptr<uint8_t>();
+  const bool zeroed = zeros.has_value() && zeros->defined();
+  if (!grouped) {  // (grouped: checked with the codes above)
+    check_tensor(op, "scales", scales, 2, at::kHalf);
+    check_size(op, "scales", scales, 0, n, "the rows N of codes");
+    check_size(op, "scales", scales, 1, nb, "the blocks of codes");
+    if (zeroed) {
+      check_tensor(op, "zeros", *zeros, 2, at::kByte);
+      check_size(op, "zeros", *zeros, 0, n, "the rows N of codes");
+      check_size(op, "zeros", *zeros, 1, nb, "the blocks of codes");
+    }
   }
+  const uint8_t* zp = zeroed ? zeros->data_ptr<uint8_t>() : nullptr;
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const c10::Half* sp = scales.data_ptr<c10::Half>();
   float* op_ = out.data_ptr<float>();
-  const int64_t row_bytes = nb * block * bits / 8;
+  const int64_t row_bytes = nb * block * bits / 8, block_bytes = block * bits / 8;
+  const __m128i low = _mm_set1_epi8(0x0F);
   parallel_items(rows, 4, rows * k * 4, [&](int64_t r) {
-    const int64_t c = row0 + r;
+    const int64_t c = row0 + r, g = c / kGroup, i = c % kGroup;
     float* o = op_ + r * k;
     for (int64_t b = 0; b < nb; ++b) {
-      const float ws = _cvtsh_ss(sp[c * nb + b].x);
-      const __m256 s = _mm256_set1_ps(ws);
-      const __m256 z = _mm256_set1_ps(zp ? zp[c * nb + b] : (1 << (bits - 1)));
-      const uint8_t* src = cp + c * row_bytes + b * (block * bits / 8);
+      const int64_t at = grouped ? (g * nb + b) * kGroup + i : c * nb + b;  // scale, zero
+      const __m256 s = _mm256_set1_ps(_cvtsh_ss(sp[at].x));
+      const __m256 z = _mm256_set1_ps(zp ? zp[at] : (1 << (bits - 1)));
+      // the block's codes: its rows in a row, or its lines of 16 rows' four bytes (row i at 4i)
+      const uint8_t* src = grouped ? cp + g * kGroup * row_bytes + b * kGroup * block_bytes + 4 * i
+                                   : cp + c * row_bytes + b * block_bytes;
       for (int64_t e = 0; e < block && b * block + e < k; e += 8) {
-        __m256i v;
-        if (grouped) {  // 8 elements from two quads of the row's group
-          const uint8_t* g = cp + (c / kGroup) * kGroup * row_bytes + (c % kGroup) * 4 + e * 16;
+        __m128i eight;  // elements e .. e + 7 as bytes
+        if (grouped && bits == 8) {  // two lines of four
           uint32_t lo, hi;
-          std::memcpy(&lo, g, 4);
-          std::memcpy(&hi, g + 4 * kGroup, 4);
-          v = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(
-              static_cast<int64_t>((static_cast<uint64_t>(hi) << 32) | lo)));
-        } else if (bits == 4) {  // 8 elements from 4 bytes: low nibble first
+          std::memcpy(&lo, src + (e / 4) * 64, 4);
+          std::memcpy(&hi, src + (e / 4 + 1) * 64, 4);
+          eight = _mm_unpacklo_epi32(_mm_cvtsi32_si128(static_cast<int>(lo)),
+                                     _mm_cvtsi32_si128(static_cast<int>(hi)));
+        } else if (grouped) {  // one line: e + t low, e + 4 + t high
+          uint32_t four;
+          std::memcpy(&four, src + (e / 8) * 64, 4);
+          const __m128i b4 = _mm_cvtsi32_si128(static_cast<int>(four));
+          eight = _mm_unpacklo_epi32(_mm_and_si128(b4, low),
+                                     _mm_and_si128(_mm_srli_epi16(b4, 4), low));
+        } else if (bits == 4) {  // 4 bytes: low nibble first
           uint32_t four;
           std::memcpy(&four, src + e / 2, 4);
           const __m128i b4 = _mm_cvtsi32_si128(static_cast<int>(four));
-          const __m128i lo = _mm_and_si128(b4, _mm_set1_epi8(0x0F));
-          const __m128i hi = _mm_and_si128(_mm_srli_epi16(b4, 4), _mm_set1_epi8(0x0F));
-          v = _mm256_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi));
+          eight = _mm_unpacklo_epi8(_mm_and_si128(b4, low),
+                                    _mm_and_si128(_mm_srli_epi16(b4, 4), low));
         } else {
-          v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + e)));
+          eight = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + e));
         }
-        const __m256 w = _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(v), z), s);
+        const __m256 w = _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(
+                                           _mm256_cvtepu8_epi32(eight)), z), s);
         const int64_t left = k - (b * block + e);
         if (left >= 8) {
           _mm256_storeu_ps(o + b * block + e, w);
