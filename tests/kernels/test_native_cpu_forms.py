@@ -111,14 +111,22 @@ def test_the_timed_choice_follows_the_measurement(monkeypatch: pytest.MonkeyPatc
         assert dense.preferred_linear(torch.bfloat16) is choice, timing
     monkeypatch.setattr(dense, "bf16_dot", lambda: False)
     assert dense.preferred_linear(torch.bfloat16) is dense.linear
-    for timing, choice in (((0.9, 2.0), None), ((3.0, 0.8), dense.decode_linear),
-                           ((3.0, 1.4), dense.linear)):
+    for timing, choice in (((0.9, 1.5, 2.0), None), ((3.0, 0.9, 0.8), dense.decode_linear),
+                           ((3.0, 1.9, 0.95), dense.decode_linear),
+                           ((3.0, 2.0, 1.4), dense.linear)):
         monkeypatch.setattr(dense, "fp32_gemm_timing", lambda t=timing: t)
         assert dense.preferred_linear(torch.float32) is choice, timing
+        # decode_linear's native rows: up to WIDEN_ROWS where it was the faster at 32 rows too
+        rows = dense.WIDEN_ROWS if timing[1] > 1 else dense.DECODE_ROWS
+        assert dense.fp32_decode_rows() == rows, timing
+        for m, form in ((rows - 1, "native"), (rows, "torch")):
+            assert dense.product_form(dense.decode_linear, torch.float32, m) == form, (timing, m)
+        assert dense.product_form(dense.decode_linear, torch.float16, dense.DECODE_ROWS) \
+            == "torch"  # (the fp32 timing moves fp32 weights' range alone)
 
 
 def fp32_choice():
-    small, large = dense.fp32_gemm_timing()
+    small, _, large = dense.fp32_gemm_timing()
     return None if small <= 1 else dense.linear if large > 1 else dense.decode_linear
 
 
@@ -554,7 +562,8 @@ def test_decode_linear_in_every_form(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(4)
     w = (torch.randn(40, 264, generator=gen) * 0.1).to(dtype)
     tol = 1e-2 if dtype == torch.bfloat16 else (2e-3 if dtype == torch.float16 else 1e-5)
-    for rows in (1, 3, dense.DECODE_ROWS - 1, dense.DECODE_ROWS, 40, dense.WIDEN_ROWS + 3):
+    for rows in (1, 3, dense.DECODE_ROWS - 1, dense.DECODE_ROWS, 40, dense.WIDEN_ROWS - 1,
+                 dense.WIDEN_ROWS + 3):
         x = torch.randn(rows, 264, generator=gen).to(dtype)
         for form in HERE:
             for fn in (dense.decode_linear, dense.mixed_linear):

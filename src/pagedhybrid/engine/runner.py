@@ -355,9 +355,9 @@ class ModelRunner:
         parts.append("projections: " + ("torch" if mm is None else
                                         f"{mm.__module__.rsplit('.', 1)[-1]}.{mm.__name__}"))
         if self._native and self.model.dtype == torch.float32:
-            small, large = dense.fp32_gemm_timing()
+            small, mid, large = dense.fp32_gemm_timing()
             parts[-1] += (f" (timed at start: torch's fp32 GEMM {small:.2f}x the native "
-                          f"kernel's time at 4 rows, {large:.2f}x at 256)")
+                          f"kernel's time at 4 rows, {mid:.2f}x at 32, {large:.2f}x at 256)")
         elif mm is not None and self._native and dense.bf16_dot():
             parts[-1] += (f" (timed at start: torch's bf16 GEMM {dense.bf16_gemm_timing():.2f}x"
                           " the widened fp32 GEMM's time at 256 rows)")

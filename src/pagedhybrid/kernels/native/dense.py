@@ -16,14 +16,17 @@ whatever the number of rows), for ``kernels/native/invariant.py``.
 ``preferred_linear(dtype)`` says what the ``native`` bundle multiplies with in ``dtype`` on the
 chosen CPU form (``kernels.native.status()``): ``linear`` for bf16 / fp16 models on a form without
 BF16 dot instructions. For fp32 it is timed at start (``fp32_gemm_timing``: torch's fp32 GEMM
-against the native kernel on a [4096, 1024] weight at 4 and at 256 rows, medians of 5), because
+against the native kernel on a [4096, 1024] weight at 4, 32 and 256 rows, medians of 5), because
 torch's GEMM is MKL's and MKL's speed depends on the CPU's vendor, not its flags: on an Intel Xeon
 it was as fast or faster at every size (``benchmarks/latency.py``: the native kernel made fp32
 decode 1.2x and a 16-request batch 1.5x slower), on an AMD EPYC (AVX2) it ran 2 to 16 rows 15x
 slower than one row and 3-5x slower than the native kernel (which stays within 2x of one row's
-time up to 16 rows), and 256 rows 1.5x slower. So fp32 runs torch's GEMM (None) where it is the
-faster at 4 rows, else the native kernel below ``DECODE_ROWS`` (``decode_linear``) or at every
-size (``linear``) when it is also the faster at 256 rows. On a form with BF16 dot instructions
+time up to 16 rows), and 256 rows 1.5x slower; on an AMX Xeon MKL ran 4 to 32 rows 1.2-1.9x
+slower than the native kernel and 256 rows 1.05x faster (a batch of 8 fp32 sequences decoded at
+134 tok/s with MKL from 8 rows on). So fp32 runs torch's GEMM (None) where it is the faster at 4
+rows, else the native kernel (``decode_linear``) below ``DECODE_ROWS`` rows -- below
+``WIDEN_ROWS`` where it is also the faster at 32 (``fp32_decode_rows``) -- or at every size
+(``linear``) when it is also the faster at 256 rows. On a form with BF16 dot instructions
 it depends on how good oneDNN's bf16 GEMM is on the machine, which the CPU flags do not tell.
 Below ``PAIR_ROWS`` rows the native kernel runs, in bf16 pairs (below); from ``WIDEN_ROWS`` rows on
 whichever of torch's
@@ -61,7 +64,7 @@ WIDENED_DTYPES = (torch.bfloat16, torch.float16)
 WIDEN_ROWS = 64  # rows from which bf16 / fp16 weights are widened in chunks for torch's fp32 GEMM
 WIDEN_CHUNK_BYTES = 8 << 20  # fp32 weight rows widened at a time
 MIN_CHUNK_ROWS = 16
-DECODE_ROWS = 8  # rows below which decode_linear runs the native kernel
+DECODE_ROWS = 8  # rows below which decode_linear runs the native kernel (fp32: fp32_decode_rows)
 PAIR_ROWS = WIDEN_ROWS  # bf16 on a form with BF16 dot instructions: the same, for bf16 weights
 
 
@@ -126,7 +129,8 @@ def bf16_dot() -> bool:
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The native kernel for fewer than ``DECODE_ROWS`` rows (``PAIR_ROWS`` for bf16 weights
-    where the form multiplies bf16 pairs), torch's GEMM above."""
+    where the form multiplies bf16 pairs, ``fp32_decode_rows()`` for fp32 ones), torch's GEMM
+    above."""
     return _run(decode_linear, x, weight)
 
 
@@ -144,8 +148,11 @@ def product_form(matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | 
     if matmul is linear:
         return "widened" if weight_dtype in WIDENED_DTYPES and rows >= WIDEN_ROWS else "native"
     if matmul is decode_linear:
-        pairs = weight_dtype == torch.bfloat16 and bf16_dot()
-        return "native" if rows < (PAIR_ROWS if pairs else DECODE_ROWS) else "torch"
+        if weight_dtype == torch.float32:
+            limit = fp32_decode_rows()
+        else:
+            limit = PAIR_ROWS if weight_dtype == torch.bfloat16 and bf16_dot() else DECODE_ROWS
+        return "native" if rows < limit else "torch"
     return None
 
 
@@ -204,11 +211,11 @@ def bf16_gemm_timing() -> float:
 
 
 @functools.cache
-def _fp32_gemm_timing(form: str) -> tuple[float, float]:
+def _fp32_gemm_timing(form: str) -> tuple[float, float, float]:
     with torch.device("cpu"):  # also when called while a model is built on the meta device
         weight = torch.randn(4096, 1024, generator=torch.Generator().manual_seed(0))
         out = []
-        for rows in (4, 256):
+        for rows in (4, 32, 256):
             x = torch.randn(rows, 1024, generator=torch.Generator().manual_seed(1))
             times: dict[str, list[float]] = {"torch": [], "native": []}
             for _ in range(6):  # the first round warms both up and is dropped
@@ -218,14 +225,20 @@ def _fp32_gemm_timing(form: str) -> tuple[float, float]:
                     times[name].append(time.perf_counter() - t0)
             out.append(statistics.median(times["torch"][1:])
                        / statistics.median(times["native"][1:]))
-    return out[0], out[1]
+    return out[0], out[1], out[2]
 
 
-def fp32_gemm_timing() -> tuple[float, float]:
-    """Time of torch's fp32 GEMM over the native kernel's at 4 and at 256 rows on this machine
+def fp32_gemm_timing() -> tuple[float, float, float]:
+    """Time of torch's fp32 GEMM over the native kernel's at 4, 32 and 256 rows on this machine
     (> 1: torch's is slower), measured once per form (rank 0's under torch.distributed)."""
-    small, large = _agreed("fp32", _fp32_gemm_timing)
-    return small, large
+    small, mid, large = _agreed("fp32", _fp32_gemm_timing)
+    return small, mid, large
+
+
+def fp32_decode_rows() -> int:
+    """Rows below which ``decode_linear`` multiplies fp32 weights natively: ``WIDEN_ROWS`` where
+    the native kernel was also the faster at 32 rows, else ``DECODE_ROWS``."""
+    return WIDEN_ROWS if fp32_gemm_timing()[1] > 1.0 else DECODE_ROWS
 
 
 def preferred_linear(dtype: torch.dtype) -> Callable[[torch.Tensor, torch.Tensor],
@@ -235,7 +248,7 @@ def preferred_linear(dtype: torch.dtype) -> Callable[[torch.Tensor, torch.Tensor
     if not status().available:
         return None
     if dtype == torch.float32:
-        small, large = fp32_gemm_timing()
+        small, _, large = fp32_gemm_timing()
         return None if small <= 1.0 else linear if large > 1.0 else decode_linear
     if dtype not in WIDENED_DTYPES:
         return None
