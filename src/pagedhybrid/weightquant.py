@@ -180,7 +180,7 @@ def quantize(weight: torch.Tensor, fmt: WeightFormat, name: str = "weight") -> Q
         zero = torch.where(s != 0, torch.round(-lo * inv), torch.zeros_like(s)).clamp(0, fmt.qmax)
     q = (torch.round(w * inv[..., None]) + zero[..., None]).clamp(0, fmt.qmax).to(torch.uint8)
     if fmt.bits == 4:
-        q = q[..., 0::2] | (q[..., 1::2] << 4)
+        q = _nibbles(q)
     zeros = None if fmt.symmetric else zero.to(torch.uint8).contiguous()
     return QuantizedWeight(q.contiguous(), s16.contiguous(), zeros, fmt, k)
 
@@ -201,12 +201,18 @@ def _elements(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.stack((codes & 0x0F, codes >> 4), dim=-1).flatten(-2)
 
 
+def _nibbles(elements: torch.Tensor) -> torch.Tensor:
+    """4-bit codes one per element, two to a byte: element ``2j`` low, ``2j + 1`` high
+    (``_elements`` undone)."""
+    return elements[..., 0::2] | (elements[..., 1::2] << 4)
+
+
 def group_rows(q: QuantizedWeight) -> QuantizedWeight:
     """``q`` in groups of ``GROUP`` rows (module docstring), the engine's order; ``q`` itself
     when its N is not a multiple of ``GROUP`` or it is grouped already."""
-    n, nb, _ = q.codes.shape if not q.grouped else (0, 0, 0)
-    if q.grouped or n % GROUP:
+    if q.grouped or q.codes.shape[0] % GROUP:
         return q
+    n, nb, _ = q.codes.shape
     g, block = n // GROUP, q.block
     e = _elements(q.codes, q.fmt.bits).view(g, GROUP, nb, block)
     if q.fmt.bits == 8:  # [g, nb, block / 4, row, 4]
@@ -231,8 +237,8 @@ def ungroup(q: QuantizedWeight) -> QuantizedWeight:
     if q.fmt.bits == 8:
         codes = c.reshape(g * GROUP, nb, lines * 4)
     else:  # back to elements, then two to a byte, 2j low
-        e = torch.stack((c & 0x0F, c >> 4), dim=-2).reshape(g * GROUP, nb, lines * 8)
-        codes = e[..., 0::2] | (e[..., 1::2] << 4)
+        codes = _nibbles(torch.stack((c & 0x0F, c >> 4), dim=-2).reshape(g * GROUP, nb,
+                                                                           lines * 8))
 
     def by_row(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.transpose(1, 2).reshape(g * GROUP, nb).contiguous()

@@ -721,6 +721,21 @@ CodeLayout code_layout(const at::Tensor& codes, int64_t bits) {
   return {codes.size(0), codes.size(1), codes.size(2) * 8 / bits, false};
 }
 
+// scales (and zeros) of codes of `lay`: grouped [N / 16, nb, 16], each group's rows last; else
+// [N, nb]
+void check_scales(const char* op, const std::string& name, const CodeLayout& lay,
+                  const at::Tensor& scales, const c10::optional<at::Tensor>& zeros) {
+  const auto check_rows = [&](const std::string& arg, const at::Tensor& t, at::ScalarType dt) {
+    check_tensor(op, arg.c_str(), t, lay.grouped ? 3 : 2, dt);
+    check_size(op, arg.c_str(), t, 0, lay.grouped ? lay.n / kGroup : lay.n,
+               lay.grouped ? "the groups of codes" : "the rows N of codes");
+    check_size(op, arg.c_str(), t, 1, lay.nb, "the blocks of codes");
+    if (lay.grouped) check_size(op, arg.c_str(), t, 2, kGroup, "the rows of a group");
+  };
+  check_rows(name + "scales", scales, at::kHalf);
+  if (zeros.has_value() && zeros->defined()) check_rows(name + "zeros", *zeros, at::kByte);
+}
+
 }  // namespace
 
 int64_t quant_weight_rows(const at::Tensor& codes) {
@@ -730,13 +745,13 @@ int64_t quant_weight_rows(const at::Tensor& codes) {
 void check_quant_weight(const char* op, const std::string& name, const at::Tensor& codes,
                         const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
                         int64_t bits, int64_t k) {
-  const std::string c = name + "codes", s = name + "scales", z = name + "zeros";
+  const std::string c = name + "codes";
   PH_CHECK(bits == 4 || bits == 8, op, name + "bits", "must be 4 or 8 (got ", bits, ")");
   PH_CHECK(codes.defined(), op, c, "must be a tensor");
   const bool grouped = codes.dim() == 4;  // in groups of kGroup rows
   check_tensor(op, c.c_str(), codes, grouped ? 4 : 3, at::kByte);
   const CodeLayout lay = code_layout(codes, bits);
-  const int64_t n = lay.n, nb = lay.nb, block = lay.block;
+  const int64_t nb = lay.nb, block = lay.block;
   if (grouped) {
     PH_CHECK(codes.size(3) == 4 * kGroup && codes.size(2) * 32 % bits == 0 && block >= kAct &&
                  block % kAct == 0, op, c, "grouped codes must be [N / ", kGroup,
@@ -749,16 +764,7 @@ void check_quant_weight(const char* op, const std::string& name, const at::Tenso
   }
   PH_CHECK(nb >= 1 && k <= nb * block && k > (nb - 1) * block, op, c, "must hold K = ", k,
            " columns in size(1) blocks of ", block, " (got shape ", shape_of(codes), ")");
-  // grouped: [N / 16, nb, 16], each group's rows last; else [N, nb]
-  const auto check_rows = [&](const std::string& arg, const at::Tensor& t, at::ScalarType dt) {
-    check_tensor(op, arg.c_str(), t, grouped ? 3 : 2, dt);
-    check_size(op, arg.c_str(), t, 0, grouped ? n / kGroup : n,
-               grouped ? "the groups of codes" : "the rows N of codes");
-    check_size(op, arg.c_str(), t, 1, nb, "the blocks of codes");
-    if (grouped) check_size(op, arg.c_str(), t, 2, kGroup, "the rows of a group");
-  };
-  check_rows(s, scales, at::kHalf);
-  if (zeros.has_value() && zeros->defined()) check_rows(z, *zeros, at::kByte);
+  check_scales(op, name, lay, scales, zeros);
 }
 
 void quant_linear_many(const at::Tensor& x, int64_t bits, const std::vector<QuantWeightRef>& ws,
@@ -867,18 +873,8 @@ void quant_dequantize(const at::Tensor& codes, const at::Tensor& scales,
   PH_CHECK(block >= kAct && block % kAct == 0 && k <= nb * block && k > (nb - 1) * block, op,
            "out", "size(1) must be the K the codes hold (got shape ", shape_of(out),
            ", codes ", shape_of(codes), ")");
-  const bool zeroed = zeros.has_value() && zeros->defined();
-  if (!grouped) {  // (grouped: checked with the codes above)
-    check_tensor(op, "scales", scales, 2, at::kHalf);
-    check_size(op, "scales", scales, 0, n, "the rows N of codes");
-    check_size(op, "scales", scales, 1, nb, "the blocks of codes");
-    if (zeroed) {
-      check_tensor(op, "zeros", *zeros, 2, at::kByte);
-      check_size(op, "zeros", *zeros, 0, n, "the rows N of codes");
-      check_size(op, "zeros", *zeros, 1, nb, "the blocks of codes");
-    }
-  }
-  const uint8_t* zp = zeroed ? zeros->data_ptr<uint8_t>() : nullptr;
+  if (!grouped) check_scales(op, "", lay, scales, zeros);  // (grouped: with the codes above)
+  const uint8_t* zp = zeros.has_value() && zeros->defined() ? zeros->data_ptr<uint8_t>() : nullptr;
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const c10::Half* sp = scales.data_ptr<c10::Half>();
   float* op_ = out.data_ptr<float>();
