@@ -17,7 +17,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pagedhybrid.engine import LLM
+from pagedhybrid.engine import LLM, SamplingParams
+
+PROMPT = "And it came to pass, when the king heard"
 
 
 def free_port() -> int:
@@ -108,6 +110,21 @@ def flood(s: Server, n: int, max_tokens: int, timeout: float) -> list[httpx.Resp
                 for i in range(n)])
 
     return asyncio.run(post_all())
+
+
+def greedy_text(llm: LLM, prompt: str | list[int], n: int) -> str:
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n),
+                       use_progress=False)[0]
+    return llm.engine.tokenizer.decode(out.token_ids)
+
+
+def still_serving(server: Server, llm: LLM) -> None:
+    """``/health`` is 200 and a known greedy request gets the in-process engine's answer."""
+    assert httpx.get(f"{server.base}/health", timeout=30).status_code == 200
+    r = httpx.post(f"{server.url}/completions", timeout=120, json={
+        "model": server.model, "prompt": PROMPT, "max_tokens": 6, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == greedy_text(llm, PROMPT, 6)
 
 
 @pytest.fixture(scope="session")

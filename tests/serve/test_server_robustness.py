@@ -16,26 +16,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import Server, flood, start_server
+from conftest import PROMPT, Server, flood, greedy_text, start_server, still_serving
 from fault_server import DETOK, FINISH, HOOK, INTAKE, SAMPLE, SCHED, STEP
 
 from pagedhybrid.engine import LLM, SamplingParams
-
-PROMPT = "And it came to pass, when the king heard"
-
-
-def greedy_text(llm: LLM, prompt: str | list[int], n: int) -> str:
-    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n),
-                       use_progress=False)[0]
-    return llm.engine.tokenizer.decode(out.token_ids)
-
-
-def still_serving(server: Server, llm: LLM) -> None:
-    assert httpx.get(f"{server.base}/health", timeout=30).status_code == 200
-    r = httpx.post(f"{server.url}/completions", timeout=120, json={
-        "model": server.model, "prompt": PROMPT, "max_tokens": 6, "temperature": 0})
-    assert r.status_code == 200, r.text
-    assert r.json()["choices"][0]["text"] == greedy_text(llm, PROMPT, 6)
 
 
 def post_raw(server: Server, path: str, raw: bytes) -> httpx.Response:

@@ -14,21 +14,26 @@ return at once: a sender thread writes the messages, so a long step never blocks
 on a full pipe. The core reads them between steps, runs ``engine.step()`` while there is work
 (blocking on its pipe otherwise) and sends each step's outputs as deltas -- the new tokens, the
 new text, the new logprobs, the prompt once -- with a ``Snapshot`` of the engine for the
-metrics. ``EngineClient`` reads them on the event loop (``add_reader``), rebuilds each request's
-``RequestOutput`` (the same object the engine made) and puts it on the request's asyncio queue;
-``on_step(snapshot, outputs)`` runs there too (metrics). An ``add_request`` refusal comes back on
-the request's queue as an ``EngineRefusal``.
+metrics. Neither end ever waits on the other: the core pickles a message on the engine's thread
+and a writer thread puts it on the pipe (``_Outbox``); in the server a reader thread takes whole
+messages off the pipe in blocking reads -- a message of any size, in as many reads as it takes
+-- and hands each to the event loop, which rebuilds each request's ``SequenceOutput`` (the same
+object the engine made) and puts it on the request's asyncio queue (a slow client's queue grows;
+nothing else waits for it); ``on_step(snapshot, outputs)`` runs there too (metrics). An
+``add_request`` refusal comes back on the request's queue as an ``EngineRefusal``.
 
 Nothing one request does stops the core: any exception at intake refuses that request alone; a
 step that raises fails that step's requests inside ``Engine.step``; an exception anywhere else
 in an iteration is logged, the running requests fail with an error, the pools are checked and
 the core goes on (``degraded`` until the next good iteration). If the core process itself dies
-(a native crash, the kernel's OOM killer), every request in flight fails with an error naming
-its exit code and ``alive`` turns false; the HTTP process keeps answering (503 / ``/health``
-"error"). So does an engine that turns dead (``Engine.dead``: a tensor-parallel rank went
-away): the core sends the reason, which every request in flight fails with, and ends. The core
-ignores SIGINT / SIGTERM (the server shuts it down over the pipe, after the
-in-flight requests had their time) and exits when the server process is gone (end of pipe).
+(a native crash, the kernel's OOM killer) -- known from the end of its pipe or from its exit
+status, checked each second it sends nothing, never from a read error while it lives -- every
+request in flight fails with an error naming its exit code and ``alive`` turns false; the HTTP
+process keeps answering (503 / ``/health`` "error"). So does an engine that turns dead
+(``Engine.dead``: a tensor-parallel rank went away): the core sends the reason, which every
+request in flight fails with, and ends. The core ignores SIGINT / SIGTERM (the server shuts it
+down over the pipe, after the in-flight requests had their time) and exits when the server
+process is gone (end of pipe).
 """
 
 from __future__ import annotations
@@ -45,12 +50,15 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, NamedTuple
 
-from pagedhybrid.engine import Engine, RequestOutput, SamplingParams
+from pagedhybrid.engine import Engine, SamplingParams, SequenceOutput
 from pagedhybrid.engine.sampling import Logprob
 from pagedhybrid.engine.stats import SpecStats
 from pagedhybrid.errors import EngineDead, PagedHybridError
+
+LIVENESS_S = 1.0  # how often the server checks the engine process while it sends nothing
 
 
 class EngineRefusal(NamedTuple):
@@ -109,7 +117,7 @@ class Snapshot:
 
 @dataclass(slots=True)
 class _Delta:
-    """One ``RequestOutput`` as sent: what it adds to what its request sent before."""
+    """One ``SequenceOutput`` as sent: what it adds to what its request sent before."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...] | None  # with the request's first output only
@@ -122,6 +130,7 @@ class _Delta:
     num_cached_tokens: int
     logprobs: list[dict[int, Logprob]] | None  # the new tokens' entries
     prompt_logprobs: list[dict[int, Logprob] | None] | None  # once, when complete
+    stop_reason: int | str | None
 
 
 @dataclass
@@ -147,12 +156,46 @@ class _Mirror:
 
 
 # -- the core process ---------------------------------------------------------------------------
+class _Outbox:
+    """The core's end of the pipe to the server: ``send`` pickles the message on the engine's
+    thread (so an unpicklable output fails there, where it is recovered) and a writer thread
+    puts the bytes on the pipe, however long that takes; the engine loop never waits for the
+    server to read. After a failed write (the server is gone) ``send`` raises ``OSError``."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self._queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._broken: OSError | None = None
+        self._writer = threading.Thread(target=self._write, name="pagedhybrid-to-server",
+                                        daemon=True)
+        self._writer.start()
+
+    def send(self, msg: tuple[Any, ...]) -> None:
+        if self._broken is not None:
+            raise self._broken
+        self._queue.put(bytes(ForkingPickler.dumps(msg)))
+
+    def _write(self) -> None:
+        while (data := self._queue.get()) is not None:
+            try:
+                self.conn.send_bytes(data)
+            except OSError as exc:
+                self._broken = exc
+                return
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Write what is queued (at most ``timeout`` seconds), then stop the writer."""
+        self._queue.put(None)
+        self._writer.join(timeout)
+
+
 class _Core:
     """The engine's loop in the core process."""
 
     def __init__(self, engine: Engine, inbox: Connection, outbox: Connection) -> None:
         self.engine = engine
-        self.inbox, self.outbox = inbox, outbox
+        self.inbox = inbox
+        self.outbox = _Outbox(outbox)
         self.sent: dict[str, _Sent] = {}
         self.closing: str | None = None
         self.stopping = False
@@ -178,6 +221,7 @@ class _Core:
             if self.engine.has_unfinished_requests():
                 with contextlib.suppress(OSError):
                     self._send(self.engine.step())
+            self.outbox.close()
 
     def _iterate(self) -> None:
         if not self.engine.has_unfinished_requests():
@@ -225,7 +269,7 @@ class _Core:
                               f"{type(exc).__name__}: {exc}" if kind == "internal"
                               else str(exc), self.taken, len(self.engine.scheduler.waiting)))
 
-    def _delta(self, o: RequestOutput) -> _Delta:
+    def _delta(self, o: SequenceOutput) -> _Delta:
         s = self.sent.setdefault(o.request_id, _Sent())
         first, s.prompt = not s.prompt, True
         text = None
@@ -242,9 +286,9 @@ class _Core:
             self.sent.pop(o.request_id, None)
         return _Delta(o.request_id, o.prompt_token_ids if first else None, o.new_token_ids,
                       text, o.finished, o.finish_reason, o.error, o.num_preemptions,
-                      o.num_cached_tokens, lps, plp)
+                      o.num_cached_tokens, lps, plp, o.stop_reason)
 
-    def _send(self, outputs: Sequence[RequestOutput]) -> None:
+    def _send(self, outputs: Sequence[SequenceOutput]) -> None:
         try:  # the metrics' view; a failure here never loses the step's outputs
             self.snapshot = Snapshot.of(self.engine)
         except Exception as exc:
@@ -299,12 +343,15 @@ class EngineClient:
         self._outgoing: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
         self._sender = threading.Thread(target=self._send_loop, name="pagedhybrid-to-core",
                                         daemon=True)
+        self._reader = threading.Thread(target=self._read_loop, name="pagedhybrid-from-core",
+                                        daemon=True)
+        self._stopping = False
         self._mirrors: dict[str, _Mirror] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._submitted = 0
         self._taken = 0
         self._snapshot = Snapshot()
-        self.on_step: Callable[[Snapshot, Sequence[RequestOutput]], None] | None = None
+        self.on_step: Callable[[Snapshot, Sequence[SequenceOutput]], None] | None = None
         self.error: str | None = None  # why the core is gone
         self._dead: str | None = None  # why the engine stopped serving (it said so)
         self.closing: str | None = None  # why the server is shutting down (``close``)
@@ -338,8 +385,10 @@ class EngineClient:
 
     # -- event-loop side ----------------------------------------------------------------------
     def start(self) -> None:
+        """Start reading the core's messages (a thread of their own, see ``_read_loop``) and
+        the sender thread; call on the event loop."""
         self._loop = asyncio.get_running_loop()
-        self._loop.add_reader(self._from_core.fileno(), self._readable)
+        self._reader.start()
         self._sender.start()
 
     def submit(self, request_id: str, prompt: list[int], params: SamplingParams,
@@ -372,26 +421,31 @@ class EngineClient:
         return self._submitted - self._taken + self._snapshot.waiting
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop the core (what it still sends is not read: the handlers are done) and close
-        both pipes. Before ``start`` (no sender yet) the end of its pipe stops it."""
-        if self._loop is not None and not self._from_core.closed:
-            self._loop.remove_reader(self._from_core.fileno())
-        self._from_core.close()  # the core's last sends fail instead of filling the pipe
+        """Stop the core and close both pipes; what it still sends is read and dropped (the
+        handlers are done), so its last writes never wait on a full pipe. Before ``start``
+        (no sender yet) the end of its pipe stops it."""
+        self._stopping = True
         if self._sender.is_alive():
             self._outgoing.put(("stop",))
             self._outgoing.put(None)
             self._sender.join(timeout)
         self._to_core.close()
+        if not self._reader.is_alive():  # nobody reads: the core's last sends fail at once
+            self._from_core.close()
         self.proc.join(timeout)
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join(5)
+        if self._reader.ident is not None:  # started: at the end of the pipe now
+            self._reader.join(timeout)
+        if not self._from_core.closed:
+            self._from_core.close()
 
     def _send_loop(self) -> None:
         while (msg := self._outgoing.get()) is not None:
             try:
                 self._to_core.send(msg)
-            except OSError:  # the core is gone; ``_readable`` reports it
+            except OSError:  # the core is gone; the reader thread reports it
                 return
             except Exception as exc:  # this message could not be sent: its request fails
                 if msg[0] == "submit" and self._loop is not None:
@@ -404,12 +458,36 @@ class EngineClient:
             mirror.sink.put_nowait(EngineRefusal(request_id, EngineInternalError(
                 f"the request could not be sent to the engine: {type(exc).__name__}: {exc}")))
 
-    def _readable(self) -> None:
-        try:
-            while self._from_core.poll(0):
-                self._handle(self._from_core.recv())
-        except (EOFError, OSError):
-            self._core_died()
+    def _read_loop(self) -> None:
+        """The reader thread: whole messages off the pipe, in blocking reads (a message of any
+        size arrives in as many reads as it takes), each handed to the event loop. The engine
+        is declared gone only by the process itself: the end of the pipe, or its exit found by
+        the liveness check every ``LIVENESS_S`` while nothing comes."""
+        conn, loop = self._from_core, self._loop
+        assert loop is not None
+        why = None
+        while why is None:
+            try:
+                if not conn.poll(LIVENESS_S):
+                    if not self.proc.is_alive():
+                        why = "exited"
+                    continue
+                msg = conn.recv()
+            except (EOFError, OSError):  # every write end is closed: the core has ended
+                why = "pipe"
+                continue
+            except Exception as exc:  # one message that cannot be read (unpickling)
+                print(f"pagedhybrid: a message from the engine could not be read: "
+                      f"{type(exc).__name__}: {exc}", file=sys.stderr)
+                continue
+            if self._stopping:
+                continue
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                loop.call_soon_threadsafe(self._handle, msg)
+        if not self._stopping:
+            self.proc.join(5)  # its exit status, off the event loop
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._core_died)
 
     def _handle(self, msg: tuple[Any, ...]) -> None:
         if msg[0] == "dead":  # the core ends now (its requests have failed already)
@@ -434,7 +512,7 @@ class EngineClient:
                 print(f"pagedhybrid: on_step hook failed: {type(exc).__name__}: {exc}",
                       file=sys.stderr)
 
-    def _output(self, d: _Delta) -> RequestOutput | None:
+    def _output(self, d: _Delta) -> SequenceOutput | None:
         m = self._mirrors.get(d.request_id)
         if m is None:
             return None
@@ -450,31 +528,30 @@ class EngineClient:
             m.logprobs.extend(d.logprobs)
         if d.prompt_logprobs is not None:
             m.prompt_logprobs = d.prompt_logprobs
-        out = RequestOutput(
+        out = SequenceOutput(
             d.request_id, m.prompt, d.new_token_ids, d.finished, d.finish_reason, text=m.text,
             error=d.error, num_preemptions=d.num_preemptions,
             num_cached_tokens=d.num_cached_tokens, num_generated=len(m.sequence) - len(m.prompt),
             sequence=m.sequence, generated_logprobs=m.logprobs,
-            prompt_logprob_list=m.prompt_logprobs)
+            prompt_logprob_list=m.prompt_logprobs, stop_reason=d.stop_reason)
         if d.finished:
             del self._mirrors[d.request_id]
         m.sink.put_nowait(out)
         return out
 
     def _core_died(self) -> None:
-        if self.error is not None:
+        if self.error is not None or self._stopping:
             return
-        if self._loop is not None:
-            self._loop.remove_reader(self._from_core.fileno())
         if self._dead is None:
-            self.proc.join(1)
-            self.error = f"the engine process exited (code {self.proc.exitcode})"
+            self.error = (f"the engine process exited (code {self.proc.exitcode})"
+                          if not self.proc.is_alive() else
+                          "the engine process closed its end of the pipe")
         else:
             self.error = f"the engine stopped: {self._dead}"
         self._submitted = self._taken  # nothing is waiting any more
         print(f"pagedhybrid: {self.error}", file=sys.stderr)
         for rid, m in self._mirrors.items():
-            m.sink.put_nowait(RequestOutput(
+            m.sink.put_nowait(SequenceOutput(
                 rid, m.prompt, (), True, "error", m.text, self.error,
                 num_generated=len(m.sequence) - len(m.prompt), sequence=m.sequence,
                 generated_logprobs=m.logprobs, prompt_logprob_list=m.prompt_logprobs))
