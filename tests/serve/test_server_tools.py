@@ -1,7 +1,10 @@
 """Tool calls and reasoning through the real ``openai`` client (``engine/chat.py`` behind the
 server): forced calls (``required``, a named function, one call when ``parallel_tool_calls`` is
 false) streamed as OpenAI streams them (a header delta, then argument deltas) and equal to the
-same answer whole, arguments valid for the function's schema, ``finish_reason: "tool_calls"``;
+same answer whole, arguments valid for the function's schema, ``finish_reason: "tool_calls"``
+(a named function called exactly once, as OpenAI and vLLM do; ``required`` at most
+``MAX_PARALLEL_CALLS`` times); an answer cut by ``max_tokens`` anywhere: ``length``, no markup in
+the content, a cut call with the arguments generated so far;
 an assistant turn's calls and the tool's result go back through the chat template (the prompt
 the server counts is the one ``/tokenize`` renders); reasoning split into ``reasoning_content``
 when the template opened ``<think>``, none with ``enable_thinking`` false; and 400s naming the
@@ -18,6 +21,7 @@ import pytest
 from conftest import Server, start_server
 
 from pagedhybrid.engine import LLM, SamplingParams
+from pagedhybrid.engine.chat import MAX_PARALLEL_CALLS
 from pagedhybrid.models.qwen35.synthetic import QWEN35_CHAT_TEMPLATE
 
 VERSE = {"type": "function", "function": {
@@ -60,32 +64,85 @@ def streamed_message(chunks) -> tuple[dict, str | None]:
     return msg, finish
 
 
-@pytest.mark.parametrize(("choice", "parallel"), [
-    ("required", True), ({"type": "function", "function": {"name": "sing_psalm"}}, False)])
+SING = {"type": "function", "function": {"name": "sing_psalm"}}
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (VERSE, PSALM)}
+
+
+@pytest.mark.parametrize(("choice", "parallel", "calls"), [
+    ("required", True, (1, MAX_PARALLEL_CALLS)), ("required", False, (1, 1)),
+    (SING, True, (1, 1)), (SING, False, (1, 1))])
 def test_forced_calls_stream_as_openai_and_equal_the_whole_answer(server: Server,
                                                                   choice: object,
-                                                                  parallel: bool) -> None:
-    """Parallel calls: this model calls again and again until ``max_tokens`` (``length``; the
-    cut call is closed with the arguments it completed); one call: ``tool_calls``."""
+                                                                  parallel: bool,
+                                                                  calls: tuple[int, int]
+                                                                  ) -> None:
+    """This model calls again and again where the grammar lets it: ``required`` with parallel
+    calls still ends (at most ``MAX_PARALLEL_CALLS`` calls), a named function is called
+    exactly once (parallel calls allowed or not), one call without parallel calls; every
+    answer ends with ``tool_calls``, not ``length``, and no markup reaches the content."""
     c = client(server)
     kw = {"model": server.model, "messages": ASK, "tools": [VERSE, PSALM],
           "tool_choice": choice, "parallel_tool_calls": parallel, "temperature": 0,
-          "max_tokens": 160}
+          "max_tokens": 1200}
     whole = c.chat.completions.create(**kw)
     msg = whole.choices[0].message
     assert msg.content is None
-    assert whole.choices[0].finish_reason == ("length" if parallel else "tool_calls")
-    assert len(msg.tool_calls) >= 2 if parallel else len(msg.tool_calls) == 1
-    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (VERSE, PSALM)}
-    for call in msg.tool_calls[:-1] if parallel else msg.tool_calls:
+    assert whole.choices[0].finish_reason == "tool_calls"
+    assert calls[0] <= len(msg.tool_calls) <= calls[1]
+    for call in msg.tool_calls:
         assert call.type == "function" and call.id.startswith("call_")
-        if not parallel:
+        if choice == SING:
             assert call.function.name == "sing_psalm"
-        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
     streamed, finish = streamed_message(c.chat.completions.create(**kw, stream=True))
-    assert finish == whole.choices[0].finish_reason and streamed["content"] == ""
+    assert finish == "tool_calls" and streamed["content"] == ""
     assert [(t["name"], t["arguments"]) for _, t in sorted(streamed["tool_calls"].items())] == \
         [(t.function.name, t.function.arguments) for t in msg.tool_calls]
+
+
+def test_calls_cut_by_max_tokens_keep_their_partial_arguments(server: Server) -> None:
+    """``max_tokens`` anywhere in the first call and the start of the second: ``length``, no
+    markup (``<tool_call``, ``</tool_call``, a prefix of them) in the content, streamed or
+    not, and each call's arguments a prefix of the uncut call's -- the JSON text generated so
+    far, not ``{}`` (OpenAI returns a cut call so); the stream says the same."""
+    c = client(server)
+    kw = {"model": server.model, "messages": ASK, "tools": [VERSE, PSALM],
+          "tool_choice": "required", "temperature": 0}
+    full = c.chat.completions.create(**kw, max_tokens=1200)
+    want = [(t.function.name, t.function.arguments) for t in full.choices[0].message.tool_calls]
+    assert len(want) >= 2, want  # the built-in model calls again: the cuts reach the second
+    first = c.chat.completions.create(**{**kw, "parallel_tool_calls": False}, max_tokens=1200)
+    n_first = first.usage.completion_tokens  # the first call's tokens
+    partial = 0
+    for n in [*range(2, n_first, 4), *range(n_first, n_first + 16)]:
+        whole = c.chat.completions.create(**kw, max_tokens=n)
+        ch = whole.choices[0]
+        assert ch.finish_reason == "length" and not ch.message.content, (n, ch.message)
+        got = [(t.function.name, t.function.arguments) for t in ch.message.tool_calls or []]
+        for (name, args), (want_name, want_args) in zip(got, want, strict=False):
+            assert name == want_name and want_args.startswith(args), (n, got, want)
+            partial += args not in ("", want_args)
+        streamed, finish = streamed_message(c.chat.completions.create(**kw, max_tokens=n,
+                                                                      stream=True))
+        assert finish == "length" and streamed["content"] == "", (n, streamed)
+        assert [(t["name"], t["arguments"]) for _, t in
+                sorted(streamed["tool_calls"].items())] == got
+    assert partial  # some cut fell inside the arguments, and they were kept
+
+
+@pytest.mark.parametrize("written", ["In the beginning <tool_c",
+                                     "In the beginning\n\n<tool_call>\n<fun"])
+def test_a_tag_cut_short_never_reaches_the_content(server: Server, written: str) -> None:
+    """``tool_choice`` auto, the model made (by ``guided_regex``) to end its answer inside
+    ``<tool_call>`` markup: the content is the text before it, streamed or not."""
+    c = client(server)
+    kw = {"model": server.model, "messages": ASK, "tools": [VERSE, PSALM], "temperature": 0,
+          "max_tokens": 64, "extra_body": {"guided_regex": written}}
+    whole = c.chat.completions.create(**kw).choices[0]
+    streamed, finish = streamed_message(c.chat.completions.create(**kw, stream=True))
+    assert whole.message.content == streamed["content"] == "In the beginning"
+    assert not whole.message.tool_calls and not streamed["tool_calls"]
+    assert whole.finish_reason == finish == "stop"
 
 
 def test_one_call_then_the_tool_result_goes_back_through_the_template(server: Server,

@@ -26,7 +26,11 @@ where a ``string`` argument's VALUE is its raw text and any other argument's VAL
   function, the tool calls' (every argument of the function's schema, required ones always,
   values valid for their property schema, arguments in schema order); when the prompt opened
   ``<think>``, free reasoning up to ``</think>`` comes first: grammars apply after the
-  reasoning ends.
+  reasoning ends. The grammar ends the answer after its last allowed call
+  (``Tools.max_calls``: one for a named function, as OpenAI and vLLM give, and for
+  ``parallel_tool_calls`` false; at most ``MAX_PARALLEL_CALLS`` for ``required``, each
+  followed by the model's choice of EOS or another call): nothing can follow it, so the engine
+  ends the request (``grammar_end``, ``stop``, which the parser reports as ``tool_calls``).
 * ``template_message(message)`` -- an OpenAI message as chat templates read it (tool calls'
   ``arguments`` parsed). Answers are split back into OpenAI's message by ``chat_parser``.
 """
@@ -52,6 +56,9 @@ CHOICES = ("none", "auto", "required")
 # string arguments are raw text in the call; these keywords would need a regex over it
 TEXT_KEYWORDS = ("pattern", "format")
 MAX_TEXT = 1 << 16  # the longest minLength / maxLength a string argument may ask for
+# the most calls ``required`` forces in one answer (parallel calls): a model that calls again
+# and again (the built-in one does) still ends with ``tool_calls``, not at ``max_tokens``
+MAX_PARALLEL_CALLS = 8
 
 
 @dataclass(frozen=True)
@@ -120,6 +127,12 @@ class Tools:
         if self.choice == "required":
             return self.tools
         return tuple(t for t in self.tools if t.name == self.choice)
+
+    @property
+    def max_calls(self) -> int:
+        """The most calls a forced answer makes: one for a named function or without
+        ``parallel_tool_calls``, else ``MAX_PARALLEL_CALLS``."""
+        return MAX_PARALLEL_CALLS if self.parallel and self.choice == "required" else 1
 
     def tool(self, name: str) -> Tool | None:
         return next((t for t in self.tools if t.name == name), None)
@@ -287,7 +300,8 @@ def _tool_rules(tools: Tools) -> list[str]:
                      f"{_lit('</function>' + chr(10))}")
         fns.append(f"f{i}")
     rules.append(f"call: {_lit(CALL_OPEN + chr(10))} ({' | '.join(fns)}) {_lit(CALL_CLOSE)}")
-    rules.append('calls: call ("\\n\\n" call)*' if tools.parallel else "calls: call")
+    more = tools.max_calls - 1
+    rules.append(f'calls: call ("\\n\\n" call){{0,{more}}}' if more else "calls: call")
     return rules
 
 

@@ -10,11 +10,22 @@ model's first token, never closed (all of it is reasoning, ``content`` null), no
 ``<tool_call>`` inside reasoning ends the reasoning (the call is kept, not lost in
 ``reasoning_content``); Qwen3's JSON calls are read too; with ``parallel_tool_calls`` false the
 answer ends after its first call (``done``).
+
+Markup never reaches ``content``: text that could still begin ``<tool_call>`` is held back while
+the answer grows, and at its end a tag cut short (``<tool_c``, ``<tool_call>\n<f``) is dropped,
+not returned as text. A call cut by the answer's end (``max_tokens``) keeps the arguments
+generated so far, as OpenAI returns them: the JSON text up to the cut (``{"city": "Par``: an
+argument's value as far as it was written, a string argument's without its closing quote), never
+closed into a complete-looking object; a call whose ``<function=NAME>`` was cut is dropped (it
+names no function). Only a ``<tool_call>`` followed by text that cannot begin a call (no
+``<function=NAME>``, no JSON call) is returned as content: what the model wrote is not a call
+(vLLM's parsers do the same).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,6 +41,12 @@ from pagedhybrid.engine.chat import (
     Tools,
     json_or_text,
 )
+
+FUNCTION_END, VALUE_END = "</function>", "\n</parameter>\n"
+CUT_FUNCTION_RE = re.compile(r"<function=([^>\n]*)>\Z")  # a header cut before its newline
+CUT_PARAMETER_RE = re.compile(r"<parameter=([^>\n]*)(>\n?)?(.*)\Z", re.S)  # name, value cut
+JSON_CALL_RE = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(.*)\Z',
+                          re.S)  # Qwen3's JSON call, cut in its arguments
 
 
 @dataclass
@@ -63,7 +80,8 @@ class ChatParser:
 
     def feed(self, text: str, final: bool = False) -> dict[str, Any]:
         """The stream delta of ``text`` appended to the answer (``final``: the answer ended,
-        held-back text goes out). Keys: ``reasoning_content``, ``content``, ``tool_calls``."""
+        held-back text goes out but markup cut short, an unfinished call with the arguments
+        generated so far). Keys: ``reasoning_content``, ``content``, ``tool_calls``."""
         self._buf += text
         delta: dict[str, Any] = {}
         while not self.done and self._step(delta, final):
@@ -194,17 +212,60 @@ class ChatParser:
         self._mode = "closing"
 
     def _flush(self, delta: dict[str, Any]) -> None:
-        """The answer ended: held-back text goes out; an unfinished call is closed with the
-        arguments that were complete."""
+        """The answer ended: what ``_step`` held back is markup cut short (a partial
+        ``<tool_call>``; ``_safe`` let the rest out), or an unfinished call, which keeps the
+        arguments generated so far (module docstring)."""
+        buf = self._buf.lstrip("\n")
         if self._mode == "args":
-            self._close_call(delta)
-        if self._mode == "call":
-            self._not_a_call(delta)
-        if self._mode == "closing":
-            self._buf = ""
+            self._cut_arguments(delta, buf)
+        elif self._mode == "call":
+            self._cut_call(delta, buf)
+        self._buf = ""
+
+    def _cut_call(self, delta: dict[str, Any], buf: str) -> None:
+        """A call cut before its first argument: kept when its function is named."""
+        m = CUT_FUNCTION_RE.match(buf)
+        if m is not None:
+            self._open_call(delta, m.group(1).strip())
             return
-        self._emit(delta, "reasoning_content" if self._mode == "reasoning" else "content",
-                   len(self._buf))
+        text = buf[:len(buf) - _tail(buf, CALL_CLOSE)].strip()  # Qwen3's JSON call
+        parsed = json_or_text(text)
+        if isinstance(parsed, dict) and isinstance(parsed.get("name"), str):  # whole
+            self._open_call(delta, parsed["name"])
+            self._arguments(delta, json.dumps(parsed.get("arguments", {}), ensure_ascii=False))
+            return
+        m = JSON_CALL_RE.match(text)
+        if m is not None and isinstance(name := json_or_text(m.group(1)), str):
+            self._open_call(delta, name)
+            if m.group(2):
+                self._arguments(delta, m.group(2))
+
+    def _cut_arguments(self, delta: dict[str, Any], buf: str) -> None:
+        """The JSON text of the arguments up to the cut (``buf``: the call's text after its
+        complete arguments)."""
+        call = self.calls[-1]
+        if len(buf) > 1 and FUNCTION_END.startswith(buf):  # the model was closing the call
+            self._close_call(delta)
+            return
+        m = CUT_PARAMETER_RE.match(buf)
+        if m is None:  # nothing of an argument (or "<", "<param"): what was complete
+            return
+        name, raw = m.group(1).strip(), m.group(3)
+        piece = "{" if not call.arguments else ", "
+        if not m.group(2):  # the name was cut
+            self._arguments(delta, piece + json.dumps(name, ensure_ascii=False)[:-1])
+            return
+        tool = self.tools.tool(call.name) if self.tools is not None else None
+        end = raw.find(VALUE_END[:-1])
+        if end >= 0:  # the value is complete, only the line after it was cut
+            value = tool.value(name, raw[:end]) if tool is not None else json_or_text(
+                raw[:end])
+            text = json.dumps(value, ensure_ascii=False)
+        else:
+            raw = raw[:len(raw) - _tail(raw, VALUE_END)]  # the closing tag's start is markup
+            as_text = tool.is_text(name) if tool is not None else not _json_start(raw)
+            text = json.dumps(raw, ensure_ascii=False)[:-1] if as_text else raw
+        self._arguments(delta, piece + json.dumps(name, ensure_ascii=False) + ": " + text)
 
     def _take(self, n: int) -> str:
         text, self._buf = self._buf[:n], self._buf[n:]
@@ -233,15 +294,29 @@ def _first(text: str, marks: Sequence[str]) -> tuple[int, str]:
     return min(found) if found else (-1, "")
 
 
+def _tail(text: str, mark: str) -> int:
+    """The length of the longest end of ``text`` that begins ``mark`` (shorter than it)."""
+    for k in range(min(len(mark) - 1, len(text)), 0, -1):
+        if mark.startswith(text[-k:]):
+            return k
+    return 0
+
+
+def _json_start(raw: str) -> bool:
+    """Whether ``raw`` (a value of an unknown function's argument, cut) begins like JSON."""
+    head = raw.lstrip()
+    return head[:1] in tuple('{["-0123456789') or head[:4] in ("true", "fals", "null")
+
+
 def _safe(text: str, marks: Sequence[str], final: bool) -> int:
     """How much of ``text`` can go out now: all but trailing blanks and a tail that could
-    begin one of ``marks`` (either may still turn out to precede a marker)."""
-    if final:
-        return len(text)
+    begin one of ``marks`` (either may still turn out to precede a marker); at the answer's
+    end (``final``) all but a ``<tool_call>`` cut short (and the blanks before it): markup,
+    never text."""
     end = len(text)
     for mark in marks:
-        for k in range(min(len(mark) - 1, end), 0, -1):
-            if mark.startswith(text[end - k:end]):
-                end -= k
-                break
+        if not final or mark == CALL_OPEN:
+            end -= _tail(text[:end], mark)
+    if final and end == len(text):
+        return end
     return len(text[:end].rstrip()) if marks else end
