@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedhybrid.engine import Engine, RequestOutput, SamplingParams
+from pagedhybrid.engine import Engine, SamplingParams, SequenceOutput
 
 
 def prompt_of(seed: int, length: int, vocab: int = 256) -> list[int]:
@@ -14,10 +14,10 @@ def prompt_of(seed: int, length: int, vocab: int = 256) -> list[int]:
 
 
 def run_all(engine: Engine, prompts: list[list[int]], params: SamplingParams
-            ) -> list[RequestOutput]:
+            ) -> list[SequenceOutput]:
     """Every prompt queued at once, stepped to the end (the invariants checked after each step);
     the outputs in prompt order."""
-    outs: dict[str, RequestOutput] = {}
+    outs: dict[str, SequenceOutput] = {}
     ids = [f"r{engine.stats.steps}-{i}" for i in range(len(prompts))]
     for rid, p in zip(ids, prompts, strict=True):
         engine.add_request(rid, p, params)

@@ -24,7 +24,7 @@ from engine_helpers import prompt_of
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from pagedhybrid.engine import Engine, RequestOutput, SamplingParams
+from pagedhybrid.engine import Engine, SamplingParams, SequenceOutput
 from pagedhybrid.errors import UnsupportedConfiguration
 from pagedhybrid.kernels.native import status
 from pagedhybrid.models.qwen35 import Qwen35ForCausalLM, load
@@ -40,17 +40,17 @@ BASE = prompt_of(11, 200)
 TOTALS = {"examples": 0, "preemptions": 0, "hits": 0, "chunked": 0}
 
 
-def lps(out: RequestOutput) -> torch.Tensor:
+def lps(out: SequenceOutput) -> torch.Tensor:
     assert out.logprobs is not None
     return torch.tensor([d[t].logprob for d, t in zip(out.logprobs, out.token_ids, strict=True)],
                         dtype=torch.float32)
 
 
 def run(engine: Engine, work: list[tuple[list[int], SamplingParams]], late: int = 0,
-        order: list[int] | None = None) -> list[RequestOutput]:
+        order: list[int] | None = None) -> list[SequenceOutput]:
     """Queue ``work`` (in ``order``; the last ``late`` requests arrive after two steps)."""
     order = order if order is not None else list(range(len(work)))
-    outs: dict[str, RequestOutput] = {}
+    outs: dict[str, SequenceOutput] = {}
     first, rest = order[:len(order) - late], order[len(order) - late:]
     tag = engine.stats.steps
     for i in first:
@@ -69,15 +69,15 @@ def run(engine: Engine, work: list[tuple[list[int], SamplingParams]], late: int 
 
 
 @pytest.fixture(scope="module")
-def alone(tiny_model) -> Callable[[list[int], SamplingParams], RequestOutput]:  # type: ignore[no-untyped-def]
+def alone(tiny_model) -> Callable[[list[int], SamplingParams], SequenceOutput]:  # type: ignore[no-untyped-def]
     from pagedhybrid.engine import EngineConfig
 
     engine = Engine(tiny_model, EngineConfig(batch_invariant=True, num_blocks=64,
                                              max_num_batched_tokens=2048,
                                              enable_prefix_caching=False))
-    memo: dict[tuple[tuple[int, ...], SamplingParams], RequestOutput] = {}
+    memo: dict[tuple[tuple[int, ...], SamplingParams], SequenceOutput] = {}
 
-    def one(prompt: list[int], params: SamplingParams) -> RequestOutput:
+    def one(prompt: list[int], params: SamplingParams) -> SequenceOutput:
         key = (tuple(prompt), params)
         if key not in memo:
             memo[key] = run(engine, [(prompt, params)])[0]

@@ -25,7 +25,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagedhybrid.engine import LLM, Engine, SamplingParams, load_engine
-from pagedhybrid.engine.chat import Tools, constraint, template_message, thinking
+from pagedhybrid.engine.chat import (
+    MAX_PARALLEL_CALLS,
+    Tools,
+    constraint,
+    template_message,
+    thinking,
+)
 from pagedhybrid.engine.chat_parser import ChatParser
 from pagedhybrid.engine.request import InvalidRequest
 from pagedhybrid.engine.structured import Grammars, StructuredOutputs, allowed_tokens
@@ -58,7 +64,13 @@ CASES = [
       "tool_calls": [PARIS]}),
     ("model-opened", False, None, "<think>\nhmm\n</think>\n\nIn the beginning",
      {"content": "In the beginning", "reasoning_content": "hmm"}),
-    ("no think", False, TOOLS, "And God said <tool", {"content": "And God said <tool"}),
+    ("no think", False, TOOLS, "And God said", {"content": "And God said"}),
+    ("a tag cut short is not content", False, TOOLS, "And God said <tool",
+     {"content": "And God said"}),
+    ("a call cut before its name", False, TOOLS, "Let me see.\n\n<tool_call>\n<f",
+     {"content": "Let me see."}),
+    ("tags are text without tools", False, None, "And God said <tool",
+     {"content": "And God said <tool"}),
     ("never closed", True, TOOLS, "still thinking\nabout it",
      {"content": None, "reasoning_content": "still thinking\nabout it"}),
     ("call inside think", True, TOOLS, "I will call " + CALL,
@@ -72,9 +84,22 @@ CASES = [
          {"name": "find_verse", "arguments": '{"book": "Ruth", "chapter": 1}'}]}),
     ("not a call", False, TOOLS, "<tool_call>oops</tool_call> after",
      {"content": "<tool_call>oops</tool_call> after"}),
-    ("unfinished call", False, TOOLS, CALL[:CALL.index("<parameter=days>")] + "<parameter=da",
+    ("cut in an argument's name", False, TOOLS,
+     CALL[:CALL.index("<parameter=days>")] + "<parameter=da",
      {"content": None, "tool_calls": [{"name": "get_weather",
-                                       "arguments": '{"city": "Paris"}'}]}),
+                                       "arguments": '{"city": "Paris", "da'}]}),
+    ("cut in a string value", False, TOOLS, CALL[:CALL.index("ris\n")],
+     {"content": None, "tool_calls": [{"name": "get_weather", "arguments": '{"city": "Pa'}]}),
+    ("cut in a value's closing tag", False, TOOLS, CALL[:CALL.index("ameter>\n<parameter=d")],
+     {"content": None, "tool_calls": [{"name": "get_weather",
+                                       "arguments": '{"city": "Paris'}]}),
+    ("cut after a call's name", False, TOOLS, CALL[:CALL.index("\n<parameter")],
+     {"content": None, "tool_calls": [{"name": "get_weather", "arguments": ""}]}),
+    ("cut while the call closes", False, TOOLS, CALL[:CALL.index("ction>\n</tool_call>")],
+     {"content": None, "tool_calls": [PARIS]}),
+    ("cut in a json call", False, TOOLS,
+     '<tool_call>\n{"name": "find_verse", "arguments": {"book": "Ru',
+     {"content": None, "tool_calls": [{"name": "find_verse", "arguments": '{"book": "Ru'}]}),
     ("string stays text", False, TOOLS, CALL.replace("Paris", "[1, 2]"),
      {"content": None, "tool_calls": [{"name": "get_weather",
                                        "arguments": '{"city": "[1, 2]", "days": 3}'}]}),
@@ -124,6 +149,56 @@ def test_parser_splits_an_answer_however_it_is_chunked(case: str, opened: bool,
         assert whole.done and whole.finish_reason("length") == "tool_calls"
 
 
+ROME = CALL.replace("Paris", "Rome")
+ANSWER = "Let me check.\n\n" + CALL + "\n\n" + ROME  # the calls' arguments: PARIS, then Rome's
+
+
+def test_an_answer_cut_anywhere_keeps_what_was_generated_and_no_markup() -> None:
+    """Every prefix of an answer with two calls, as ``max_tokens`` may cut it: the content is a
+    prefix of the answer's (never markup: no ``<``), each call names its function and its
+    arguments are a prefix of the whole call's (the JSON text generated so far), streamed or
+    whole; a cut answer ends with ``length``."""
+    full = ChatParser(False, TOOLS)
+    full.feed(ANSWER, final=True)
+    want = [(c.name, c.arguments) for c in full.calls]
+    assert want == [("get_weather", PARIS["arguments"]),
+                    ("get_weather", '{"city": "Rome", "days": 3}')]
+    for n in range(len(ANSWER)):
+        whole = ChatParser(False, TOOLS)
+        whole.feed(ANSWER[:n], final=True)
+        msg = whole.message()
+        content = msg["content"] or ""
+        assert "Let me check.".startswith(content.rstrip()), (ANSWER[:n], content)
+        assert len(whole.calls) <= len(want) and whole.finish_reason("length") == "length"
+        for call, (name, args) in zip(whole.calls, want, strict=False):
+            assert call.name == name and args.startswith(call.arguments), (ANSWER[:n], call)
+        if n > ANSWER.index("ris\n") and whole.calls:  # cut inside the first call's value
+            assert whole.calls[-1].arguments != "{}"
+        streamed, p, args_of = "", ChatParser(False, TOOLS), {}
+        for at in range(0, n + 1, 5):
+            delta = p.feed(ANSWER[at:min(at + 5, n)], final=at + 5 >= n)
+            streamed += delta.get("content", "")
+            for item in delta.get("tool_calls", []):
+                args_of[item["index"]] = args_of.get(item["index"], "") + \
+                    item["function"]["arguments"]
+            if at + 5 >= n:
+                break
+        assert streamed == content
+        assert [args_of[i] for i in sorted(args_of)] == [c.arguments for c in whole.calls]
+
+
+def test_the_cut_arguments_are_what_the_model_wrote() -> None:
+    cut = ChatParser(False, TOOLS)
+    cut.feed(CALL[:CALL.index("ris\n")], final=True)
+    assert cut.calls[0].arguments == '{"city": "Pa'  # not "{}": the call is unfinished
+    cut = ChatParser(False, TOOLS)
+    cut.feed(CALL[:CALL.index("\n</parameter>\n<parameter=days>")] + "\n</para", final=True)
+    assert cut.calls[0].arguments == '{"city": "Paris'  # the closing tag's start is markup
+    unknown = ChatParser(False, TOOLS)
+    unknown.feed("<tool_call>\n<function=other>\n<parameter=xs>\n[1, 2", final=True)
+    assert unknown.calls[0].arguments == '{"xs": [1, 2'  # JSON as written
+
+
 @pytest.fixture(scope="module")
 def engine() -> Engine:
     return load_engine(None, num_blocks=256, max_num_seqs=16)
@@ -157,9 +232,10 @@ def test_forced_calls_always_name_a_tool_and_validate(engine: Engine, params: di
                                                          max_tokens=200),
                                      tools=tools, tool_choice=choice,
                                      parallel_tool_calls=False, use_progress=False)
-    assert out.finish_reason == "tool_calls", out.output.text
-    assert out.message["content"] is None and len(out.message["tool_calls"]) == 1
-    for call in out.message["tool_calls"]:
+    assert out.finish_reason == "tool_calls", out.outputs[0].text
+    msg = out.outputs[0].message
+    assert msg["content"] is None and len(msg["tool_calls"]) == 1
+    for call in msg["tool_calls"]:
         fn = call["function"]
         assert fn["name"] in (("act",) if named else ("act", "get_weather"))
         schema = params if fn["name"] == "act" else WEATHER["function"]["parameters"]
@@ -171,9 +247,9 @@ def test_one_call_when_parallel_calls_are_off_and_tool_results_render(engine: En
     (out,) = llm.chat(ASK, SamplingParams(temperature=1.0, seed=3, max_tokens=120),
                       tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
                       use_progress=False)
-    assert out.finish_reason == "tool_calls" and len(out.message["tool_calls"]) == 1
-    assert out.output.text.endswith("</tool_call>")  # the grammar allows one call, then EOS
-    call = out.message["tool_calls"][0]
+    assert out.finish_reason == "tool_calls" and len(out.outputs[0].message["tool_calls"]) == 1
+    assert out.outputs[0].text.endswith("</tool_call>")  # the grammar allows one call, then EOS
+    call = out.outputs[0].message["tool_calls"][0]
     turn = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
             {"role": "tool", "tool_call_id": call["id"], "content": "sunny, 21 C"}]
     text = engine.tokenizer.apply_chat_template(
@@ -183,8 +259,74 @@ def test_one_call_when_parallel_calls_are_off_and_tool_results_render(engine: En
     assert "<tool_response>\nsunny, 21 C\n</tool_response>" in text and "get_weather" in text
     (answer,) = llm.chat(turn, SamplingParams(temperature=0.0, max_tokens=8), tools=[WEATHER],
                          use_progress=False)
-    assert answer.output.prompt_token_ids == tuple(engine.tokenizer.encode(
+    assert answer.prompt_token_ids == tuple(engine.tokenizer.encode(
         text, add_special_tokens=False))
+
+
+PSALM = {"type": "function", "function": {"name": "sing_psalm", "parameters": {
+    "type": "object", "required": ["number"], "properties": {
+        "number": {"type": "integer", "minimum": 1, "maximum": 150}}}}}
+SING = {"type": "function", "function": {"name": "sing_psalm"}}
+PSALM_CALL = ("<tool_call>\n<function=sing_psalm>\n<parameter=number>\n23\n</parameter>\n"
+              "</function>\n</tool_call>")
+
+
+@pytest.mark.parametrize(("choice", "parallel", "calls"), [
+    (SING, None, 1), ("required", False, 1), ("required", None, MAX_PARALLEL_CALLS)])
+def test_forced_grammars_end_after_the_calls_they_allow(engine: Engine, choice: object,
+                                                        parallel: bool | None,
+                                                        calls: int) -> None:
+    """After the last call a forced grammar allows (one for a named function, as OpenAI
+    gives, or without parallel calls; ``MAX_PARALLEL_CALLS`` for ``required``) only EOS can
+    follow; before it, another call may."""
+    tok, vocab = engine.tokenizer, engine.model.config.vocab_size
+    eos = tuple(tok.eos_token_ids)
+    spec = constraint(None, Tools.of([WEATHER, PSALM], choice, parallel), thinking=False)
+    m = Grammars(tok, vocab, eos).matcher(spec)
+    for i in range(calls):
+        assert m.consume_tokens(tok.encode(("\n\n" if i else "") + PSALM_CALL,
+                                           add_special_tokens=False))
+        allowed = unpack_bitmask(allowed_tokens([m], vocab, eos), vocab)[0]
+        others = [t for t in allowed.nonzero().flatten().tolist() if t not in eos]
+        assert bool(others) == (i + 1 < calls), (i, [tok.decode([t]) for t in others])
+
+
+def test_named_and_required_calls_end_as_openai_ends_them(engine: Engine) -> None:
+    """The built-in model calls again and again where it may: a named function is called
+    once, ``required`` at most ``MAX_PARALLEL_CALLS`` times, and both end with
+    ``tool_calls``, never at ``max_tokens``."""
+    llm, greedy = LLM(engine=engine), SamplingParams(temperature=0.0, max_tokens=1200)
+    (named,) = llm.chat(ASK, greedy, tools=[WEATHER, PSALM], tool_choice=SING,
+                        use_progress=False)
+    assert named.finish_reason == "tool_calls" and named.outputs[0].message["content"] is None
+    assert [c["function"]["name"] for c in named.outputs[0].message["tool_calls"]] == ["sing_psalm"]
+    (req,) = llm.chat(ASK, greedy, tools=[WEATHER, PSALM], tool_choice="required",
+                      use_progress=False)
+    assert req.finish_reason == "tool_calls" and req.outputs[0].message["content"] is None
+    assert 1 <= len(req.outputs[0].message["tool_calls"]) <= MAX_PARALLEL_CALLS
+    assert req.outputs[0].text.endswith("</tool_call>")
+
+
+def test_a_call_cut_by_max_tokens_keeps_its_partial_arguments(engine: Engine) -> None:
+    """``max_tokens`` anywhere in a forced answer: ``length``, no markup in ``content``, each
+    call's arguments a prefix of the uncut call's (as OpenAI returns a cut call)."""
+    llm = LLM(engine=engine)
+    kw = {"tools": [WEATHER, PSALM], "tool_choice": "required", "use_progress": False}
+    (full,) = llm.chat(ASK, SamplingParams(temperature=0.0, max_tokens=1200), **kw)
+    want = [(c["function"]["name"], c["function"]["arguments"])
+            for c in full.outputs[0].message["tool_calls"]]
+    first = len(engine.tokenizer.encode(full.outputs[0].text[:full.outputs[0].text.index(
+        "</tool_call>")], add_special_tokens=False))  # about the first call's tokens
+    partial = 0
+    for n in range(1, first + 24, 3):
+        (cut,) = llm.chat(ASK, SamplingParams(temperature=0.0, max_tokens=n), **kw)
+        msg = cut.outputs[0].message
+        assert cut.finish_reason == "length" and not msg["content"], msg
+        for call, (name, args) in zip(msg.get("tool_calls", []), want, strict=False):
+            assert call["function"]["name"] == name
+            assert args.startswith(call["function"]["arguments"]), (call, args)
+            partial += call["function"]["arguments"] not in ("", args)
+    assert partial  # some cut fell inside the arguments, and they were kept
 
 
 def test_grammars_apply_after_the_reasoning(engine: Engine) -> None:
@@ -218,8 +360,8 @@ def test_qwen35_template_reasoning_and_enable_thinking(engine: Engine) -> None:
     try:
         llm, greedy = LLM(engine=engine), SamplingParams(temperature=0.0, max_tokens=24)
         (opened,) = llm.chat(ASK, greedy, use_progress=False)
-        assert opened.message["content"] is None and opened.finish_reason == "length"
-        assert opened.message["reasoning_content"] == opened.output.text.strip()
+        assert opened.outputs[0].message["content"] is None and opened.finish_reason == "length"
+        assert opened.outputs[0].message["reasoning_content"] == opened.outputs[0].text.strip()
         schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
                                                      "maximum": 99}}, "required": ["n"],
               "additionalProperties": False}
@@ -227,8 +369,9 @@ def test_qwen35_template_reasoning_and_enable_thinking(engine: Engine) -> None:
                                                  structured_outputs={"json": schema}),
                              chat_template_kwargs={"enable_thinking": False},
                              use_progress=False)
-        assert "reasoning_content" not in closed.message and closed.finish_reason == "stop"
-        jsonschema.validate(json.loads(closed.message["content"]), schema)
+        assert "reasoning_content" not in closed.outputs[0].message
+        assert closed.finish_reason == "stop"
+        jsonschema.validate(json.loads(closed.outputs[0].message["content"]), schema)
     finally:
         tok.chat_template = own
 

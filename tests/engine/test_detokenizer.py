@@ -20,9 +20,9 @@ class CountingTokenizer:
     def __init__(self, inner: object) -> None:
         self.inner, self.decoded = inner, 0
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         self.decoded += len(ids)
-        return self.inner.decode(ids)  # type: ignore[attr-defined]
+        return self.inner.decode(ids, skip_special_tokens)  # type: ignore[attr-defined]
 
 
 @settings(max_examples=60, deadline=None)

@@ -19,8 +19,8 @@ from pagedhybrid.engine import (
     Engine,
     EngineConfig,
     InvalidRequest,
-    RequestOutput,
     SamplingParams,
+    SequenceOutput,
     build_batch,
 )
 from pagedhybrid.engine import runner as runner_module
@@ -32,8 +32,8 @@ from pagedhybrid.models.qwen35 import ABI_INPUT_NAMES, PackedBatch, load
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
-def run_all(engine: Engine, check: bool = True) -> dict[str, RequestOutput]:
-    final: dict[str, RequestOutput] = {}
+def run_all(engine: Engine, check: bool = True) -> dict[str, SequenceOutput]:
+    final: dict[str, SequenceOutput] = {}
     for out in engine.stream():
         if check:
             engine.check_invariants()
@@ -56,7 +56,7 @@ def test_staggered_batch_with_preemption_matches_alone_and_hf(
                          num_state_slots=2, max_num_seqs=3, max_num_batched_tokens=24,
                          cache_fill=None)
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in outs]
-    final: dict[str, RequestOutput] = {}
+    final: dict[str, SequenceOutput] = {}
     pending = list(range(len(prompts)))
     step = 0
     while pending or engine.has_unfinished_requests():
@@ -372,8 +372,10 @@ def test_streaming_and_llm_generate(tiny_dir: object, hf_greedy: Callable[..., l
     assert "prompt" in err and "generated" in err and "tok/s" in err
     t = llm.last_throughput
     assert t is not None and t.generated_tokens == 19 and t.prompt_tokens == 39
-    with pytest.raises(InvalidRequest):
+    with pytest.raises(ContractViolation, match=r"prompts\[1\]"):
         llm.generate([prompts[0], []], GREEDY)
+    with pytest.raises(InvalidRequest):  # the engine's own refusal: a token outside the vocabulary
+        llm.generate([prompts[0], [10 ** 9]], GREEDY)
     assert not llm.engine.has_unfinished_requests()
 
 

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from pagedhybrid.engine import Engine, Request, RequestOutput, SamplingParams
+from pagedhybrid.engine import Engine, Request, SamplingParams, SequenceOutput
 from pagedhybrid.errors import CapacityError
 
 PROMPT_LENGTHS = (1, 7, 18, 33, 50, 64)
@@ -80,13 +80,13 @@ class EngineMachine(RuleBasedStateMachine):
         if self.speculative:
             self.engine.drafter = ForcedDrafter(self.refs, wrong, seed=budget)
         self.expected: dict[str, list[int]] = {}
-        self.final: dict[str, RequestOutput] = {}
+        self.final: dict[str, SequenceOutput] = {}
         self.aborted: set[str] = set()
         self.n = 0
         for which, max_tokens in first:  # requests waiting before the first step
             self.add(which, max_tokens, None)
 
-    def _collect(self, outs: list[RequestOutput]) -> None:
+    def _collect(self, outs: list[SequenceOutput]) -> None:
         for o in outs:
             assert o.request_id not in self.final, "output after finishing"
             if o.finished:

@@ -31,7 +31,7 @@ import zmq
 from engine_helpers import prompt_of
 from zmq.utils.monitor import recv_monitor_message
 
-from pagedhybrid.engine import Engine, EngineConfig, RequestOutput, SamplingParams
+from pagedhybrid.engine import Engine, EngineConfig, SamplingParams, SequenceOutput
 from pagedhybrid.engine import kv_events as kv
 from pagedhybrid.engine.kv_events import KVEventPublisher, KVEventsConfig, open_publisher
 from pagedhybrid.engine.pages import (
@@ -244,7 +244,7 @@ class Index:
         return len(self.pages) == hashed and all(blocks.has_hash(h) for h in self.pages)
 
 
-def serve(engine: Engine, prompts: list[list[int]]) -> list[RequestOutput]:
+def serve(engine: Engine, prompts: list[list[int]]) -> list[SequenceOutput]:
     """One request after the other, each to its end (invariants every step)."""
     outs = []
     for i, p in enumerate(prompts):

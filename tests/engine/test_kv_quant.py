@@ -22,7 +22,7 @@ from engine_helpers import prompt_of, run_all
 
 from pagedhybrid.calibrate_kv import channel_amax, scales_from_amax
 from pagedhybrid.cli import main as cli_main
-from pagedhybrid.engine import Engine, EngineConfig, RequestOutput, SamplingParams
+from pagedhybrid.engine import Engine, EngineConfig, SamplingParams, SequenceOutput
 from pagedhybrid.engine.memory import plan_memory
 from pagedhybrid.errors import ContractViolation
 from pagedhybrid.kernels.native import status
@@ -48,11 +48,11 @@ def scale_files(tiny_model: Qwen35ForCausalLM, tmp_path_factory: pytest.TempPath
 
 
 def run(engine: Engine, prompts: list[list[int]], params: SamplingParams = SCORE
-        ) -> list[RequestOutput]:
+        ) -> list[SequenceOutput]:
     return run_all(engine, prompts, params)
 
 
-def prompt_lps(outs: list[RequestOutput]) -> torch.Tensor:
+def prompt_lps(outs: list[SequenceOutput]) -> torch.Tensor:
     """Every prompt token's logprob (teacher forced), concatenated."""
     return torch.tensor([next(iter(d.values())).logprob for o in outs
                          for d in (o.prompt_logprobs or ())[1:] if d is not None])

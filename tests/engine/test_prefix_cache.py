@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from pagedhybrid.engine import Engine, EngineConfig, RequestOutput, SamplingParams
+from pagedhybrid.engine import Engine, EngineConfig, SamplingParams, SequenceOutput
 from pagedhybrid.engine.pages import BlockPool, chain_hashes
 from pagedhybrid.engine.states import CheckpointPool
 from pagedhybrid.errors import CapacityError, ContractViolation, UnsupportedConfiguration
@@ -31,9 +31,9 @@ BASE = prompt_of(7, 200)
 
 
 def serve(engine: Engine, prompts: list[list[int]], params: SamplingParams = GREEDY,
-          one_by_one: bool = True) -> list[RequestOutput]:
+          one_by_one: bool = True) -> list[SequenceOutput]:
     """Run ``prompts`` (one after the other, or all queued at once); invariants every step."""
-    outs: dict[str, RequestOutput] = {}
+    outs: dict[str, SequenceOutput] = {}
     ids = [f"q{engine.stats.steps}-{i}" for i in range(len(prompts))]
     for rid, p in zip(ids, prompts, strict=True):
         engine.add_request(rid, p, params)
@@ -157,7 +157,7 @@ def test_eviction_preemption_and_aborts_under_a_tight_pool(
     for i, p in enumerate(prompts):
         engine.add_request(f"t{i}", p, params)
     engine.add_request("gone", BASE[:70], params)
-    final: dict[str, RequestOutput] = {}
+    final: dict[str, SequenceOutput] = {}
     steps = 0
     while engine.has_unfinished_requests():
         for o in engine.step():
@@ -232,7 +232,7 @@ class PrefixMachine(RuleBasedStateMachine):
                                    num_state_checkpoints=checkpoints, **kw)
         self.n = 0
         self.prompts: dict[str, list[int]] = {}
-        self.final: dict[str, RequestOutput] = {}
+        self.final: dict[str, SequenceOutput] = {}
         self.aborted: set[str] = set()
         PrefixMachine.totals["examples"] += 1
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 from engine_helpers import prompt_of
 
-from pagedhybrid.engine import Engine, Request, RequestOutput, SamplingParams
+from pagedhybrid.engine import Engine, Request, SamplingParams, SequenceOutput
 from pagedhybrid.engine.speculative import DraftBudget, NgramIndex
 from pagedhybrid.errors import ContractViolation, UnsupportedConfiguration
 from pagedhybrid.models.qwen35 import Qwen35ForCausalLM
@@ -60,11 +60,11 @@ class Fixed:
 
 
 def run(engine: Engine, work: Sequence[tuple[list[int], SamplingParams]],
-        ids: Sequence[str] | None = None) -> dict[str, RequestOutput]:
+        ids: Sequence[str] | None = None) -> dict[str, SequenceOutput]:
     ids = list(ids or (f"r{i}" for i in range(len(work))))
     for rid, (p, params) in zip(ids, work, strict=True):
         engine.add_request(rid, p, params)
-    out: dict[str, RequestOutput] = {}
+    out: dict[str, SequenceOutput] = {}
     while engine.has_unfinished_requests():
         for o in engine.step():
             if o.finished:
@@ -73,7 +73,7 @@ def run(engine: Engine, work: Sequence[tuple[list[int], SamplingParams]],
     return out
 
 
-def lps(out: RequestOutput) -> list[float]:
+def lps(out: SequenceOutput) -> list[float]:
     assert out.logprobs is not None
     return [d[t].logprob for d, t in zip(out.logprobs, out.token_ids, strict=True)]
 

@@ -24,7 +24,7 @@ import pytest
 import torch
 from engine_helpers import prompt_of, run_all
 
-from pagedhybrid.engine import Engine, EngineConfig, RequestOutput, SamplingParams
+from pagedhybrid.engine import Engine, EngineConfig, SamplingParams, SequenceOutput
 from pagedhybrid.engine.cli import _engine_kwargs, add_engine_arguments
 from pagedhybrid.errors import ContractViolation, UnsupportedConfiguration
 from pagedhybrid.kernels.native import status
@@ -47,11 +47,11 @@ def _native_kernels_built() -> None:
 
 
 def run(engine: Engine, prompts: list[list[int]], params: SamplingParams = SCORE
-        ) -> list[RequestOutput]:
+        ) -> list[SequenceOutput]:
     return run_all(engine, prompts, params)
 
 
-def logprobs(out: RequestOutput) -> torch.Tensor:
+def logprobs(out: SequenceOutput) -> torch.Tensor:
     assert out.prompt_logprobs is not None and out.logprobs is not None
     prompt = [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], out.prompt_token_ids[1:],
                                            strict=True)]

@@ -131,9 +131,66 @@ def test_n_with_a_seed_is_reproducible_and_stop_strings_never_leak(server: Serve
     assert r.usage.completion_tokens == 8
 
 
+def test_stop_reason_and_the_stop_options_streamed_or_not(server: Server, llm: LLM) -> None:
+    """vLLM's ``stop_reason`` in every choice (the stop string, the stop token id, or null),
+    ``include_stop_str_in_output`` and ``skip_special_tokens``: the engine's own stop code
+    (``LLM.generate`` gives the same text)."""
+    c = client(server)
+    tok = llm.engine.tokenizer
+    full = tok.decode(greedy(llm, tok.encode(PROMPT), 30))
+    stop = full[8:12]
+    kw = {"model": server.model, "prompt": PROMPT, "max_tokens": 30, "temperature": 0,
+          "stop": [stop]}
+    for include in (False, True):
+        expect = llm.generate(PROMPT, SamplingParams(
+            temperature=0.0, max_tokens=30, stop=[stop], include_stop_str_in_output=include),
+            use_progress=False)[0].outputs[0]
+        assert expect.stop_reason == stop
+        extra = {"include_stop_str_in_output": include}
+        r = c.completions.create(**kw, extra_body=extra)
+        assert (r.choices[0].text, r.choices[0].finish_reason) == (expect.text, "stop")
+        assert r.choices[0].stop_reason == stop
+        chunks = [ch.choices[0] for ch in c.completions.create(**kw, stream=True,
+                                                               extra_body=extra) if ch.choices]
+        assert "".join(x.text for x in chunks) == expect.text
+        assert [(x.finish_reason, x.stop_reason) for x in chunks if x.finish_reason] == \
+            [("stop", stop)]
+    first = greedy(llm, tok.encode(PROMPT), 3)
+    r = c.completions.create(model=server.model, prompt=PROMPT, max_tokens=30, temperature=0,
+                             extra_body={"stop_token_ids": [first[2]]})
+    assert r.choices[0].stop_reason == first[2]
+    assert r.choices[0].text == tok.decode(first[:2])
+    r = c.completions.create(model=server.model, prompt=PROMPT, max_tokens=3, temperature=0)
+    assert r.choices[0].finish_reason == "length" and r.choices[0].stop_reason is None
+    messages = [{"role": "user", "content": "Who made the heaven?"}]
+    chat = c.chat.completions.create(model=server.model, messages=messages, temperature=0,
+                                     max_tokens=40)
+    answer = chat.choices[0].message.content
+    assert answer and chat.choices[0].stop_reason is None
+    cut = answer[3:6]
+    chat = c.chat.completions.create(model=server.model, messages=messages, temperature=0,
+                                     max_tokens=40, stop=[cut])
+    assert chat.choices[0].message.content == answer[:answer.index(cut)]
+    assert (chat.choices[0].finish_reason, chat.choices[0].stop_reason) == ("stop", cut)
+    last = [ch.choices[0] for ch in c.chat.completions.create(
+        model=server.model, messages=messages, temperature=0, max_tokens=40, stop=[cut],
+        stream=True) if ch.choices and ch.choices[0].finish_reason]
+    assert [(x.finish_reason, x.stop_reason) for x in last] == [("stop", cut)]
+    # special tokens: forced past EOS, shown only with skip_special_tokens false
+    eos = llm.engine.eos_token_ids[-1]
+    forced = {"logit_bias": {str(eos): 100}, "ignore_eos": True}
+    hidden = c.completions.create(model=server.model, prompt=PROMPT, max_tokens=2,
+                                  temperature=0, extra_body=forced)
+    shown = c.completions.create(model=server.model, prompt=PROMPT, max_tokens=2,
+                                 temperature=0,
+                                 extra_body={**forced, "skip_special_tokens": False})
+    assert hidden.choices[0].text == ""
+    assert shown.choices[0].text == tok.decode([eos, eos], skip_special_tokens=False) != ""
+
+
 BAD = [  # (description, request kwargs for httpx, status, param)
     ("malformed JSON", {"content": b"{not json", "headers": {"content-type":
-                                                              "application/json"}}, 400, None),
+                                                              "application/json"}}, 400, "body"),
     ("unknown model", {"json": {"model": "gpt-x", "prompt": "hi"}}, 404, "model"),
     ("empty prompt", {"json": {"prompt": ""}}, 400, "prompt"),
     ("empty token list", {"json": {"prompt": []}}, 400, "prompt"),

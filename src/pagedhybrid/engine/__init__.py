@@ -28,9 +28,10 @@ from __future__ import annotations
 
 from pagedhybrid.engine.config import EngineConfig
 from pagedhybrid.engine.engine import Engine
-from pagedhybrid.engine.llm import LLM, ChatOutput, Throughput, load_engine
+from pagedhybrid.engine.llm import LLM, Throughput, load_engine
+from pagedhybrid.engine.outputs import CompletionOutput, RequestOutput
 from pagedhybrid.engine.pages import BlockPool
-from pagedhybrid.engine.request import FinishReason, InvalidRequest, Request, RequestOutput
+from pagedhybrid.engine.request import FinishReason, InvalidRequest, Request, SequenceOutput
 from pagedhybrid.engine.runner import ModelRunner, build_batch
 from pagedhybrid.engine.sampling import GREEDY, Logprob, SampledToken, SamplingParams, sample
 from pagedhybrid.engine.scheduler import (
@@ -47,7 +48,7 @@ __all__ = [
     "GREEDY",
     "LLM",
     "BlockPool",
-    "ChatOutput",
+    "CompletionOutput",
     "Engine",
     "EngineConfig",
     "EngineStats",
@@ -64,6 +65,7 @@ __all__ = [
     "Scheduler",
     "SchedulerConfig",
     "SchedulerOutput",
+    "SequenceOutput",
     "StatePool",
     "Throughput",
     "build_batch",

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pagedhybrid.engine.config import EXECUTORS
 from pagedhybrid.engine.engine import Engine
 from pagedhybrid.engine.llm import DTYPE_SPELLINGS, LLM, Throughput, load_engine
-from pagedhybrid.engine.request import RequestOutput
+from pagedhybrid.engine.request import SequenceOutput
 from pagedhybrid.engine.sampling import SamplingParams
 from pagedhybrid.errors import PagedHybridError
 
@@ -161,7 +161,7 @@ def worker_rank(args: argparse.Namespace) -> int | None:
                        int(env["WORLD_SIZE"]))
 
 
-def _record(out: RequestOutput, prompt: str | None = None) -> dict[str, object]:
+def _record(out: SequenceOutput, prompt: str | None = None) -> dict[str, object]:
     rec: dict[str, object] = {
         "request_id": out.request_id, "text": out.text, "token_ids": list(out.token_ids),
         "new_token_ids": list(out.new_token_ids), "finished": out.finished,
@@ -196,7 +196,8 @@ def generate_main(args: argparse.Namespace) -> int:
         return 2
     if args.json:
         t = llm.last_throughput
-        doc = {"outputs": [_record(r, p) for r, p in zip(results, prompts, strict=True)],
+        doc = {"outputs": [_record(r.sequences[0], p)
+                           for r, p in zip(results, prompts, strict=True)],
                "throughput": None if t is None else {
                    "elapsed_s": t.elapsed_s, "prompt_tokens_per_s": t.prompt_tps,
                    "generated_tokens_per_s": t.generated_tps}}
@@ -211,7 +212,7 @@ def _generate_stream(llm: LLM, prompts: list[str], params: SamplingParams,
                      as_json: bool) -> int:
     start = time.perf_counter()
     shown: dict[str, str] = {}
-    finals: dict[str, RequestOutput] = {}
+    finals: dict[str, SequenceOutput] = {}
     single = len(prompts) == 1
     for out in llm.stream(prompts, params):
         text = out.text or ""
@@ -262,7 +263,7 @@ class _Track:
     added_s: float
     first_s: float | None = None
     done_s: float | None = None
-    out: RequestOutput | None = None
+    out: SequenceOutput | None = None
     pieces: list[str] = field(default_factory=list)
 
 

@@ -20,15 +20,17 @@ REPLACEMENT = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
         self.text = ""
         self.prefix = 0  # window start: tokens before it are settled
         self.read = 0  # tokens whose text is in ``text``
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return str(self.tokenizer.decode(ids)) if ids else ""
+        return str(self.tokenizer.decode(
+            ids, skip_special_tokens=self.skip_special_tokens)) if ids else ""
 
     def add(self, new_ids: Sequence[int]) -> str:
         """Append tokens; returns the text they completed (may be empty)."""

@@ -19,7 +19,7 @@ One ``step()`` is schedule -> run -> update:
    ``disable_by_batch_size`` requests are running. A drafter that raises costs that step its
    drafts only.
 
-``step`` returns one ``RequestOutput`` per request that got a token or finished (aborts are
+``step`` returns one ``SequenceOutput`` per request that got a token or finished (aborts are
 reported by the next ``step``). A step that raises (a bug, never a request's input) does not
 stop the engine: that step's requests finish with reason ``error``, the pools are checked (and
 rebuilt if they do not add up) and the next step serves the others; a request that breaks
@@ -44,7 +44,7 @@ from pagedhybrid.engine.kv_events import open_publisher
 from pagedhybrid.engine.memory import MemoryPlan, available_memory, plan_memory, weight_bytes
 from pagedhybrid.engine.mtp import MtpDrafter
 from pagedhybrid.engine.pages import BlockPool
-from pagedhybrid.engine.request import InvalidRequest, Request, RequestOutput, RequestStatus
+from pagedhybrid.engine.request import InvalidRequest, Request, RequestStatus, SequenceOutput
 from pagedhybrid.engine.runner import ModelRunner, StepResult
 from pagedhybrid.engine.sampling import SamplingParams, bad_words_token_ids
 from pagedhybrid.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -111,7 +111,7 @@ class Engine:
         self.grammars: GrammarCompiler | None = None  # structured outputs (when first asked)
         self._generator = torch.Generator().manual_seed(self.config.seed)
         self._arrivals = 0
-        self._pending: list[RequestOutput] = []
+        self._pending: list[SequenceOutput] = []
 
     @property
     def model(self) -> Qwen35ForCausalLM:
@@ -162,7 +162,9 @@ class Engine:
     def score(self, prompts: Sequence[str | Sequence[int]],
               completions: Sequence[str | Sequence[int]]) -> list[list[float]]:
         """Each completion token's fp32 log-probability after its prompt, from one full forward
-        per sequence (``ModelRunner.score``): the training-side recompute."""
+        per sequence (``ModelRunner.score``): the training-side recompute. A text pair is
+        encoded as lm-eval encodes a loglikelihood request (``_continuation``); a text
+        completion after token ids is encoded without special tokens."""
         op = "LLM.score"
         if isinstance(prompts, str) or isinstance(completions, str):
             raise InvalidRequest(op, "prompts/completions", "must be lists (one entry per pair)")
@@ -170,14 +172,18 @@ class Engine:
             raise InvalidRequest(op, "completions", "must have one entry per prompt",
                                  (len(prompts), len(completions)))
 
-        def ids(what: str, i: int, x: str | Sequence[int]) -> list[int]:
+        def ids(what: str, i: int, x: str | Sequence[int], special: bool | None = None
+                ) -> list[int]:
             try:
-                return self._token_ids(f"{what}[{i}]", x)
+                return self._token_ids(f"{what}[{i}]", x, special)
             except InvalidRequest as exc:
                 raise InvalidRequest(op, f"{what}[{i}]", exc.rule, exc.got) from None
 
-        pairs = [(ids("prompts", i, p), ids("completions", i, c))
-                 for i, (p, c) in enumerate(zip(prompts, completions, strict=True))]
+        pairs = []
+        for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+            if isinstance(p, str) and isinstance(c, str) and c:  # lm-eval's pair
+                p, c = self._continuation(p, c)
+            pairs.append((ids("prompts", i, p), ids("completions", i, c, special=False)))
         limit = self.model.config.max_position_embeddings
         for i, (p, c) in enumerate(pairs):
             if len(p) + len(c) > limit:
@@ -205,6 +211,13 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise InvalidRequest(request_id, "params", "must be SamplingParams",
                                  type(params).__name__)
+        if params.num_sequences > 1:
+            raise InvalidRequest(request_id, "n" if params.best_of is None else "best_of",
+                                 "must be 1 here: an engine request is one sequence "
+                                 "(LLM.generate and the server run SamplingParams.sequences())",
+                                 params.num_sequences)
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequest(request_id, "stop", "stop strings need the model's tokenizer")
         ids = self._token_ids(request_id, prompt)
         try:
             params.check_vocab(self.model.config.vocab_size)
@@ -223,8 +236,8 @@ class Engine:
                       bad_word_ids=bad_words)
         if params.structured_outputs is not None:  # compiled off the step (GrammarCompiler)
             req.grammar = self._compiler(request_id).submit(params.structured_outputs)
-        if self.tokenizer is not None:
-            req.detokenizer = IncrementalDetokenizer(self.tokenizer)
+        if self.tokenizer is not None and params.detokenize:
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
         self.scheduler.add(req)  # CapacityError when it can never fit
         self._arrivals += 1
 
@@ -255,12 +268,32 @@ class Engine:
             req.grammar = None
         return pending
 
-    def _token_ids(self, request_id: str, prompt: str | Sequence[int]) -> list[int]:
+    def _continuation(self, context: str, completion: str
+                      ) -> tuple[str | list[int], str | list[int]]:
+        """lm-eval's loglikelihood pair of texts: the context's trailing whitespace moves to
+        the completion, and the completion's tokens are those that ``context + completion``
+        has past ``context`` (both encoded without special tokens) -- what the model reads
+        when the whole text is its input. The context is then encoded as a prompt is (special
+        tokens as ``add_request`` encodes it). An empty context is left to be refused."""
+        n = len(context) - len(context.rstrip())
+        if n and context[:-n]:
+            context, completion = context[:-n], context[-n:] + completion
+        if not context or self.tokenizer is None:
+            return context, completion  # type: ignore[return-value]
+        enc = self.tokenizer.encode  # type: ignore[attr-defined]
+        whole = list(enc(context + completion, add_special_tokens=False))
+        return list(enc(context)), whole[len(enc(context, add_special_tokens=False)):]
+
+    def _token_ids(self, request_id: str, prompt: str | Sequence[int],
+                   special: bool | None = None) -> list[int]:
+        """Token ids of a prompt; text is encoded with the tokenizer's special tokens as it
+        adds them by default (``special`` None), or with / without them."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequest(request_id, "prompt", "is text but the model has no "
                                      "tokenizer; pass token ids")
-            ids = list(self.tokenizer.encode(prompt))  # type: ignore[attr-defined]
+            enc = self.tokenizer.encode  # type: ignore[attr-defined]
+            ids = list(enc(prompt) if special is None else enc(prompt, add_special_tokens=special))
         else:
             if isinstance(prompt, torch.Tensor):
                 prompt = prompt.reshape(-1).tolist()
@@ -290,7 +323,7 @@ class Engine:
                 done.append(rid)
         return done
 
-    def fail_requests(self, requests: Iterable[Request], why: str) -> list[RequestOutput]:
+    def fail_requests(self, requests: Iterable[Request], why: str) -> list[SequenceOutput]:
         """Finish ``requests`` now with reason ``error`` and message ``why``."""
         outputs = []
         for req in requests:
@@ -310,7 +343,7 @@ class Engine:
         return len(self.scheduler.requests)
 
     # -- stepping --------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[SequenceOutput]:
         """schedule -> runner -> update (see the module docstring)."""
         outputs, self._pending = self._pending, []
         sched: SchedulerOutput | None = None
@@ -404,7 +437,7 @@ class Engine:
             if s.drafts and kept:
                 self.draft_budget.judge(len(kept) - 1, len(kept) - 1 < len(s.drafts))
 
-    def _fail_step(self, sched: SchedulerOutput | None, exc: Exception) -> list[RequestOutput]:
+    def _fail_step(self, sched: SchedulerOutput | None, exc: Exception) -> list[SequenceOutput]:
         """A step raised: fail its requests (all running ones when scheduling itself raised),
         drop the step's checkpoint writes, check the pools; rebuild them if they do not add up
         (every request then fails: nothing else can be trusted)."""
@@ -432,7 +465,7 @@ class Engine:
             self.stats.pool_rebuilds += 1
         return outputs
 
-    def stream(self) -> Iterator[RequestOutput]:
+    def stream(self) -> Iterator[SequenceOutput]:
         """Step until every request is finished, yielding outputs as they come (requests may be
         added or aborted between yields)."""
         while self.has_unfinished_requests():
@@ -460,7 +493,7 @@ class Engine:
         }
 
     # -- outputs ---------------------------------------------------------------------------------
-    def _output(self, req: Request) -> RequestOutput:
+    def _output(self, req: Request) -> SequenceOutput:
         n = req.num_output_tokens
         new = req.token_ids[req.num_prompt_tokens + req.num_emitted:]
         req.num_emitted = n
@@ -468,10 +501,7 @@ class Engine:
         detok = req.detokenizer
         if detok is not None:
             try:
-                detok.add(new)
-                if req.finished:
-                    detok.finish()
-                text = detok.text
+                text = self._text(req, detok, new)
             except Exception as exc:  # this request fails alone
                 why = f"detokenisation failed: {type(exc).__name__}: {exc}"
                 if not req.finished:
@@ -479,7 +509,7 @@ class Engine:
                 else:
                     req.finish_reason, req.error = "error", why
                 req.detokenizer = None
-        return RequestOutput(
+        return SequenceOutput(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
             new_token_ids=tuple(new),
@@ -494,4 +524,31 @@ class Engine:
             error=req.error,
             num_preemptions=req.num_preemptions,
             num_cached_tokens=req.num_cached_tokens,
+            stop_reason=req.stop_reason,
         )
+
+    def _text(self, req: Request, detok: IncrementalDetokenizer, new: Sequence[int]) -> str:
+        """The output's text after ``new`` (vLLM's rules): the stop token or EOS that ended it
+        is not in the text unless ``include_stop_str_in_output``; a stop string found in the
+        text finishes the request (``stop_reason``; the text ends before it, or after it with
+        ``include_stop_str_in_output``); while it runs, the last ``len(longest stop) - 1``
+        characters, which may begin one, are held back (so the text only ever grows)."""
+        p = req.params
+        if (req.finish_reason == "stop" and new and not p.include_stop_str_in_output
+                and (new[-1] == req.stop_reason or new[-1] in self.eos_token_ids)):
+            new = new[:-1]
+        checked = len(detok.text)
+        detok.add(new)
+        if req.finished:
+            detok.finish()
+        hit = req.match_stop(detok.text, checked) if p.stop else None
+        if hit is not None:
+            req.stop_reason, end = hit
+            detok.text = detok.text[:end]
+            if req.finished:
+                req.finish_reason = "stop"
+            else:
+                self.scheduler.finish(req, "stop")
+        elif p.stop and not req.finished:
+            return detok.text[:max(0, len(detok.text) - max(map(len, p.stop)) + 1)]
+        return detok.text

@@ -1,13 +1,17 @@
 """``LLM``: offline batch generation on top of ``Engine`` (the vLLM ``LLM.generate`` habit).
 
 ``LLM(model=None)`` loads the built-in default model (``default_model_dir()``), or an HF Qwen3.5
-checkpoint folder, with its tokenizer; ``generate(prompts, params)`` queues every prompt at once,
-steps the engine until all are finished (a progress bar on stderr), prints one throughput line
-(prompt tok/s, generated tok/s) and returns the final ``RequestOutput`` of each prompt in input
-order. ``stream`` yields the outputs of every step instead. ``chat(messages, tools=...)`` renders
-each conversation with the checkpoint's chat template and returns its answer parsed as the server
-parses it (``engine/chat.py``: ``reasoning_content``, ``content``, ``tool_calls``; ``tool_choice``
-``required`` or a named function forced by a grammar).
+checkpoint folder, with its tokenizer. As vLLM's ``LLM``: ``generate(prompts, params)`` takes a
+str, token ids, ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}`` or a list of them (anything
+else: ``ContractViolation`` naming the argument), queues every prompt's sequences
+(``SamplingParams.sequences``: ``n`` / ``best_of``) at once, steps the engine until all are
+finished (a progress bar on stderr), prints one throughput line (prompt tok/s, generated tok/s)
+and returns vLLM's ``RequestOutput`` of each prompt in input order (``engine/outputs.py``).
+``stream`` yields the engine's per-sequence outputs of every step instead. ``chat(messages,
+tools=...)`` renders each conversation with the checkpoint's chat template and returns the same
+``RequestOutput``, each sequence's answer parsed as the server parses it (``engine/chat.py``:
+``reasoning_content``, ``content``, ``tool_calls``; ``tool_choice`` ``required`` or a named
+function forced by a grammar).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -26,13 +31,73 @@ from pagedhybrid.engine.chat import Tools, constraint, template_message, thinkin
 from pagedhybrid.engine.chat_parser import ChatParser
 from pagedhybrid.engine.config import EngineConfig
 from pagedhybrid.engine.engine import Engine
-from pagedhybrid.engine.request import InvalidRequest, RequestOutput
+from pagedhybrid.engine.outputs import RequestOutput, gather
+from pagedhybrid.engine.request import InvalidRequest, SequenceOutput
 from pagedhybrid.engine.sampling import SamplingParams
 from pagedhybrid.engine.structured import check
 from pagedhybrid.errors import ContractViolation, UnsupportedConfiguration
 
 Prompt = str | Sequence[int]
+PromptInput = Prompt | Mapping[str, Any] | Sequence[Prompt | Mapping[str, Any]]
 Conversation = Sequence[Mapping[str, object]]
+PROMPT_KEYS = ("prompt", "prompt_token_ids")  # vLLM's TextPrompt / TokensPrompt
+
+
+def _is_ids(x: object) -> bool:
+    return isinstance(x, Sequence) and not isinstance(x, str) and bool(x) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def parse_prompt(p: object, where: str, op: str) -> tuple[str | None, str | list[int]]:
+    """One prompt as (its text or None, what the engine takes: text or token ids)."""
+    if isinstance(p, str):
+        return p, p
+    if _is_ids(p):
+        return None, list(p)  # type: ignore[arg-type]
+    if isinstance(p, Mapping):
+        keys = set(p)
+        if len(keys & set(PROMPT_KEYS)) != 1 or keys - set(PROMPT_KEYS):
+            raise ContractViolation(op, where, "a prompt dict must have exactly one of "
+                                    "'prompt' (text) or 'prompt_token_ids' (vLLM's "
+                                    "TextPrompt / TokensPrompt) and no other key", sorted(keys))
+        if "prompt" in p:
+            if not isinstance(p["prompt"], str):
+                raise ContractViolation(op, f"{where}['prompt']", "must be a str",
+                                        type(p["prompt"]).__name__)
+            return p["prompt"], p["prompt"]
+        if not _is_ids(p["prompt_token_ids"]):
+            raise ContractViolation(op, f"{where}['prompt_token_ids']",
+                                    "must be a non-empty list of ints", p["prompt_token_ids"])
+        return None, list(p["prompt_token_ids"])
+    raise ContractViolation(op, where, "must be a str, a non-empty list of token ids, or a "
+                            "{'prompt': str} / {'prompt_token_ids': [...]} dict",
+                            type(p).__name__)
+
+
+def parse_prompts(prompts: object, op: str) -> list[tuple[str | None, str | list[int]]]:
+    """``prompts`` as one or many prompts (``parse_prompt`` each); a list of ints is one
+    prompt, as in vLLM."""
+    if isinstance(prompts, str | Mapping) or _is_ids(prompts):
+        return [parse_prompt(prompts, "prompts", op)]
+    if isinstance(prompts, Sequence) and prompts:
+        return [parse_prompt(p, f"prompts[{i}]", op) for i, p in enumerate(prompts)]
+    raise ContractViolation(op, "prompts", "must be a prompt or a non-empty list of prompts",
+                            prompts if isinstance(prompts, Sequence) else type(prompts).__name__)
+
+
+@dataclass(frozen=True)
+class _Queued:
+    """One prompt of a call: its engine requests are ``sequence_ids``."""
+
+    request_id: str
+    prompt: str | None
+    prompt_ids: str | list[int]
+    params: SamplingParams
+
+    @property
+    def sequence_ids(self) -> list[str]:
+        k = self.params.num_sequences
+        return [self.request_id] if k == 1 else [f"{self.request_id}-{j}" for j in range(k)]
 
 MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what a model may be loaded in
 # their accepted names (--dtype choices): "auto" (the checkpoint's dtype), logical ("float32")
@@ -71,16 +136,6 @@ class Throughput:
     def line(self) -> str:
         return (f"{self.requests} requests in {self.elapsed_s:.2f} s: "
                 f"prompt {self.prompt_tps:.1f} tok/s, generated {self.generated_tps:.1f} tok/s")
-
-
-@dataclass(frozen=True)
-class ChatOutput:
-    """One conversation's answer: the engine's output (token ids, raw text, logprobs) and
-    OpenAI's assistant message of it (``content``, ``reasoning_content``, ``tool_calls``)."""
-
-    output: RequestOutput
-    message: dict[str, object]
-    finish_reason: str | None
 
 
 def load_engine(model: str | Path | None = None, *, dtype: str | torch.dtype = "auto",
@@ -140,38 +195,43 @@ class LLM:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _queue(self, prompts: Prompt | Sequence[Prompt],
-               params: SamplingParams | Sequence[SamplingParams] | None) -> list[str]:
-        if isinstance(prompts, str) or (
-                isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+    def _queue(self, prompts: PromptInput, params: SamplingParams | Sequence[SamplingParams]
+               | None, op: str = "LLM.generate") -> list[_Queued]:
+        """Queue every prompt's sequences (``SamplingParams.sequences``), all or none."""
+        plain = parse_prompts(prompts, op)
         if params is None or isinstance(params, SamplingParams):
-            plist = [params or SamplingParams()] * len(prompts)
-        else:
+            plist = [params or SamplingParams()] * len(plain)
+        elif isinstance(params, Sequence) and all(isinstance(p, SamplingParams)
+                                                  for p in params):
             plist = list(params)
-            if len(plist) != len(prompts):
-                raise ContractViolation("LLM.generate", "sampling_params",
+            if len(plist) != len(plain):
+                raise ContractViolation(op, "sampling_params",
                                         "must be one SamplingParams or one per prompt",
-                                        (len(plist), len(prompts)))
+                                        (len(plist), len(plain)))
+        else:
+            raise ContractViolation(op, "sampling_params",
+                                    "must be a SamplingParams or a list of them",
+                                    type(params).__name__)
         self._batch += 1
-        ids = [f"b{self._batch}-{i}" for i in range(len(prompts))]
-        for rid, p in zip(ids, plist, strict=True):  # a bad grammar is refused here, as vLLM's
-            if p.structured_outputs is not None:     # front end does (the engine compiles it)
+        jobs = [_Queued(f"{self._batch}-{i}", text, ids, p)
+                for i, ((text, ids), p) in enumerate(zip(plain, plist, strict=True))]
+        for job in jobs:  # a bad grammar is refused here, as vLLM's front end does
+            if job.params.structured_outputs is not None:  # (the engine compiles it)
                 try:
-                    check(p.structured_outputs)
+                    check(job.params.structured_outputs)
                 except ContractViolation as exc:
-                    raise InvalidRequest(rid, exc.where, exc.rule) from None
+                    raise InvalidRequest(job.request_id, exc.where, exc.rule) from None
         queued: list[str] = []
         try:
-            for rid, prompt, p in zip(ids, prompts, plist, strict=True):
-                self.engine.add_request(rid, prompt, p)
-                queued.append(rid)
+            for job in jobs:
+                for rid, p in zip(job.sequence_ids, job.params.sequences(), strict=True):
+                    self.engine.add_request(rid, job.prompt_ids, p)
+                    queued.append(rid)
         except Exception:
             self.engine.abort_request(queued)
             list(self.engine.stream())  # drain the abort outputs
             raise
-        return ids
+        return jobs
 
     def score(self, prompts: Sequence[Prompt], completions: Sequence[Prompt]
               ) -> list[list[float]]:
@@ -180,19 +240,24 @@ class LLM:
         ``batch_invariant=True`` they equal the engine's sampled-token logprobs bitwise."""
         return self.engine.score(prompts, completions)
 
-    def stream(self, prompts: Prompt | Sequence[Prompt],
+    def stream(self, prompts: PromptInput,
                sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
-               ) -> Iterator[RequestOutput]:
-        """Queue ``prompts`` and yield every step's outputs until all are finished."""
+               ) -> Iterator[SequenceOutput]:
+        """Queue ``prompts`` and yield every step's per-sequence outputs until all are
+        finished (``request_id`` ``"<batch>-<prompt>"``, ``"-<sequence>"`` appended with
+        ``n`` > 1)."""
         self._queue(prompts, sampling_params)
         yield from self.engine.stream()
 
-    def generate(self, prompts: Prompt | Sequence[Prompt],
+    def generate(self, prompts: PromptInput,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, use_progress: bool = True) -> list[RequestOutput]:
-        """Final outputs in prompt order; prints a progress bar and a throughput line."""
-        ids = self._queue(prompts, sampling_params)
-        final: dict[str, RequestOutput] = {}
+        """vLLM's ``LLM.generate``: one ``RequestOutput`` per prompt, in prompt order.
+        ``prompts``: a str, a list of token ids, vLLM's ``{"prompt": str}`` /
+        ``{"prompt_token_ids": [...]}``, or a list of those; ``sampling_params``: one for all
+        or one per prompt. Prints a progress bar and a throughput line."""
+        jobs = self._queue(prompts, sampling_params)
+        final: dict[str, SequenceOutput] = {}
         start = time.perf_counter()
         progress = None
         if use_progress:
@@ -201,7 +266,7 @@ class LLM:
 
             progress = Progress(console=Console(stderr=True), transient=False)
             progress.start()
-            task = progress.add_task("generate", total=len(ids))
+            task = progress.add_task("generate", total=sum(len(j.sequence_ids) for j in jobs))
         try:
             for out in self.engine.stream():
                 if out.finished:
@@ -212,10 +277,11 @@ class LLM:
             if progress is not None:
                 progress.stop()
         elapsed = time.perf_counter() - start
-        results = [final[i] for i in ids]
+        results = [gather(j.request_id, j.prompt, j.params,
+                          [final[r] for r in j.sequence_ids]) for j in jobs]
         self.last_throughput = Throughput(
             len(results), sum(len(r.prompt_token_ids) for r in results),
-            sum(len(r.token_ids) for r in results), elapsed)
+            sum(len(s.token_ids) for r in results for s in r.sequences), elapsed)
         if use_progress:
             print(self.last_throughput.line(), file=sys.stderr)
         return results
@@ -225,11 +291,13 @@ class LLM:
              tools: Sequence[Mapping[str, object]] | None = None, tool_choice: object = None,
              parallel_tool_calls: bool | None = None,
              chat_template_kwargs: Mapping[str, object] | None = None,
-             use_progress: bool = True) -> list[ChatOutput]:
-        """Answer one conversation (a list of OpenAI messages) or several: each rendered by
-        the chat template with ``tools``, generated with ``sampling_params`` (its structured
-        output, or the forced tool call of ``tool_choice``, applies after any reasoning), and
-        parsed into an assistant message (module docstring)."""
+             use_progress: bool = True) -> list[RequestOutput]:
+        """vLLM's ``LLM.chat``: answer one conversation (a list of OpenAI messages) or several,
+        each rendered by the chat template with ``tools`` (``RequestOutput.prompt``: the
+        rendered text), generated with ``sampling_params`` (its structured output, or the
+        forced tool call of ``tool_choice``, applies after any reasoning); each sequence's
+        ``CompletionOutput.message`` is its assistant message (module docstring) and its
+        ``finish_reason`` the chat's (``"tool_calls"``)."""
         tok = self.engine.tokenizer
         if tok is None or not hasattr(tok, "apply_chat_template"):
             raise UnsupportedConfiguration("LLM.chat needs a checkpoint with a tokenizer and "
@@ -237,7 +305,7 @@ class LLM:
         convs = [messages] if messages and isinstance(messages[0], Mapping) else messages
         spec = Tools.of(tools, tool_choice, parallel_tool_calls)
         params = sampling_params or SamplingParams()
-        prompts, plist, parsers = [], [], []
+        texts, prompts, plist, openings = [], [], [], []
         for c, conv in enumerate(convs):
             rendered = [template_message(m, f"messages[{c}][{i}]")  # type: ignore[arg-type]
                         for i, m in enumerate(conv)]
@@ -245,14 +313,20 @@ class LLM:
                 rendered, add_generation_prompt=True, **(chat_template_kwargs or {}),
                 **({"tools": spec.for_template()} if spec is not None else {}))
             opened = thinking(text)
+            texts.append(text)
             prompts.append(tok.encode(text, add_special_tokens=False))
             plist.append(dataclasses.replace(params, structured_outputs=constraint(
                 params.structured_outputs, spec, opened)))
-            parsers.append(ChatParser(opened, spec))
+            openings.append(opened)
         results = []
-        for out, parser in zip(self.generate(prompts, plist, use_progress=use_progress),
-                               parsers, strict=True):
-            parser.feed(out.text or "", final=True)
-            results.append(ChatOutput(out, parser.message(),
-                                      parser.finish_reason(out.finish_reason)))
+        for res, text, opened in zip(self.generate(prompts, plist, use_progress=use_progress),
+                                     texts, openings, strict=True):
+            outs = []
+            for o in res.outputs:
+                parser = ChatParser(opened, spec)
+                parser.feed(o.text, final=True)
+                outs.append(dataclasses.replace(o, message=parser.message(),
+                                                finish_reason=parser.finish_reason(
+                                                    o.finish_reason)))
+            results.append(dataclasses.replace(res, prompt=text, outputs=outs))
         return results

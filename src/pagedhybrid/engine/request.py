@@ -59,6 +59,7 @@ class Request:
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     error: str | None = None
     num_preemptions: int = 0
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
@@ -100,6 +101,20 @@ class Request:
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
+    def match_stop(self, text: str, checked: int) -> tuple[str, int] | None:
+        """The earliest of ``params.stop`` in ``text`` that ends past ``checked`` (the length
+        already searched): (the string, where the output's text ends -- before it, or after
+        it with ``include_stop_str_in_output``); None when none is there."""
+        best: tuple[int, str] | None = None
+        for s in self.params.stop:
+            i = text.find(s, max(0, checked - len(s) + 1))
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is None:
+            return None
+        i, s = best
+        return s, i + len(s) if self.params.include_stop_str_in_output else i
+
     def record_prompt_logprobs(self, first: int, dicts: list[dict[int, Logprob]]) -> None:
         """Logprobs of prompt tokens ``first + 1 ...`` (given the tokens before each); entries
         already recorded (a recompute after preemption) are kept."""
@@ -122,6 +137,7 @@ class Request:
         p = self.params
         if self.num_output_tokens > p.min_tokens or p.min_tokens == 0:
             if tok.token_id in p.stop_token_ids:
+                self.stop_reason = tok.token_id
                 return "stop"
             if not p.ignore_eos and tok.token_id in eos_token_ids:
                 return "stop"
@@ -131,11 +147,14 @@ class Request:
 
 
 @dataclass(frozen=True)
-class RequestOutput:
-    """What ``Engine.step`` reports for one request.
+class SequenceOutput:
+    """What ``Engine.step`` reports for one request (one sequence: ``LLM`` and the server
+    gather a prompt's sequences into vLLM's ``RequestOutput``, ``engine/outputs.py``).
 
     ``new_token_ids`` are the tokens generated since the previous report, ``token_ids`` all
-    generated tokens so far; ``text`` decodes ``token_ids`` when the engine has a tokenizer.
+    generated tokens so far; ``text`` decodes ``token_ids`` when the engine has a tokenizer
+    (and ``detokenize``); with stop strings, the text that could still begin one is held back
+    until it cannot (so text only ever grows), and the final text ends at the stop string.
     ``logprobs`` (when asked) has one dict per generated token; ``prompt_logprobs`` (when asked)
     one per prompt token, ``None`` for the first (vLLM's layout), once the prompt is computed.
     ``num_cached_tokens``: prompt tokens whose KV pages and linear-layer state came from the
@@ -154,6 +173,7 @@ class RequestOutput:
     error: str | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens that were prefix-cache hits (vLLM's field)
+    stop_reason: int | str | None = None  # vLLM's: the stop token id or string that ended it
     num_generated: int = 0
     sequence: Sequence[int] = field(default=(), repr=False, compare=False)  # prompt + output
     generated_logprobs: Sequence[dict[int, Logprob]] | None = field(default=None, repr=False,

@@ -46,6 +46,7 @@ Logprobs are always those of the raw model distribution (before processors and p
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -89,6 +90,18 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()
     # grammar-constrained decoding (engine/structured.py): a StructuredOutputs or its mapping
     structured_outputs: StructuredOutputs | Mapping[str, Any] | None = None
+    # vLLM's output options: ``n`` sequences returned per prompt, the best ``n`` of
+    # ``best_of`` (by cumulative logprob; the sequences of a request -- ``LLM`` and the server
+    # run one engine request each, ``sequences``); ``stop`` strings end a sequence when its
+    # text contains one (matched by the engine on the detokenised text, not shown unless
+    # ``include_stop_str_in_output``); ``detokenize`` False: token ids only (no text, no stop
+    # strings); ``skip_special_tokens``: special tokens out of the text
+    n: int = 1
+    best_of: int | None = None
+    stop: str | Sequence[str] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         def bad(field: str, rule: str, got: object) -> ContractViolation:
@@ -146,10 +159,39 @@ class SamplingParams:
         object.__setattr__(self, "bad_words", words)
         object.__setattr__(self, "structured_outputs",
                            StructuredOutputs.of(self.structured_outputs))
+        if not is_int(self.n) or self.n < 1:
+            raise bad("n", "must be an int >= 1", self.n)
+        if self.best_of is not None and (not is_int(self.best_of) or self.best_of < self.n):
+            raise bad("best_of", f"must be None or an int >= n = {self.n}", self.best_of)
+        stop = (() if self.stop is None else (self.stop,) if isinstance(self.stop, str)
+                else tuple(self.stop))
+        if not all(isinstance(w, str) and w for w in stop):
+            raise bad("stop", "must be a non-empty string or a list of them", stop)
+        object.__setattr__(self, "stop", stop)
+        for name in ("include_stop_str_in_output", "skip_special_tokens", "detokenize"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "must be a bool", getattr(self, name))
+        if stop and not self.detokenize:
+            raise bad("stop", "stop strings need detokenize=True (they match the text)", stop)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences generated for one prompt: ``best_of`` (or ``n``)."""
+        return self.best_of or self.n
+
+    def sequences(self) -> list[SamplingParams]:
+        """One engine request's parameters per sequence: ``n = 1``, sequence i seeded with
+        ``seed + i`` (int64-wrapped) when seeded; ranking ``best_of`` needs each sampled token's
+        logprob, so it is asked for (``logprobs=0``) when the caller asked for none."""
+        k = self.num_sequences
+        logprobs = 0 if k > self.n and self.logprobs is None else self.logprobs
+        return [dataclasses.replace(
+            self, n=1, best_of=None, logprobs=logprobs,
+            seed=None if self.seed is None else wrap_seed(self.seed + i)) for i in range(k)]
 
     @property
     def masks_after_pick(self) -> bool:

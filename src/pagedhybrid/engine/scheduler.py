@@ -96,7 +96,10 @@ class HybridAllocator:
     has a state checkpoint at its end; checkpoints sit every ``interval`` tokens, so the search
     walks down from the longest KV hit one interval at a time and takes the first position with
     a checkpoint (never zero while a shorter joint hit exists). At most ``num_tokens - 1``
-    tokens hit, so the last token is always recomputed (its logits are needed).
+    tokens hit, so the last token is always recomputed (its logits are needed). A request
+    whose prompt logprobs are not all known yet reads no cached prefix (as vLLM's
+    ``prompt_logprobs`` requests skip it): a hit's tokens are not computed, so their logprobs
+    would never be.
     """
 
     def __init__(self, blocks: BlockPool, states: StatePool,
@@ -116,7 +119,8 @@ class HybridAllocator:
         return req.page_hashes
 
     def lookup(self, req: Request) -> Hit:
-        if self.checkpoints is None:
+        if self.checkpoints is None or (req.params.prompt_logprobs is not None
+                                        and not req.prompt_logprobs_done):
             return Hit(0, [], None)
         hashes = self.page_hashes(req)
         pages = self.blocks.lookup(hashes, req.token_ids)

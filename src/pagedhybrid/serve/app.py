@@ -5,7 +5,8 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (OpenAI's JSO
 as server-sent events ending with ``data: [DONE]``), ``GET /v1/models``,
 ``GET /v1/models/{id}``, vLLM's ``POST /tokenize`` and ``POST /detokenize``, ``GET /version``,
 ``GET /health``, ``GET /metrics`` (Prometheus text). Unknown paths and methods answer 404 / 405
-with OpenAI's error object, like every other refusal.
+with OpenAI's error object, like every other refusal; ``GET /openapi.json`` declares every answer
+(``openapi``).
 
 Per request: check the API key (401), the model name (404), the body against its typed model
 (``protocol``: every field typed and range-checked, unknown fields refused; 400 naming the
@@ -34,7 +35,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -42,11 +43,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagedhybrid import __version__
 from pagedhybrid.engine import SamplingParams
 from pagedhybrid.engine.chat import Tools, constraint, thinking
-from pagedhybrid.engine.sampling import wrap_seed
 from pagedhybrid.engine.structured import StructuredOutputs, check
 from pagedhybrid.errors import ContractViolation
 from pagedhybrid.serve.core import Closing, EngineClient, EngineRefusal, Refused
 from pagedhybrid.serve.metrics import ServerMetrics
+from pagedhybrid.serve.openapi import HEALTH, PROMETHEUS, SSE, document, errors
 from pagedhybrid.serve.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -102,8 +103,9 @@ def check_prompt(state: ServerState, ids: list[int], max_tokens: int, param: str
 
 
 def sampling_params(state: ServerState, body: Any, job: Job, logprobs: int | None,
-                    prompt_logprobs: int | None, index: int) -> SamplingParams:
-    """The engine's parameters of choice ``index``; a value the engine refuses -> 400."""
+                    prompt_logprobs: int | None) -> SamplingParams:
+    """The request's parameters (its ``n`` / ``best_of``: ``sequences()`` gives each choice's
+    engine request); a value the engine refuses -> 400."""
     max_tokens, spec = job.max_tokens, job.structured
     if body.min_tokens > max_tokens:
         raise ApiError(400, "min_tokens must be <= max_tokens", "min_tokens")
@@ -113,8 +115,10 @@ def sampling_params(state: ServerState, body: Any, job: Job, logprobs: int | Non
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=0 if body.top_k is None else body.top_k,
             min_p=0.0 if body.min_p is None else body.min_p,
-            seed=None if body.seed is None else wrap_seed(body.seed + index),
+            seed=body.seed, n=body.n, best_of=getattr(body, "best_of", None),
             max_tokens=max_tokens, stop_token_ids=tuple(body.stop_token_ids or ()),
+            stop=body.stop_strings(), include_stop_str_in_output=body.include_stop_str_in_output,
+            skip_special_tokens=body.skip_special_tokens,
             ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             presence_penalty=body.presence_penalty or 0.0,
@@ -225,26 +229,23 @@ def create_app(state: ServerState) -> FastAPI:
         yield
         state.core.stop()
 
-    app = FastAPI(title="pagedhybrid", version=__version__, lifespan=lifespan)
+    # every operation may answer 500 (``internal``); each route declares its other refusals
+    app = FastAPI(title="pagedhybrid", version=__version__, lifespan=lifespan,
+                  responses=errors(500))
 
     def openapi() -> dict[str, Any]:
-        """FastAPI's schema, with ``model`` naming the one served model (so a client or a
-        fuzzer generating from the schema can reach the engine)."""
+        """The document of what this server answers (``openapi.document``)."""
         if app.openapi_schema is None:
-            from fastapi.openapi.utils import get_openapi
-
-            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            for comp in schema.get("components", {}).get("schemas", {}).values():
-                prop = comp.get("properties", {}).get("model")
-                if prop is not None and comp.get("title") in (
-                        "CompletionRequest", "ChatCompletionRequest"):
-                    prop.clear()
-                    prop.update({"type": "string", "enum": [state.model_name],
-                                 "title": "Model"})
-            app.openapi_schema = schema
+            app.openapi_schema = document(app, state.model_name, state.api_key is not None)
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+    async def authorized(request: Request) -> None:
+        check_auth(state, request)
+
+    # the key is checked before the body is validated: without it, a 401, never a 400
+    key = [Depends(authorized)]
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -260,6 +261,11 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        try:  # a body that is not JSON fails before ``authorized`` runs (every body needs the key)
+            check_auth(state, request)
+        except ApiError as denied:
+            return JSONResponse(denied.body(), status_code=denied.status)
+
         def where(err: Any) -> list[str]:  # the field path, without pydantic's union tags
             return [str(x) for x in err.get("loc", ()) if x != "body"
                     and not any(ch in str(x) for ch in "[]()")]
@@ -267,11 +273,18 @@ def create_app(state: ServerState) -> FastAPI:
         errs = exc.errors()
         # of a union's alternatives, the one that got furthest names the field best
         first = max(errs, key=lambda e: len(where(e)), default={})
-        if first.get("type") == "json_invalid":
-            loc, msg = None, "malformed JSON body"
+        kind = first.get("type")
+        if kind == "json_invalid":  # loc: ("body", the character where decoding stopped)
+            loc, msg = "body", ("the request body is not valid JSON: "
+                                f"{first['ctx']['error']} at character {first['loc'][-1]}")
+        elif not where(first):  # the body as a whole: absent, or not a JSON object
+            loc, msg = "body", ("the request body is missing: send a JSON object"
+                                if kind == "missing" else
+                                "the request body must be a JSON object (content-type "
+                                f"application/json): {first.get('msg', 'invalid value')}")
         else:
-            loc = ".".join(where(first)) or None
-            if first.get("type") == "extra_forbidden":
+            loc = ".".join(where(first))
+            if kind == "extra_forbidden":
                 msg = f"{loc}: unknown field (not an OpenAI or vLLM field this server has)"
             else:
                 msg = f"{loc}: {first.get('msg', 'invalid value')}"
@@ -282,7 +295,7 @@ def create_app(state: ServerState) -> FastAPI:
         return JSONResponse(ApiError(500, f"internal error: {type(exc).__name__}", None,
                                      "internal_error", "server_error").body(), status_code=500)
 
-    @app.get("/health")
+    @app.get("/health", responses=HEALTH)
     async def health() -> Response:
         ok = state.core.alive and not state.core.degraded
         return JSONResponse({"status": "ok" if ok else "degraded" if state.core.alive
@@ -292,7 +305,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def version() -> dict[str, str]:
         return {"version": __version__}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses=PROMETHEUS)
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
@@ -307,18 +320,18 @@ def create_app(state: ServerState) -> FastAPI:
                                 "allow_view": True, "allow_fine_tuning": False,
                                 "organization": "*", "group": None, "is_blocking": False}]}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=key, responses=errors(401))
     async def models(request: Request) -> dict[str, Any]:
         check_auth(state, request)
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", dependencies=key, responses=errors(401, 404))
     async def model(request: Request, model_id: str) -> dict[str, Any]:
         check_auth(state, request)
         check_model(state, model_id)
         return model_card()
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", dependencies=key, responses=errors(400, 401, 404))
     async def tokenize(request: Request, body: TokenizeRequest) -> dict[str, Any]:
         check_auth(state, request)
         check_model(state, body.model)
@@ -330,7 +343,7 @@ def create_app(state: ServerState) -> FastAPI:
                 "token_strs": [token_text(state.tokenizer, t) for t in ids]
                 if body.return_token_strs else None}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", dependencies=key, responses=errors(400, 401, 404))
     async def detokenize(request: Request, body: DetokenizeRequest) -> dict[str, Any]:
         check_auth(state, request)
         check_model(state, body.model)
@@ -359,31 +372,26 @@ def create_app(state: ServerState) -> FastAPI:
             raise ApiError(400, f"prompts x {'best_of' if best_of > n else 'n'} = "
                            f"{len(job.prompts) * best_of} exceeds {MAX_CHOICES} choices",
                            "best_of" if best_of > n else "n")
-        engine_lp = job.logprobs
-        if best_of > n:  # ranking needs each sampled token's own logprob
-            engine_lp = max(engine_lp or 0, 0)
         prompt_k = [k for k in (body.prompt_logprobs,
                                 job.logprobs if job.echo_logprobs else None) if k is not None]
         if job.structured is not None:  # llguidance's check, off the event loop
             await asyncio.to_thread(check_grammar, job.structured, job.structured_field)
-        params = [sampling_params(state, body, job, engine_lp,
-                                  max(prompt_k) if prompt_k else None, i)
-                  for i in range(best_of)]
+        params = sampling_params(state, body, job, job.logprobs,
+                                 max(prompt_k) if prompt_k else None).sequences()
         if state.core.closing is not None:
             raise _unavailable(state.core.closing)
         if state.max_waiting is not None and \
                 state.core.num_waiting() + len(job.prompts) * best_of > state.max_waiting:
             raise ApiError(503, f"the server has {state.max_waiting} requests waiting; retry "
                            "later", None, "server_overloaded", "server_error")
-        stops = body.stop_strings()
         rid = ("chatcmpl-" if job.chat else "cmpl-") + uuid.uuid4().hex
         sink: asyncio.Queue[Any] = asyncio.Queue()
         choices: dict[str, Choice] = {}
         for p_i, ids in enumerate(job.prompts):
             for i in range(best_of):
                 sub = f"{rid}-{p_i}-{i}"
-                choices[sub] = Choice(p_i * best_of + i, sub, stops, state.tokenizer,
-                                      job.echo_only, parser=job.parser())
+                choices[sub] = Choice(p_i * best_of + i, sub, state.tokenizer, job.echo_only,
+                                      parser=job.parser())
                 state.core.submit(sub, ids, params[i], sink)
         opts = body.stream_options
         out = Responses(rid, state.model_name, state.tokenizer, job, choices, best_of,
@@ -439,7 +447,8 @@ def create_app(state: ServerState) -> FastAPI:
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=key,
+              responses={**SSE, **errors(400, 401, 404, 503)})
     async def completions(request: Request, body: CompletionRequest) -> Response:
         check_auth(state, request)
         check_model(state, body.model)
@@ -459,7 +468,8 @@ def create_app(state: ServerState) -> FastAPI:
             echo_logprobs=body.echo and body.logprobs is not None, echo_only=echo_only,
             structured=spec, structured_field=source))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=key,
+              responses={**SSE, **errors(400, 401, 404, 503)})
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
         check_auth(state, request)
         check_model(state, body.model)

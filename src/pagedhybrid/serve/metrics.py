@@ -32,7 +32,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from pagedhybrid.engine import RequestOutput
+from pagedhybrid.engine import SequenceOutput
 from pagedhybrid.serve.core import Snapshot
 
 P = "pagedhybrid:"
@@ -101,7 +101,7 @@ class ServerMetrics:
             metric.labels(model_name=self.model_name, **labels).inc(delta)
         self._seen[key] = now
 
-    def on_step(self, snap: Snapshot, outputs: Sequence[RequestOutput]) -> None:
+    def on_step(self, snap: Snapshot, outputs: Sequence[SequenceOutput]) -> None:
         """After each engine step (the core's ``Snapshot`` and the step's outputs): gauges and
         step counters."""
         m = self.model_name

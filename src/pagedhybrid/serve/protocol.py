@@ -2,9 +2,10 @@
 
 ``CompletionRequest`` (``POST /v1/completions``) and ``ChatCompletionRequest``
 (``POST /v1/chat/completions``) take OpenAI's fields plus vLLM's extras in the body. Every field
-is typed and range-checked here (integers in their ranges, int64 seeds, floats finite, text valid
-Unicode); what needs the model (token ids inside the vocabulary, ``top_k`` up to the vocabulary,
-prompt + ``max_tokens`` within ``max_model_len``) is checked by the handler against it. A field
+is typed (strictly: a value of another JSON type is refused, not converted) and range-checked
+here (integers in their ranges, int64 seeds, floats finite, text valid Unicode); what needs the
+model (token ids inside the vocabulary, ``top_k`` up to the vocabulary, prompt + ``max_tokens``
+within ``max_model_len``) is checked by the handler against it. A field
 is either implemented or refused: unknown fields, and known OpenAI fields this server does not
 implement (``suffix``), are a 400 naming the field. ``tools`` / ``tool_choice`` and tool
 messages follow ``engine/chat.py``. ``response_format``
@@ -27,10 +28,36 @@ from pagedhybrid.errors import ContractViolation
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit; also logprobs / prompt_logprobs here
 MAX_N = 128  # OpenAI's limit for n (and best_of here)
+# every request model: unknown fields refused, and values of their JSON type only (no "0.5" for a
+# number, no 0 / "true" for a boolean: what the OpenAPI document's types say)
+STRICT = ConfigDict(extra="forbid", strict=True)
+
+
+class Error(BaseModel):
+    """OpenAI's error object (what ``param`` names: the request field at fault, ``body`` for the
+    body as a whole, or null)."""
+
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every refusal (``ApiError``): ``{"error": Error}``."""
+
+    error: Error
+
+
+class Health(BaseModel):
+    """``GET /health``: ``ok`` (200), or ``degraded`` / ``error`` (503: the engine process is
+    degraded or gone)."""
+
+    status: Literal["ok", "degraded", "error"]
 
 
 class ApiError(Exception):
-    """A refusal with OpenAI's error body."""
+    """A refusal with OpenAI's error body (``ErrorResponse``)."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
                  code: str | None = None, kind: str = "invalid_request_error") -> None:
@@ -39,8 +66,8 @@ class ApiError(Exception):
                                                                        code, kind)
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
-                          "code": self.code}}
+        return ErrorResponse(error=Error(message=self.message, type=self.kind, param=self.param,
+                                         code=self.code)).model_dump()
 
 
 def _valid_unicode(text: str) -> str:
@@ -63,14 +90,14 @@ LogprobCount = Annotated[int, Field(strict=True, ge=0, le=MAX_LOGPROBS)]
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM: usage in every chunk
 
 
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     type: Literal["text", "json_object", "json_schema", "structural_tag", "grammar", "regex"]
 
@@ -78,7 +105,7 @@ class ResponseFormat(BaseModel):
 class _Sampling(BaseModel):
     """The fields both endpoints share."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     model: Text
     temperature: Annotated[float, Field(allow_inf_nan=False, ge=0.0, le=2.0)] | None = None
@@ -101,6 +128,8 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     min_tokens: Count = 0
     stop_token_ids: list[TokenId] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     bad_words: list[NonEmptyText] | None = None
     prompt_logprobs: LogprobCount | None = None
     structured_outputs: dict[Text, Any] | None = None
@@ -216,14 +245,14 @@ class CompletionRequest(_Sampling):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     type: Literal["text"]
     text: Text
 
 
 class FunctionCall(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     name: Text
     arguments: Text  # the JSON text of an object
@@ -232,7 +261,7 @@ class FunctionCall(BaseModel):
 class ToolCallIn(BaseModel):
     """A tool call of an earlier assistant turn, as the API returned it."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     id: Text
     type: Literal["function"] = "function"
@@ -240,7 +269,14 @@ class ToolCallIn(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # ``_roles`` in the OpenAPI document too (what a client or a fuzzer builds from it)
+    model_config = ConfigDict(**STRICT, json_schema_extra={"allOf": [
+        {"if": {"properties": {"role": {"const": "tool"}}},
+         "then": {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string"}}},
+         "else": {"properties": {"tool_call_id": {"type": "null"}}}},
+        {"if": {"properties": {"role": {"const": "assistant"}}},
+         "else": {"properties": {"tool_calls": {"type": "null"},
+                                 "reasoning_content": {"type": "null"}}}}]})
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Text | list[TextPart] | None = None
@@ -332,7 +368,7 @@ def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
 class TokenizeRequest(BaseModel):
     """vLLM's ``POST /tokenize``: a prompt, or chat messages rendered by the template."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     model: Text | None = None
     prompt: Text | None = None
@@ -362,7 +398,7 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     model: Text | None = None
     tokens: list[TokenId]

@@ -1,11 +1,14 @@
 """The answers' shapes: each choice's text, its entries, logprobs and usage.
 
 ``Choice`` follows one engine request: the text is the engine's (its incremental detokeniser,
-O(new tokens) a step); stop strings are found in the new text, cut (never returned) and the
-engine request aborted; while streaming, the tail that could still begin a stop string (or is an
-incomplete UTF-8 character) is held back. ``Responses`` (one a request) builds every choice
-entry, of the final JSON and of each streamed chunk alike; of ``best_of`` candidates it returns
-the ``n`` with the best mean token logprob. Usage counts the exact prompt and generated tokens.
+O(new tokens) a step), which also ends it at a stop string (``SamplingParams.stop``, the same
+code as ``LLM``'s: the text never shows the string unless ``include_stop_str_in_output``, and
+the tail that could still begin one is held back while it runs); ``stop_reason`` is vLLM's (the
+stop string or stop token id that ended the choice). ``Responses`` (one a request) builds every
+choice entry, of the final JSON and of each streamed chunk alike; of ``best_of`` candidates it
+returns the ``n`` with the best mean token logprob (OpenAI's "highest log probability per
+token"; ``LLM`` ranks by vLLM's cumulative logprob). Usage counts the exact prompt and
+generated tokens.
 
 Logprobs as vLLM and lm-eval expect them: ``logprobs`` k (completions) gives each returned
 token's logprob and OpenAI's ``top_logprobs`` dicts (top k plus the token itself); with ``echo``
@@ -24,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedhybrid.engine import RequestOutput
+from pagedhybrid.engine import SequenceOutput
 from pagedhybrid.engine.chat import Tools
 from pagedhybrid.engine.chat_parser import ChatParser
 from pagedhybrid.engine.sampling import Logprob
@@ -57,7 +60,6 @@ class Job:
 class Choice:
     index: int
     request_id: str
-    stops: list[str]
     tokenizer: Any
     echo_only: bool = False  # max_tokens 0 + echo: the generated token is not returned
     token_ids: list[int] = field(default_factory=list)
@@ -65,6 +67,7 @@ class Choice:
     sent: int = 0  # characters of ``text`` already returned
     sent_logprobs: int = 0  # streaming: tokens whose logprobs went out
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     error: str | None = None
     logprobs: tuple[dict[int, Logprob], ...] = ()
     prompt_logprobs: tuple[dict[int, Logprob] | None, ...] | None = None
@@ -83,8 +86,9 @@ class Choice:
         lps = [d[t].logprob for t, d in zip(self.token_ids, self.logprobs, strict=False)]
         return sum(lps) / len(lps) if lps else 0.0
 
-    def update(self, out: RequestOutput) -> tuple[str, bool]:
-        """New output -> (text that is safe to return now, whether a stop string ended it)."""
+    def update(self, out: SequenceOutput) -> tuple[str, bool]:
+        """New output -> (text that is safe to return now, whether the choice ended before its
+        engine request did: its one tool call is complete)."""
         self.prompt_ids = out.prompt_token_ids
         if self.prompt_logprobs is None and out.prompt_logprob_list is not None:
             self.prompt_logprobs = out.prompt_logprobs  # once: it is complete when present
@@ -101,20 +105,14 @@ class Choice:
             self.logprobs = out.logprobs or ()
         # the engine's incremental detokeniser already holds the text (O(new tokens) a step)
         text = out.text if out.text is not None else self.tokenizer.decode(self.token_ids)
-        longest = max((len(s) for s in self.stops), default=0)
-        start = max(0, len(self.text) - longest + 1)  # earlier text was searched already
-        hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
-        stopped = bool(hits)
-        if stopped:
-            text, self.finish_reason = text[:min(hits)], "stop"
-        elif out.finished:
+        stopped = False
+        if out.finished:
             self.finish_reason = "stop" if out.finish_reason in ("stop", "abort") else \
                 str(out.finish_reason)
+            self.stop_reason = out.stop_reason
         self.text = text
         safe = len(text)
         if not self.done:
-            hold = max((len(s) - 1 for s in self.stops), default=0)
-            safe = max(self.sent, len(text) - hold)
             while safe > self.sent and text[safe - 1] == "\ufffd":  # a partial character
                 safe -= 1
         delta = text[self.sent:safe]
@@ -250,8 +248,8 @@ class Responses:
                                    c.logprobs[first:len(c.token_ids)], k, offset)
 
     def entry(self, index: int, text: str | dict[str, Any], logprobs: dict[str, Any] | None,
-              finish: str | None, *, final: bool = False, role: bool = False
-              ) -> dict[str, Any]:
+              finish: str | None, *, final: bool = False, role: bool = False,
+              stop_reason: int | str | None = None) -> dict[str, Any]:
         """A choice entry: completions' ``text``; chat's ``message`` (``final``: the parser's
         message) or ``delta`` (the parser's parts; ``role``: the first chunk, naming the
         assistant)."""
@@ -263,7 +261,8 @@ class Responses:
             shaped = {"delta": {"content": text} if text else {}}
         else:
             shaped = {"message" if final else "delta": text}
-        return {"index": index, **shaped, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": index, **shaped, "logprobs": logprobs, "finish_reason": finish,
+                "stop_reason": stop_reason}
 
     def stream_entry(self, c: Choice, delta: str) -> dict[str, Any] | None:
         """The chunk entry of ``c``'s new text and tokens; ``None`` when nothing is new."""
@@ -274,7 +273,8 @@ class Responses:
         new: str | dict[str, Any] = delta
         if c.parser is not None:
             new, c.parts = c.parts, {}
-        return self.entry(c.index, new, lp, c.finish_reason) if new or c.done or lp else None
+        return self.entry(c.index, new, lp, c.finish_reason, stop_reason=c.stop_reason) \
+            if new or c.done or lp else None
 
     def _envelope(self, kind: str, entries: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.rid, "object": kind, "created": self.created, "model": self.model,
@@ -288,7 +288,8 @@ class Responses:
             if lp is not None and gen_lp is not None:
                 lp = {key: lp[key] + gen_lp[key] for key in lp}
             text = c.parser.message() if c.parser is not None else echo + c.text
-            out.append(self.entry(j, text, lp or gen_lp, c.finish_reason, final=True))
+            out.append(self.entry(j, text, lp or gen_lp, c.finish_reason, final=True,
+                                  stop_reason=c.stop_reason))
             if k is not None and not job.chat:
                 out[-1]["prompt_logprobs"] = vllm_prompt_logprobs(self.tok, c, k)
         resp = self._envelope("chat.completion" if job.chat else "text_completion", out)
