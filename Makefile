@@ -10,11 +10,11 @@ export XDG_RUNTIME_DIR ?= $(CURDIR)/.cache/xdg-runtime
 
 NATIVE  := src/pagedhybrid/kernels/native/_build/build.json
 
-.PHONY: setup native system-deps run test lint bench clean
+.PHONY: setup native wheel system-deps run test lint docs bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,docs]'
 	touch $@
 
 # The native CPU kernels (torch C++ extension, g++ + ninja) are built ahead of time, here,
@@ -23,6 +23,11 @@ $(NATIVE): $(STAMP) $(wildcard src/pagedhybrid/kernels/native/csrc/*)
 	$(PY) -m pagedhybrid.kernels.native.build
 
 native: $(NATIVE)
+
+# A wheel (dist/) that carries the native kernels of every CPU form the compiler builds: the build
+# hook (hatch_build.py) runs the same build as `make native`; `pip install .` and an sdist do too
+wheel: $(STAMP)
+	$(PY) -m pip wheel --no-deps --wheel-dir dist .
 
 setup: $(STAMP) $(NATIVE)
 	@mkdir -p $(XDG_RUNTIME_DIR) && chmod 700 $(XDG_RUNTIME_DIR)
@@ -36,8 +41,12 @@ run: setup system-deps
 lint: setup
 	$(VENV)/bin/ruff check .
 
-test: setup system-deps lint
+# the docs site, into site/: strict, so a broken link or API reference fails the build
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+
+test: setup system-deps lint docs
 	$(VENV)/bin/pytest -q
 
 clean:
-	rm -rf $(VENV) .cache .pytest_cache .ruff_cache .hypothesis src/pagedhybrid/kernels/native/_build
+	rm -rf $(VENV) site .cache .pytest_cache .ruff_cache .hypothesis src/pagedhybrid/kernels/native/_build

@@ -1,5 +1,5 @@
 """Command line: ``pagedhybrid run | generate | serve | perplexity | export | verify |
-conformance | kernels | dispatch``."""
+conformance | kernels | dispatch``; ``pagedhybrid --version``."""
 
 from __future__ import annotations
 
@@ -38,8 +38,42 @@ def _conformance(args: argparse.Namespace) -> int:
     return 1 if failed or not results else 0
 
 
+def version_text() -> str:
+    """``pagedhybrid --version``: the package's version, torch's, and the native kernels: the
+    form this CPU runs (or why none loads) and the forms built (in the package, or in
+    ``src/`` by ``make native``)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+
+    from pagedhybrid.kernels import native
+
+    try:
+        ours = version("pagedhybrid")
+    except PackageNotFoundError:
+        ours = "(not installed)"
+    st = native.status()
+    built = [f for f in native.FORMS if native.library_path(f).is_file()]
+    return (f"pagedhybrid {ours}\ntorch {torch.__version__}\n"
+            f"native kernels: {native.cpu_form()}\n"
+            f"native forms built: {', '.join(built) or 'none'} (in {native.BUILD_DIR})"
+            + (f"\nloaded: {native.library_path(st.isa)}" if st.available else ""))
+
+
+class _Version(argparse.Action):
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="show the version, torch's and "
+                         "the native kernels' CPU form, and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object) -> None:
+        print(version_text())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pagedhybrid", description=__doc__)
+    p.add_argument("-V", "--version", action=_Version)
     sub = p.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("conformance", help="run the operator conformance cases")

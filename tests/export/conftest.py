@@ -4,7 +4,7 @@ torch engine's tokens for the Engine scenario (helpers in ``export_helpers.py``)
 * ``tiny_checkpoint`` -- ``tiny_config`` with ``tame_weights``, written once per session;
 * ``tiny_package`` / ``pruned_package`` -- webgpu fp16 exports of it (block size 16, 32 pages);
 * ``engine_package`` / ``engine_pruned_package`` -- the same exports of the trained built-in
-  model, which the Engine scenario runs;
+  model, which the Engine scenario runs (the pruned one with the default page count);
 * ``qwen27b_config_dir(interval)`` -- a folder holding only a 27B-class ``config.json``;
 * ``torch_tokens`` -- the pagedhybrid torch engine's greedy tokens for the Engine scenario
   (built-in model, float32).
@@ -70,8 +70,10 @@ def engine_package(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def engine_pruned_package(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Pruned logits, and no ``num_blocks``: the default page count (``export/pages.py``)."""
     out = tmp_path_factory.mktemp("engine-package-pruned")
-    export_package(default_model_dir(), out, dataclasses.replace(TINY_OPTIONS, prune_logits=True))
+    export_package(default_model_dir(), out, dataclasses.replace(TINY_OPTIONS, prune_logits=True,
+                                                                 num_blocks=None))
     return out
 
 

@@ -11,12 +11,14 @@ page boundary):
 * each request's tokens equal the same request run alone through the Engine,
 * and equal the pagedhybrid torch engine (float32) on the same checkpoint.
 
-The package with pruned logits (``[B, vocab]``, no ``logits_indices`` input) gives the same
-tokens in the Engine.
+The package with pruned logits (``[B, vocab]``, no ``logits_indices`` input), exported without
+``num_blocks`` (the default page count of ``export/pages.py``: 8 sequences of the model's 2048
+tokens), loads with the pages the rule chose and gives the same tokens in the Engine.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from export_helpers import ADMIT_AFTER, MAX_NEW, engine_prompts
@@ -51,6 +53,11 @@ def test_engine_runs_package_as_written(engine_package: Path,
 
 def test_engine_runs_engine_pruned_package(engine_pruned_package: Path,
                                     torch_tokens: list[list[int]]) -> None:
+    genai = json.loads((engine_pruned_package / "genai_config.json").read_text())
+    assert genai["engine"]["dynamic_batching"]["num_blocks"] == 8 * 2048 // 16  # the default
+    assert verify_package(engine_pruned_package).ok
     engine = _genai_engine(engine_pruned_package)
+    # every request may reach the model's whole context: the pages do not cut it short
+    assert engine.get_capabilities().max_request_length == genai["search"]["max_length"] == 2048
     overlapped, _ = run_schedule(engine, engine_prompts(), MAX_NEW, ADMIT_AFTER)
     assert overlapped == torch_tokens

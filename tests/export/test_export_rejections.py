@@ -27,7 +27,10 @@ OK = ExportOptions(ep="webgpu", dtype="fp16", block_size=16, num_blocks=8)
     ({"dtype": "bf16"}, r"bf16 with --ep webgpu.*float16 only"),
     ({"block_size": 8}, r"--block-size 8.*power of two >= 16"),
     ({"block_size": 48}, r"--block-size 48"),
-    ({"num_blocks": None}, r"--ep webgpu needs --num-blocks"),
+    ({"num_blocks": None, "gpu_utilization": 0.5}, r"--gpu-utilization with --ep webgpu.*only "
+     r"on CUDA"),
+    ({"max_length": 0}, r"--max-length 0: must be >= 1"),
+    ({"max_length": 5000}, r"--max-length 5000: must be in \[1, 4096\]"),
     ({"gpu_utilization": 0.5}, r"mutually exclusive"),
     ({"ep": "cuda", "num_blocks": None, "gpu_utilization": 1.5}, r"fraction in \(0, 1\]"),
     ({"num_blocks": 0}, r"--num-blocks 0"),
@@ -43,6 +46,7 @@ def test_option_rejections(changes: dict[str, object], reason: str) -> None:
 
 def test_valid_options_pass() -> None:
     check_export(tiny_config(), OK)
+    check_export(tiny_config(), dataclasses.replace(OK, num_blocks=None))  # the default count
     check_export(tiny_config(), ExportOptions(ep="cuda", dtype="bf16"))  # factor 0.6 default
 
 

@@ -187,6 +187,7 @@ def generate_main(args: argparse.Namespace) -> int:
                                 ignore_eos=args.ignore_eos, logprobs=args.logprobs)
         llm = LLM(args.model, dtype=args.dtype, **_engine_kwargs(args))
         print(f"pagedhybrid: {llm.engine.memory.summary()}", file=sys.stderr)
+        print(f"pagedhybrid: kernels: {llm.engine.runner.kernel_choice()}", file=sys.stderr)
         prompts: list[str] = list(args.prompt)
         if args.stream:
             return _generate_stream(llm, prompts, params, as_json=args.json)

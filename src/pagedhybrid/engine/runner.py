@@ -346,11 +346,13 @@ class ModelRunner:
     def _native(self) -> bool:
         return self.kernels.backend.name.startswith("native")
 
+    def kernel_choice(self) -> str:
+        """The bundle and why, and the native kernels' CPU form (measures nothing)."""
+        return self.kernels.reason + (f"; CPU form {cpu_form()}" if self._native else "")
+
     def kernel_summary(self) -> str:
         """What runs: the bundle and why, the native kernels' CPU form, the projections."""
-        parts = [self.kernels.reason]
-        if self._native:
-            parts.append(f"CPU form {cpu_form()}")
+        parts = [self.kernel_choice()]
         mm = self.kernels.backend.linear_for(self.model.dtype)
         parts.append("projections: " + ("torch" if mm is None else
                                         f"{mm.__module__.rsplit('.', 1)[-1]}.{mm.__name__}"))

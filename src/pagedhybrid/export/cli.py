@@ -1,11 +1,14 @@
 """``pagedhybrid export`` and ``pagedhybrid verify`` (argparse), wired by ``pagedhybrid.cli``.
 
 ``pagedhybrid export MODEL_DIR OUT_DIR --ep cuda|webgpu --dtype fp16|bf16 [--block-size 256]
-[--num-blocks N | --gpu-utilization F] [--max-batch-size N] [--max-scheduled-tokens N]
-[--prefill-chunk-size N] [--prune-logits] [--no-weights] [--weights int4|int8[:BLOCK][:asym]
-[--accuracy-level N] [--no-quantize-lm-head]]`` writes the package with a progress bar and
-prints the operator counts; ``pagedhybrid verify OUT_DIR [--checkpoint MODEL_DIR]`` prints the
-ABI report and exits non-zero on any mismatch.
+[--num-blocks N | --gpu-utilization F] [--max-batch-size N] [--max-length N]
+[--max-scheduled-tokens N] [--prefill-chunk-size N] [--prune-logits] [--no-weights]
+[--weights int4|int8[:BLOCK][:asym] [--accuracy-level N] [--no-quantize-lm-head]]`` writes the
+package with a progress bar and prints the files, the KV page budget (``pages:``: the page count
+and where it came from -- ``--num-blocks``, genai's free-memory factor on CUDA, or the default
+page count of ``export/pages.py`` on other providers) and the operator counts;
+``pagedhybrid verify OUT_DIR [--checkpoint MODEL_DIR]`` prints the ABI report and exits non-zero
+on any mismatch.
 Unsupported configurations exit with status 2 and the reason.
 """
 
@@ -17,6 +20,7 @@ from typing import Any
 
 from pagedhybrid.errors import PagedHybridError, UnsupportedConfiguration
 from pagedhybrid.export.options import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH_SIZE, ExportOptions
+from pagedhybrid.export.pages import DEFAULT_KV_BUDGET, WEBGPU_BINDING_LIMIT
 
 
 def register_subcommands(subparsers: Any) -> None:
@@ -29,10 +33,21 @@ def register_subcommands(subparsers: Any) -> None:
     e.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
                    help="tokens per KV page (power of two >= 16)")
     budget = e.add_mutually_exclusive_group()
-    budget.add_argument("--num-blocks", type=int, help="KV pages the Engine allocates")
+    budget.add_argument(
+        "--num-blocks", type=int, metavar="N",
+        help="KV pages the Engine allocates (each sequence reaches at most N x block-size "
+        "tokens). Default on CUDA: --gpu-utilization 0.6 (genai sizes pages from free memory); "
+        "on other providers: enough pages for --max-batch-size sequences of --max-length "
+        f"tokens, capped at {DEFAULT_KV_BUDGET / (1 << 30):g} GiB of pages in all and "
+        f"{WEBGPU_BINDING_LIMIT >> 20} MiB per layer buffer (WebGPU's default storage binding "
+        "limit); refused when one sequence of --max-length (else 4096) tokens cannot fit")
     budget.add_argument("--gpu-utilization", type=float,
                         help="fraction of free device memory for pages (CUDA only)")
     e.add_argument("--max-batch-size", type=int, default=DEFAULT_MAX_BATCH_SIZE)
+    e.add_argument("--max-length", type=int, default=None, metavar="N",
+                   help="longest sequence (prompt + output) served: genai search.max_length and "
+                   "the default page count's per-sequence demand (default: the model's context "
+                   "length, max_position_embeddings)")
     e.add_argument("--max-scheduled-tokens", type=int)
     e.add_argument("--prefill-chunk-size", type=int,
                    help="most prompt tokens of one request per step (genai search.chunk_size)")
@@ -77,6 +92,7 @@ def options_from_args(args: argparse.Namespace) -> ExportOptions:
     return ExportOptions(
         ep=args.ep, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
         gpu_utilization=args.gpu_utilization, max_batch_size=args.max_batch_size,
+        max_length=args.max_length,
         max_scheduled_tokens=args.max_scheduled_tokens,
         prefill_chunk_size=args.prefill_chunk_size, prune_logits=args.prune_logits,
         weights=not args.no_weights, kv_cache_dtype=args.kv_cache_dtype,
@@ -116,6 +132,7 @@ def run_export(args: argparse.Namespace) -> int:
                        if k in ("PagedAttention", "GatedDeltaNet", "VarlenCausalConvWithState",
                                 "MoE", "MatMulNBits"))
     print(f"exported {result.out_dir} in {result.seconds:.1f} s: {', '.join(result.files)}")
+    print(f"pages: {result.pages.summary()}")
     print(f"operators: {counts}")
     return 0
 

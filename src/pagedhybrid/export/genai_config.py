@@ -20,8 +20,10 @@ Layout (format A of ``reference/qwen35-model.md`` §6, the one 0.18.0's own buil
 * ``model.decoder.session_options.provider_options``: ``cuda`` (``enable_cuda_graph=0``) or
   ``webgpu`` (graph capture off, basic validation);
 * ``engine.dynamic_batching``: ``block_size``, ``max_batch_size``, ``num_blocks`` or
-  ``gpu_utilization_factor``, ``max_scheduled_tokens`` when given;
-* ``search.past_present_share_buffer = true`` (the caches are updated in place); with
+  ``gpu_utilization_factor`` (``--num-blocks``, the factor on CUDA, else the default page count
+  of ``export/pages.py``), ``max_scheduled_tokens`` when given;
+* ``search.max_length``: ``--max-length``, else the model's context;
+  ``search.past_present_share_buffer = true`` (the caches are updated in place); with
   ``prefill_chunk_size`` also ``search.chunk_size`` (the most prompt tokens of one request per
   step).
 """
@@ -71,7 +73,8 @@ def make_genai_config(abi: PackedAbi) -> dict[str, Any]:
     eos = _token(cfg.eos_token_id)
     pad = cfg.eos_token_id[0] if cfg.eos_token_id else 0
     dynamic: dict[str, Any] = {"block_size": o.block_size, "max_batch_size": o.max_batch_size}
-    dynamic |= o.page_budget()
+    pages = o.page_plan(cfg)
+    dynamic |= pages.budget()
     if o.max_scheduled_tokens is not None:
         dynamic["max_scheduled_tokens"] = o.max_scheduled_tokens
     model: dict[str, Any] = {
@@ -104,7 +107,7 @@ def make_genai_config(abi: PackedAbi) -> dict[str, Any]:
         extra["speculative"] = {"max_draft_tokens": max(abi.capacity - 1, 1)}
     search: dict[str, Any] = {
         "diversity_penalty": 0.0, "do_sample": False, "early_stopping": True,
-        "length_penalty": 1.0, "max_length": cfg.max_position_embeddings, "min_length": 0,
+        "length_penalty": 1.0, "max_length": pages.max_length, "min_length": 0,
         "no_repeat_ngram_size": 0, "num_beams": 1, "num_return_sequences": 1,
         "past_present_share_buffer": True, "repetition_penalty": 1.0, "temperature": 1.0,
         "top_k": 50, "top_p": 1.0,

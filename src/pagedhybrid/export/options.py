@@ -10,8 +10,11 @@ serve, before any graph is built:
 * dtype: ``fp16`` or ``bf16`` (PagedAttention has no float32 type); WebGPU's PagedAttention is
   float16 only;
 * block size: a power of two >= 16 (PagedAttention's rule); ``head_dim % 8 == 0``;
-* page budget: exactly one of ``num_blocks`` / ``gpu_utilization``; a non-CUDA runtime cannot size
-  pages from free device memory, so ``webgpu`` needs ``num_blocks``;
+* page budget: at most one of ``num_blocks`` / ``gpu_utilization``; a non-CUDA runtime cannot size
+  pages from free device memory, so without ``num_blocks`` a ``webgpu`` export gets a page count
+  by the rule of ``export/pages.py`` (``max_batch_size`` sequences of ``max_length`` tokens within
+  a 1 GiB budget and WebGPU's 128 MiB buffer binding), refused when one sequence's context cannot
+  fit; ``max_length`` (``search.max_length``) at most the model's context;
 * at least one full-attention layer (the Engine needs one paged_kv state group);
 * quantized KV pages (``kv_cache_dtype`` int8 | fp8): CUDA only -- ORT's WebGPU PagedAttention
   registers float16 caches only, and a session with an int8 / float8e4m3fn cache fails at
@@ -46,6 +49,7 @@ from pagedhybrid.export.nbits import (
     genai_accuracy_level,
     parse_format,
 )
+from pagedhybrid.export.pages import PagePlan, plan_pages
 from pagedhybrid.kernels.onnxruntime.paged_attention import QUANTIZED_CACHE
 from pagedhybrid.models.qwen35.config import Qwen35Config
 
@@ -54,7 +58,6 @@ DTYPES = ("fp16", "bf16")
 DEFAULT_BLOCK_SIZE = 256
 DEFAULT_MAX_BATCH_SIZE = 16
 MAX_BATCH_SIZE_LIMIT = 256
-DEFAULT_GPU_UTILIZATION = 0.6
 KV_CACHE_DTYPES = {"int8": "int8", "fp8": "float8e4m3fn", "fp8_e4m3": "float8e4m3fn"}
 
 
@@ -70,6 +73,7 @@ class ExportOptions:
     num_blocks: int | None = None
     gpu_utilization: float | None = None
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
+    max_length: int | None = None  # search.max_length (None: the model's context_length)
     max_scheduled_tokens: int | None = None
     prefill_chunk_size: int | None = None
     prune_logits: bool = False
@@ -109,12 +113,13 @@ class ExportOptions:
             return "NONE"
         return "PER_CHANNEL" if self.kv_quant == "per-channel" else "PER_TENSOR"
 
-    def page_budget(self) -> dict[str, int | float]:
-        """``engine.dynamic_batching`` page budget: ``num_blocks`` or the utilization factor."""
-        if self.num_blocks is not None:
-            return {"num_blocks": self.num_blocks}
-        return {"gpu_utilization_factor": self.gpu_utilization
-                if self.gpu_utilization is not None else DEFAULT_GPU_UTILIZATION}
+    def page_plan(self, config: Qwen35Config) -> PagePlan:
+        """``engine.dynamic_batching``'s page budget and ``search.max_length`` for ``config``:
+        ``num_blocks`` as given, the utilization factor on CUDA, else the default page count
+        (``export/pages.py``)."""
+        return plan_pages(config, self.ep, self.block_size, self.max_batch_size,
+                          self.num_blocks, self.gpu_utilization, self.max_length,
+                          self.kv_onnx_dtype, self.onnx_dtype if self.mtp else None)
 
 
 def check_options(options: ExportOptions) -> None:
@@ -155,10 +160,13 @@ def check_options(options: ExportOptions) -> None:
     if o.gpu_utilization is not None and not 0.0 < o.gpu_utilization <= 1.0:
         raise UnsupportedConfiguration(
             f"--gpu-utilization {o.gpu_utilization}: must be a fraction in (0, 1]")
-    if o.ep != "cuda" and o.num_blocks is None:
+    if o.gpu_utilization is not None and o.ep != "cuda":
         raise UnsupportedConfiguration(
-            f"--ep {o.ep} needs --num-blocks N: onnxruntime-genai sizes pages from free device "
-            "memory (--gpu-utilization) only on CUDA; pin the page count for other providers")
+            f"--gpu-utilization with --ep {o.ep}: onnxruntime-genai sizes pages from free device "
+            "memory only on CUDA; pin --num-blocks N, or leave both out for the default page "
+            "count (enough for --max-batch-size sequences of --max-length tokens within 1 GiB)")
+    if o.max_length is not None and (isinstance(o.max_length, bool) or o.max_length < 1):
+        raise UnsupportedConfiguration(f"--max-length {o.max_length}: must be >= 1")
     if not 1 <= o.max_batch_size <= MAX_BATCH_SIZE_LIMIT:
         raise UnsupportedConfiguration(
             f"--max-batch-size {o.max_batch_size}: must be in [1, {MAX_BATCH_SIZE_LIMIT}]")
@@ -205,6 +213,7 @@ def check_model(config: Qwen35Config) -> None:
 def check_export(config: Qwen35Config, options: ExportOptions) -> None:
     check_options(options)
     check_model(config)
+    options.page_plan(config)  # the page budget's refusals (export/pages.py)
     if options.mtp and config.mtp_num_hidden_layers != 1:
         raise UnsupportedConfiguration(
             f"--mtp: the checkpoint has mtp_num_hidden_layers={config.mtp_num_hidden_layers}; "

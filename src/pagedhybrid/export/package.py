@@ -37,6 +37,7 @@ from pagedhybrid.export.genai_config import make_genai_config
 from pagedhybrid.export.graph import build_packed_model
 from pagedhybrid.export.mtp import build_mtp_model
 from pagedhybrid.export.options import ExportOptions, check_export
+from pagedhybrid.export.pages import PagePlan
 from pagedhybrid.export.weights import AbsentWeights, CheckpointWeights, WeightSource
 from pagedhybrid.export.workflow import make_workflow
 from pagedhybrid.kvquant import KVScales, default_scales_path, kv_dtype, load_scales
@@ -51,6 +52,7 @@ class ExportResult:
     files: tuple[str, ...]
     op_counts: dict[str, int]
     seconds: float
+    pages: PagePlan  # the page budget written to genai_config.json
 
 
 def export_package(model_dir: str | Path, out_dir: str | Path, options: ExportOptions,
@@ -84,7 +86,8 @@ def export_package(model_dir: str | Path, out_dir: str | Path, options: ExportOp
         if (model_dir / name).is_file():
             shutil.copyfile(model_dir / name, out_dir / name)
             files.append(name)
-    return ExportResult(out_dir, tuple(files), counts, time.perf_counter() - start)
+    return ExportResult(out_dir, tuple(files), counts, time.perf_counter() - start,
+                        options.page_plan(config))
 
 
 def _save(model: ir.Model, out_dir: Path, name: str, data: str, weights: bool,

@@ -51,9 +51,14 @@ Build: ``python -m pagedhybrid.kernels.native.build`` (``make native``; ``make r
 test`` depend on it) compiles ``csrc/*.cpp`` with g++ and ninja through
 ``torch.utils.cpp_extension`` for every form of this CPU into ``_build/<form>/`` with a
 ``build.json`` stamp each (form, torch version, source digest) and a summary in
-``_build/build.json``. Threads (``csrc/common.h``): an op's work items are claimed from a
-shared counter by the calling thread and by helper threads (``torch.get_num_threads()`` in all,
-or ``set_pool_threads(n)``) that join when they get a core; the call never waits for a helper
+``_build/build.json``. A wheel (``pip install .``, ``pip install <sdist>``, ``python -m build``,
+``make wheel``) runs the same build from its hook (``hatch_build.py``) for every form the
+compiler builds and carries each form's library and stamp in the same place, so an installed
+package loads them from its own ``_build/``.
+
+Threads (``csrc/common.h``): an op's work items are claimed from a shared counter by the
+calling thread and by helper threads (``torch.get_num_threads()`` in all, or
+``set_pool_threads(n)``) that join when they get a core; the call never waits for a helper
 that was not scheduled -- an OpenMP region's join barrier does, which on cores shared with
 another busy process costs a scheduler tick (4-12 ms) per region. Calls below ~260k
 multiply-adds run inline. Nothing is

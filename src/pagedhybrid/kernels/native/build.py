@@ -1,21 +1,33 @@
 """Build the native CPU kernels ahead of time: ``python -m pagedhybrid.kernels.native.build``.
 
-Builds every CPU form this machine can run (``native.runnable_forms()``: ``avx512_bf16`` when the
-CPU has AVX-512 F/BW/VL/DQ, AVX512-BF16 and AVX512-VNNI, ``avx512_vnni`` with AVX-512 and VNNI,
-``avx512`` with AVX-512 alone, ``avx2`` with AVX2 +
-FMA + F16C; anything older is refused), the fastest first so that the form ``status()`` picks is
-current soonest. Each form compiles ``csrc/*.cpp`` with ``torch.utils.cpp_extension.load``
-(g++, ninja) with its ISA flags, ``-DPH_FORM_ID=<form>`` and ``-DPH_NS=pagedhybrid_<form>`` into
-``_build/<form>/`` and writes its ``build.json`` (form, torch version, source digest, seconds);
-``_build/build.json`` sums up the build. A current form is kept (``--force`` rebuilds);
-``--isa FORM`` builds that form alone. Exit status 0 on success.
+CPU forms (``native.FORMS``, fastest first): ``avx512_bf16`` (AVX-512 F/BW/VL/DQ, AVX512-BF16
+and AVX512-VNNI), ``avx512_vnni`` (AVX-512 and VNNI), ``avx512`` (AVX-512 alone), ``avx2``
+(AVX2 + FMA + F16C). Which forms a run builds (``--forms``):
+
+* ``cpu`` (the default; ``make native``): every form this machine can run
+  (``native.runnable_forms()``; anything older than AVX2 is refused);
+* ``all`` (the wheel: ``hatch_build.py``): every form the C++ compiler can compile here
+  (``compilable_forms()``), whether or not this CPU runs it, so that a wheel built on one
+  machine carries the form of each CPU it is installed on;
+* a comma-separated list of forms (``--isa FORM``: that form alone).
+
+Each form compiles ``csrc/*.cpp`` through ``torch.utils.cpp_extension`` (g++, ninja; the same
+ninja file ``cpp_extension.load`` writes) with its ISA flags, ``-DPH_FORM_ID=<form>`` and
+``-DPH_NS=pagedhybrid_<form>`` into ``_build/<form>/``; a form this CPU runs is then loaded
+once as a check (``cpu_form()`` must name it), one it cannot run is never loaded. Each form
+writes its ``build.json`` (form, torch version, source digest, seconds); ``_build/build.json``
+lists the forms of the last build. A current form is kept (``--force`` rebuilds). The forms are
+built fastest first, so that the form ``status()`` picks is current soonest. Exit status 0 on
+success.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,6 +40,7 @@ ISA_FLAGS = {
     "avx512": _AVX512,
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
 }
+FORM_SETS = ("cpu", "all")  # the named sets of --forms (besides a list of forms)
 
 
 def cpu_isa(cpuinfo: str | None = None) -> str | None:
@@ -36,6 +49,58 @@ def cpu_isa(cpuinfo: str | None = None) -> str | None:
 
     forms = native.runnable_forms(native.cpu_flags(cpuinfo))
     return forms[0] if forms else None
+
+
+def compiler() -> str:
+    """The C++ compiler ``torch.utils.cpp_extension`` builds with (``$CXX``, else ``c++``)."""
+    from torch.utils import cpp_extension
+
+    return cpp_extension.get_cxx_compiler()
+
+
+def compilable_forms(cxx: str | None = None) -> tuple[str, ...]:
+    """The forms whose ISA flags the C++ compiler accepts (every form on x86-64 with a
+    current g++; none on another architecture), fastest first."""
+    cxx = cxx or compiler()
+    if shutil.which(cxx) is None:
+        return ()
+    out = []
+    for form, flags in ISA_FLAGS.items():
+        probe = subprocess.run([cxx, *flags, "-x", "c++", "-c", "-", "-o", os.devnull],
+                               input="int pagedhybrid_probe() { return 0; }\n", text=True,
+                               capture_output=True, check=False)
+        if probe.returncode == 0:
+            out.append(form)
+    return tuple(out)
+
+
+def select_forms(spec: str) -> tuple[str, ...]:
+    """The forms ``spec`` names (``cpu``, ``all`` or a comma-separated list), fastest first;
+    raises ``SystemExit`` with the reason when one cannot be built here."""
+    from pagedhybrid.kernels import native
+
+    spec = spec.strip().lower()
+    if spec == "cpu":
+        forms = native.runnable_forms()
+        if not forms:
+            raise SystemExit("native kernels need a CPU with AVX2, FMA and F16C (or AVX-512); "
+                             "`--forms all` compiles them for other CPUs")
+        return forms
+    compilable = compilable_forms()
+    if spec == "all":
+        if not compilable:
+            raise SystemExit(f"the C++ compiler {compiler()!r} compiles none of the CPU forms "
+                             f"({', '.join(ISA_FLAGS)}): the native kernels need g++ for x86-64")
+        return compilable
+    named = [f.strip() for f in spec.split(",") if f.strip()]
+    for form in named:
+        if form not in ISA_FLAGS:
+            raise SystemExit(f"{form!r} is not a CPU form (one of {', '.join(ISA_FLAGS)}, or "
+                             f"{' / '.join(FORM_SETS)})")
+        if form not in compilable:
+            raise SystemExit(f"the C++ compiler {compiler()!r} cannot compile the {form} form "
+                             f"(flags {' '.join(ISA_FLAGS[form])})")
+    return tuple(f for f in ISA_FLAGS if f in named)
 
 
 def _current(form: str, digest: str) -> bool:
@@ -62,6 +127,7 @@ def _remove_old_layout() -> None:
 
 
 def build_form(form: str, force: bool = False, verbose: bool = False) -> Path:
+    """Compile ``form`` (kept when current); load it once as a check when this CPU runs it."""
     import torch
     from torch.utils import cpp_extension
 
@@ -70,47 +136,51 @@ def build_form(form: str, force: bool = False, verbose: bool = False) -> Path:
     digest = native.source_digest()
     lib = native.library_path(form)
     if not force and _current(form, digest):
-        print(f"native kernels up to date ({form}): {lib}")
+        print(f"native kernels up to date ({form}): {lib}", flush=True)
         return lib
     out = native.form_dir(form)
     out.mkdir(parents=True, exist_ok=True)
+    native.form_stamp(form).unlink(missing_ok=True)  # no stamp until the library is built
     start = time.perf_counter()
-    cpp_extension.load(
+    # cpp_extension.load() minus its final torch.ops.load_library(): the same ninja file and
+    # flags, but a form this CPU cannot run is never loaded (its static initialisers may use
+    # instructions the CPU lacks). torch is pinned (pyproject.toml), so is this function.
+    cpp_extension._write_ninja_file_and_build_library(
         name=f"{native.LIB_NAME}_{form}",
         sources=[str(p) for p in sorted(native.CSRC.glob("*.cpp"))],
         extra_cflags=[*native.CFLAGS, *ISA_FLAGS[form], f"-DPH_FORM_ID={form}",
                       f"-DPH_NS={native.namespace(form)}"],
-        extra_ldflags=list(native.LDFLAGS), build_directory=str(out), is_python_module=False,
-        verbose=verbose)
+        extra_cuda_cflags=[], extra_sycl_cflags=[], extra_ldflags=list(native.LDFLAGS),
+        extra_include_paths=[], build_directory=str(out), verbose=verbose, with_cuda=False,
+        with_sycl=False)
     seconds = time.perf_counter() - start
+    if form in native.runnable_forms():
+        error = native._load(str(lib), form)
+        if error:
+            raise SystemExit(f"native kernels ({form}) in {lib}: {error}")
     native.form_stamp(form).write_text(json.dumps(
         {"form": form, "torch": torch.__version__, "sources": digest,
          "seconds": round(seconds, 1)}) + "\n")
-    print(f"built native kernels ({form}) in {seconds:.1f} s: {lib}")
+    print(f"built native kernels ({form}) in {seconds:.1f} s: {lib}", flush=True)
     return lib
 
 
-def build(force: bool = False, isa: str | None = None, verbose: bool = False) -> Path:
-    """Build ``isa`` alone, or every form this CPU runs (fastest first); the fastest's path."""
+def build(force: bool = False, isa: str | None = None, verbose: bool = False,
+          forms: str = "cpu") -> Path:
+    """Build the forms ``forms`` names (``isa``: that form alone), fastest first; the fastest's
+    path."""
     import torch
 
     from pagedhybrid.kernels import native
 
-    forms = native.runnable_forms()
-    if isa is not None:
-        if isa not in forms:
-            raise SystemExit(f"this CPU cannot run the {isa} form (it runs: "
-                             f"{', '.join(forms) or 'none'})")
-        forms = (isa,)
-    if not forms:
-        raise SystemExit("native kernels need a CPU with AVX2, FMA and F16C (or AVX-512)")
-    if shutil.which("g++") is None:
-        raise SystemExit("native kernels need g++")
+    if shutil.which(compiler()) is None:
+        raise SystemExit(f"native kernels need g++ (no C++ compiler {compiler()!r} found)")
+    chosen = select_forms(isa if isa is not None else forms)
     native.BUILD_DIR.mkdir(parents=True, exist_ok=True)
     _remove_old_layout()
-    libs = [build_form(form, force, verbose) for form in forms]
+    libs = [build_form(form, force, verbose) for form in chosen]
     native.STAMP.write_text(json.dumps(
-        {"forms": list(forms), "torch": torch.__version__,
+        {"forms": list(chosen), "torch": torch.__version__,
          "sources": native.source_digest()}) + "\n")
     return libs[0]
 
@@ -118,11 +188,14 @@ def build(force: bool = False, isa: str | None = None, verbose: bool = False) ->
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--force", action="store_true")
+    p.add_argument("--forms", default="cpu",
+                   help="cpu (every form this CPU runs; the default), all (every form the "
+                        "compiler compiles: the wheel) or a comma-separated list of forms")
     p.add_argument("--isa", choices=sorted(ISA_FLAGS), default=None,
                    help="build this CPU form alone")
     p.add_argument("--verbose", action="store_true")
     a = p.parse_args(argv)
-    build(a.force, a.isa, a.verbose)
+    build(a.force, a.isa, a.verbose, a.forms)
     return 0
 
 
