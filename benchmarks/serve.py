@@ -11,20 +11,9 @@ the server accepts ``ignore_eos``; tokens/s counts the tokens actually streamed)
 over ``/v1/completions``. Per rate and server: output tokens/s, TTFT and inter-token
 latency p50/p99, and the highest rate sustained with p99 TTFT under 2 s. Writes JSON.
 
-``--guidellm`` instead runs the real guidellm 0.8 (``guidellm run`` with a scenario file)
-against ``pagedhybrid serve`` started with its defaults (requests queue, no ``--max-waiting``):
-its sweep profile (synchronous, throughput with guidellm's own concurrency -- 512 requests in
-flight -- or ``--guidellm-max-concurrency``, then ``--guidellm-sweep-size`` - 2 constant rates
-between the two), each strategy for ``--guidellm-seconds``, on its synthetic data
-(``prompt_tokens`` / ``output_tokens``, ``ignore_eos``) streamed over ``/v1/completions`` (or
-``--guidellm-format chat``). Its tokenizer is the built-in model folder and it runs with
-``HF_HUB_OFFLINE=1`` / ``TRANSFORMERS_OFFLINE=1``, so nothing is downloaded. Prints guidellm's
-console tables and a one-line-per-strategy summary (requests done / cut off by the strategy's
-time limit / errored, requests/s, output tok/s, TTFT, ITL), and saves guidellm's JSON report
-(``--guidellm-out``).
+guidellm's sweep against the server: ``benchmarks/guidellm_sweep.py``.
 
     python benchmarks/serve.py [--rates 0.5 1 2 4 8 16] [--seconds 20]
-    python benchmarks/serve.py --guidellm [--guidellm-seconds 15] [--guidellm-sweep-size 4]
 """
 
 from __future__ import annotations
@@ -32,19 +21,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import subprocess
 import sys
-import tempfile
 import time
 from itertools import pairwise
 from pathlib import Path
-from typing import Any
 
 import httpx
 
-from _server import OFFLINE_ENV, free_port, start, stop
+from _server import free_port, start, stop
 from pagedhybrid.models.qwen35 import default_model_dir, load_tokenizer
 from pagedhybrid.models.qwen35.default_model import heldout_text_path
 
@@ -101,98 +86,12 @@ async def run_rate(url: str, model: str, rate: float, seconds: float,
             "itl_p50_s": pct(itl, 0.5), "itl_p99_s": pct(itl, 0.99)}
 
 
-GUIDELLM_FORMATS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
-
-
-def guidellm_sweep(a: argparse.Namespace) -> int:
-    """guidellm's sweep (synchronous, throughput, then constant rates in between) against
-    ``pagedhybrid serve``; guidellm's own console table, and its JSON report saved."""
-    model_dir = default_model_dir()
-    logs = Path("benchmarks/results")
-    logs.mkdir(parents=True, exist_ok=True)
-    out = Path(a.guidellm_out)
-    port = free_port()
-    # the server's defaults: requests queue (no --max-waiting), --max-num-seqs as shipped
-    proc = start([sys.executable, "-m", "pagedhybrid", "serve", "--port", str(port),
-                  "--served-model-name", "m"], port, logs / "serve-guidellm-server.log")
-    rc = 1
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            scenario = {"spec": {
-                "backend": {"kind": "openai_http", "target": f"http://127.0.0.1:{port}",
-                            "model": "m", "request_format": GUIDELLM_FORMATS[a.guidellm_format]},
-                "profile": {"kind": "sweep", "sweep_size": a.guidellm_sweep_size,
-                            **({"max_concurrency": a.guidellm_max_concurrency}
-                               if a.guidellm_max_concurrency else {})},
-                "data": [{"kind": "synthetic_text", "prompt_tokens": a.guidellm_prompt_tokens,
-                          "output_tokens": a.guidellm_output_tokens}],
-                "tokenizer": {"kind": "huggingface_auto", "model": str(model_dir)},
-                "constraints": [{"kind": "max_duration", "seconds": a.guidellm_seconds}],
-                "seed": {"kind": "static", "value": 42},
-                "outputs": [{"kind": "json", "path": str(out)}]}}  # + its console tables
-            path = Path(tmp) / "scenario.json"
-            path.write_text(json.dumps(scenario, indent=1))
-            gbin = str(Path(sys.executable).with_name("guidellm"))
-            env = {**os.environ, **OFFLINE_ENV, "OMP_NUM_THREADS": "1"}
-            # bounded: each of the sweep's strategies runs at most --guidellm-seconds
-            limit = a.guidellm_sweep_size * (a.guidellm_seconds + 60) + 120
-            try:
-                rc = subprocess.run([gbin, "run", "-c", str(path), "--disable-progress"],
-                                    env=env, timeout=limit, check=False).returncode
-            except subprocess.TimeoutExpired:
-                print(f"guidellm: killed after {limit} s", file=sys.stderr)
-    finally:
-        stop(proc)
-    if rc == 0 and out.is_file():
-        print_guidellm_table(json.loads(out.read_text()))
-        print(f"guidellm JSON: {out}")
-    return rc
-
-
-def print_guidellm_table(report: dict[str, Any]) -> None:
-    """One line per sweep strategy from guidellm's JSON report: requests done / incomplete /
-    errored, successful requests/s, output tokens/s over all requests (guidellm's "server
-    throughput"), TTFT and ITL p50 / p99 of the successful requests."""
-    print(f"{'strategy':16s} {'ok/inc/err':>11s} {'req/s':>6s} {'out tok/s':>9s} "
-          f"{'TTFT p50':>9s} {'p99 ms':>7s} {'ITL p50':>8s} {'p99 ms':>7s}")
-    for b in report["benchmarks"]:
-        st, m = b["config"]["strategy"], b["metrics"]
-        label = st["type_"] + (f"@{st['rate']:.2f}/s" if st.get("rate") else "")
-        if st["type_"] == "throughput":
-            label += f"@{st['max_concurrency']}"
-        n = m["request_totals"]
-        pc = {k: m[k]["successful"]["percentiles"]
-              for k in ("time_to_first_token_ms", "inter_token_latency_ms")}
-        print(f"{label:16s} {n['successful']:>3d}/{n['incomplete']:>3d}/{n['errored']:>3d} "
-              f"{m['requests_per_second']['successful']['mean']:6.2f} "
-              f"{m['output_tokens_per_second']['total']['mean']:9.1f} "
-              f"{pc['time_to_first_token_ms']['p50']:9.1f} "
-              f"{pc['time_to_first_token_ms']['p99']:7.1f} "
-              f"{pc['inter_token_latency_ms']['p50']:8.1f} "
-              f"{pc['inter_token_latency_ms']['p99']:7.1f}")
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rates", type=float, nargs="+", default=[0.5, 1, 2, 4, 8, 16])
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--out", default="benchmarks/results/serve.json")
-    g = ap.add_argument_group("guidellm sweep (instead of the comparison above)")
-    g.add_argument("--guidellm", action="store_true",
-                   help="run the real guidellm sweep against pagedhybrid serve")
-    g.add_argument("--guidellm-format", choices=sorted(GUIDELLM_FORMATS), default="completions")
-    g.add_argument("--guidellm-seconds", type=float, default=15.0, help="per sweep strategy")
-    g.add_argument("--guidellm-sweep-size", type=int, default=4,
-                   help="strategies: synchronous, throughput and N-2 constant rates")
-    g.add_argument("--guidellm-max-concurrency", type=int, default=0,
-                   help="concurrent requests at most (throughput step, and the rates); "
-                        "0: guidellm's own default (its throughput step opens 512)")
-    g.add_argument("--guidellm-prompt-tokens", type=int, default=64)
-    g.add_argument("--guidellm-output-tokens", type=int, default=64)
-    g.add_argument("--guidellm-out", default="benchmarks/results/serve_guidellm.json")
     a = ap.parse_args()
-    if a.guidellm:
-        return guidellm_sweep(a)
     model_dir = default_model_dir()
     tok = load_tokenizer(model_dir)
     ids = tok.encode(heldout_text_path().read_text(encoding="utf-8"))
