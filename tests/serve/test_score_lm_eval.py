@@ -1,6 +1,6 @@
 """``LLM.score`` against the real lm-eval harness (0.4.13) scoring through ``pagedhybrid serve``.
 
-lm-eval runs a local multiple-choice task (``data/lm_eval_kjv``: 18 items from the built-in
+lm-eval runs a local multiple-choice task (``data_lm_eval_kjv``: 18 items from the built-in
 model's held-out KJV text, a context and 4 four-word choices, one the true next words) with its
 ``local-completions`` model against a real server of the built-in model (fp32), as its CLI
 would: ``--model local-completions --model_args base_url=.../v1/completions,
@@ -26,23 +26,19 @@ once on lm-eval's text arguments (``score`` encodes text as lm-eval does).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
+from conftest import start_server
 
 from pagedhybrid.engine import LLM
 from pagedhybrid.models.qwen35 import default_model_dir
 
 TASK = "pagedhybrid_kjv_next_words"
-DATA = Path(__file__).parent / "data" / "lm_eval_kjv"
+DATA = Path(__file__).parent / "data_lm_eval_kjv"
 MODEL = "default-model"
 TOL = 1e-3
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -65,37 +61,9 @@ class LmEvalRun:
 @pytest.fixture(scope="module")
 def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real ``pagedhybrid serve`` of the built-in model (fp32) on a free port."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    log = tmp_path_factory.mktemp("lm-eval-serve") / "server.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pagedhybrid", "serve", "--port", str(port),
-         "--served-model-name", MODEL, "--dtype", "float32"],
-        stdout=log.open("w"), stderr=subprocess.STDOUT,
-        env={**os.environ, **OFFLINE, "PYTHONUNBUFFERED": "1"})
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 180
-        while True:
-            assert proc.poll() is None, f"server exited: {log.read_text()}"
-            assert time.time() < deadline, f"server did not come up: {log.read_text()}"
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    s = start_server(tmp_path_factory.mktemp("lm-eval-serve"), name=MODEL)
+    yield s.base
+    s.stop()
 
 
 @pytest.fixture(scope="module")
@@ -123,11 +91,6 @@ def lm_eval_run(server_url: str, tmp_path_factory: pytest.TempPathFactory) -> Lm
         lls = [float(r[0][0]) for r in s["resps"]]  # [(loglikelihood, is_greedy)] per choice
         items.append(Item(s["doc"], [(str(c), str(x)) for c, x in s["arguments"]], lls))
     return LmEvalRun(items, float(res["results"][TASK]["acc,none"]), args)
-
-
-@pytest.fixture(scope="module")
-def score_llm() -> LLM:
-    return LLM(None, dtype="float32")
 
 
 def argmax(xs: list[float]) -> int:
@@ -164,24 +127,24 @@ def test_lm_eval_scored_every_item_through_the_server(lm_eval_run: LmEvalRun) ->
 
 
 @pytest.mark.slow
-def test_score_of_lm_evals_token_ids_matches(lm_eval_run: LmEvalRun, score_llm: LLM) -> None:
+def test_score_of_lm_evals_token_ids_matches(lm_eval_run: LmEvalRun, llm: LLM) -> None:
     """The server's echo logprobs of lm-eval's token ids == ``score`` of the same ids."""
     from lm_eval.api.registry import get_model
 
     lm = get_model("local-completions").create_from_arg_obj(lm_eval_run.model_args)
     pairs = [lm._encode_pair(c, x) for it in lm_eval_run.items for c, x in it.pairs]
-    bos = score_llm.engine.tokenizer.encode("")  # what the tokenizer adds: [BOS]
+    bos = llm.engine.tokenizer.encode("")  # what the tokenizer adds: [BOS]
     assert bos and all(ctx[:len(bos)] == bos for ctx, _ in pairs)
-    compare(lm_eval_run, score_llm.score([p for p, _ in pairs], [c for _, c in pairs]),
+    compare(lm_eval_run, llm.score([p for p, _ in pairs], [c for _, c in pairs]),
             "score(token ids)")
 
 
 @pytest.mark.slow
-def test_score_of_lm_evals_text_matches(lm_eval_run: LmEvalRun, score_llm: LLM) -> None:
+def test_score_of_lm_evals_text_matches(lm_eval_run: LmEvalRun, llm: LLM) -> None:
     """``score(contexts, continuations)`` on lm-eval's text arguments: the prompt encoded as
     pagedhybrid encodes a text prompt (with BOS), the continuation as lm-eval encodes it (the
     context's trailing whitespace moved onto it, no special tokens, tokens of the whole text
     after the context's) -- lm-eval's loglikelihoods, choice for choice."""
     pairs = [p for it in lm_eval_run.items for p in it.pairs]
-    compare(lm_eval_run, score_llm.score([c for c, _ in pairs], [x for _, x in pairs]),
+    compare(lm_eval_run, llm.score([c for c, _ in pairs], [x for _, x in pairs]),
             "score(text)")
