@@ -102,6 +102,11 @@ def test_int64_bounds_are_exact_and_the_served_model_is_named(server: Server) ->
     assert not valid(doc, {"tokens": [2 ** 63]}, "DetokenizeRequest")
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         assert comps[name]["properties"]["model"]["enum"] == [server.model]
+    for name in ("TokenizeRequest", "DetokenizeRequest"):  # optional, or the served model
+        assert comps[name]["properties"]["model"]["anyOf"][0]["enum"] == [server.model]
+    assert valid(doc, {"tokens": [1]}, "DetokenizeRequest")
+    assert valid(doc, {"model": server.model, "tokens": [1]}, "DetokenizeRequest")
+    assert not valid(doc, {"model": "", "tokens": [1]}, "DetokenizeRequest")
     (param,) = operations(doc)["get", "/v1/models/{model_id}"]["parameters"]
     assert param["schema"]["enum"] == [server.model]
 

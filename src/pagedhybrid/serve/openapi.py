@@ -6,11 +6,12 @@ every refusal has OpenAI's error body, the named component schemas ``ErrorRespon
 (``protocol``). ``document`` takes FastAPI's schema and makes the rest true for this server:
 FastAPI's 422 and its ``HTTPValidationError`` are dropped (a body that fails its model is a 400
 here, see ``app.bad_body``); 401 is declared, with a bearer security scheme, only when the server
-has an API key; ``model`` of the generation bodies and ``model_id`` of ``/v1/models/{model_id}``
-are an enum of the one served model (so a client or a fuzzer generating from the document reaches
-the engine; another name is a 404); integer bounds are exact. Unknown paths and methods answer
-404 / 405 with the same error body; they belong to no operation (nor does the 499 written when the
-client has gone: nobody reads it).
+has an API key; ``model`` of the request bodies (optional for ``/tokenize`` and ``/detokenize``,
+as vLLM's) and ``model_id`` of ``/v1/models/{model_id}`` are an enum of the one served model (so
+a client or a fuzzer generating from the document reaches the engine; another name is a 404);
+integer bounds are exact. Unknown paths and methods answer 404 / 405 with the same error body;
+they belong to no operation (nor does the 499 written when the client has gone: nobody reads
+it).
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ HEALTH = {200: {"model": Health, "description": "The engine process is alive and
                                                 "gone (`error`)."}}
 
 VALIDATION = ("HTTPValidationError", "ValidationError")
+# the request bodies that name the served model (another name is a 404)
+BODIES = ("CompletionRequest", "ChatCompletionRequest", "TokenizeRequest", "DetokenizeRequest")
 
 
 def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
@@ -78,9 +81,12 @@ def document(app: FastAPI, model_name: str, api_key: bool) -> dict[str, Any]:
         components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
     for comp in comps.values():
         prop = comp.get("properties", {}).get("model")
-        if prop is not None and comp.get("title") in ("CompletionRequest",
-                                                       "ChatCompletionRequest"):
-            prop.clear()
+        if prop is None or comp.get("title") not in BODIES:
+            continue
+        prop.clear()
+        if comp.get("title") in ("TokenizeRequest", "DetokenizeRequest"):  # vLLM's: optional
+            prop.update({"anyOf": [served, {"type": "null"}], "title": "Model"})
+        else:
             prop.update(served)
     exact_integer_bounds(schema)
     return schema
