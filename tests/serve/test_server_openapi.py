@@ -15,7 +15,8 @@ from conftest import Server
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from pagedhybrid.serve.app import ServerState, create_app
+from pagedhybrid.serve.app import create_app
+from pagedhybrid.serve.state import ServerState
 
 ERROR = {"$ref": "#/components/schemas/ErrorResponse"}
 STATUSES = {  # what each operation can answer (a server without an API key)

@@ -73,9 +73,9 @@ def build_state(args: argparse.Namespace) -> Any:
     from pagedhybrid.engine.llm import load_engine
     from pagedhybrid.engine.speculative import SpeculativeConfig
     from pagedhybrid.models.qwen35 import default_model_dir, load_tokenizer
-    from pagedhybrid.serve.app import ServerState
     from pagedhybrid.serve.core import EngineClient
     from pagedhybrid.serve.metrics import ServerMetrics
+    from pagedhybrid.serve.state import ServerState
 
     model_dir = Path(args.model_dir or args.model or default_model_dir())
     spec = SpeculativeConfig.of(args.speculative_config)  # refused here, by field
