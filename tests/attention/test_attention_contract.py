@@ -25,8 +25,8 @@ from pagedhybrid.attention.contract import (
     RoPESpec,
     ShardingSpec,
 )
+from pagedhybrid.attention.layouts import cp_sharding
 from pagedhybrid.errors import ContractViolation
-from pagedhybrid.parallel.layouts import cp_sharding
 
 
 def _raises(field: str, rule: str) -> Any:

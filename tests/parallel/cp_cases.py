@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from pagedhybrid.attention.contract import AttentionContract, KVCacheSpec, ReductionSpec
+from pagedhybrid.attention.layouts import cp_sharding
 from pagedhybrid.dtypes import to_torch
-from pagedhybrid.parallel.layouts import cp_sharding
 
 HQ, HKV, D = 4, 2, 16
 KV_BLOCK = 8

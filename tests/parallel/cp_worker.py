@@ -27,10 +27,10 @@ from cp_cases import (
 )
 
 from pagedhybrid.attention.contract import AttentionContract
+from pagedhybrid.attention.cp_plan import is_cache_mode
+from pagedhybrid.attention.layouts import cp_sharding
 from pagedhybrid.errors import ContractViolation, UnsupportedConfiguration
 from pagedhybrid.parallel import context_parallel_attention
-from pagedhybrid.parallel.cp_plan import is_cache_mode
-from pagedhybrid.parallel.layouts import cp_sharding
 
 QB = Q_BLOCK
 

@@ -22,9 +22,9 @@ from cp_cases import (
 )
 
 from pagedhybrid.attention.contract import AttentionContract, KVCacheSpec, ReductionSpec
+from pagedhybrid.attention.cp_plan import QueryRows, fold_partials, prefill_rows, tile_partials
 from pagedhybrid.errors import ContractViolation, UnsupportedConfiguration
 from pagedhybrid.parallel import context_parallel_attention
-from pagedhybrid.parallel.cp_plan import QueryRows, fold_partials, prefill_rows, tile_partials
 
 
 def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -95,7 +95,7 @@ def test_arrival_order_of_partials_does_not_change_the_bits() -> None:
     c = prefill_contract(case, 1, 0)
     q, k, v = prefill_global(case)
     rows = prefill_rows(c, q)
-    from pagedhybrid.parallel.cp_plan import prefill_tiles
+    from pagedhybrid.attention.cp_plan import prefill_tiles
 
     parts = tile_partials(c, rows, prefill_tiles(c, k, v), 1 / math.sqrt(D), Q_BLOCK)
     out, lse = fold_partials(rows, parts, Q_BLOCK)
@@ -139,8 +139,8 @@ def test_typed_rejections() -> None:
 
 def test_fold_runs_in_ascending_global_block_order() -> None:
     """fold_partials == a hand-written left fold in ascending tile order (and != descending)."""
+    from pagedhybrid.attention.cp_plan import prefill_tiles
     from pagedhybrid.attention.lse import merge_states
-    from pagedhybrid.parallel.cp_plan import prefill_tiles
 
     case = PrefillCase("p", (64,), "contiguous", causal=False, seed=13)
     c = prefill_contract(case, 1, 0)

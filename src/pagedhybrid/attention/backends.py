@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from pagedhybrid.attention.capability import AttentionBackendCapability
+from pagedhybrid.attention.context_parallel import context_parallel_attention
 from pagedhybrid.attention.contract import AttentionContract
 from pagedhybrid.attention.registry import AttentionRegistry
 from pagedhybrid.dtypes import to_torch
@@ -120,12 +121,6 @@ def torch_varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     return torch.cat(outs).to(dt), torch.cat(lses)
 
 
-def _cp_op(*args: Any, **kwargs: Any) -> Any:
-    from pagedhybrid.parallel.context_parallel import context_parallel_attention
-
-    return context_parallel_attention(*args, **kwargs)
-
-
 def _optional(module: str, attr: str) -> Callable[..., Any] | None:
     try:
         mod = importlib.import_module(module)
@@ -162,9 +157,9 @@ def build_default_registry(kernels: KernelRegistry = REGISTRY) -> AttentionRegis
         reg.register_bundle(bundle)
     reg.register_op("torch_varlen_attention", torch_varlen_attention)
     reg.register_attention_backend("torch_varlen", torch_varlen_attention, TORCH_VARLEN)
-    reg.register_op("context_parallel_attention", _cp_op)
+    reg.register_op("context_parallel_attention", context_parallel_attention)
     reg.register_attention_backend(
-        "deterministic_cp", _cp_op, DETERMINISTIC_CP, platform="cpu",
+        "deterministic_cp", context_parallel_attention, DETERMINISTIC_CP, platform="cpu",
         communication="torch.distributed all_gather_object + all_gather + all_to_all_single "
                       "(gloo on CPU, nccl on CUDA); no float reductions")
     for bundle in kernels:

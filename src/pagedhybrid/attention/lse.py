@@ -11,7 +11,7 @@ bits.
 ``attention_partial`` computes one partial state with contractions written as broadcast-multiply
 plus an innermost ``sum`` (no BLAS call whose blocking could depend on thread count or shape).
 Bitwise reproducibility across CP sizes comes from calling it with identical inputs and shapes
-(``pagedhybrid.parallel.cp_plan``); torch's vectorised elementwise kernels may round an element
+(``pagedhybrid.attention.cp_plan``); torch's vectorised elementwise kernels may round an element
 differently depending on its position in a tensor, so the same row computed inside a
 differently shaped batch is only equal within rounding.
 """

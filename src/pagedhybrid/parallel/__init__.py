@@ -1,9 +1,11 @@
 """Context and tensor parallelism over torch.distributed.
 
-* ``context_parallel_attention`` (``context_parallel``, grid in ``cp_plan``) -- deterministic CP
-  attention: fixed global KV grid, fp32 ``(out, lse)`` partials exchanged with their global block
-  ids, left fold in global block order; bitwise equal for every CP size.
-* ``cp_sharding`` (``layouts``) -- contiguous / zigzag (head-tail) CP layouts as ShardingSpecs.
+* ``context_parallel_attention`` (``attention.context_parallel``, grid in ``attention.cp_plan``)
+  -- deterministic CP attention: fixed global KV grid, fp32 ``(out, lse)`` partials exchanged
+  with their global block ids, left fold in global block order; bitwise equal for every CP size.
+  It lives in the attention layer, whose dispatch registers it; re-exported here.
+* ``cp_sharding`` (``attention.layouts``) -- contiguous / zigzag (head-tail) CP layouts as
+  ShardingSpecs; re-exported here.
 * ``ParallelConfig``, ``ColumnParallelLinear``, ``RowParallelLinear``, ``ReplicatedLinear``
   (``linear``) -- TP as layers: each holds one rank's slice, loaded by its parameters'
   ``weight_loader`` from the full checkpoint tensor; row-parallel outputs are all-reduced. A
@@ -13,9 +15,9 @@
 
 from __future__ import annotations
 
-from pagedhybrid.parallel.context_parallel import context_parallel_attention
+from pagedhybrid.attention.context_parallel import context_parallel_attention
+from pagedhybrid.attention.layouts import cp_sharding
 from pagedhybrid.parallel.launch import RankFailed, run_gloo
-from pagedhybrid.parallel.layouts import cp_sharding
 from pagedhybrid.parallel.linear import (
     ColumnParallelLinear,
     ParallelConfig,

@@ -35,9 +35,7 @@ import torch
 import torch.distributed as dist
 
 from pagedhybrid.attention.contract import AttentionContract, AttentionRole
-from pagedhybrid.dtypes import to_torch
-from pagedhybrid.errors import ContractViolation, UnsupportedConfiguration
-from pagedhybrid.parallel.cp_plan import (
+from pagedhybrid.attention.cp_plan import (
     OP,
     KVTile,
     Partials,
@@ -50,6 +48,8 @@ from pagedhybrid.parallel.cp_plan import (
     prefill_tiles,
     tile_partials,
 )
+from pagedhybrid.dtypes import to_torch
+from pagedhybrid.errors import ContractViolation, UnsupportedConfiguration
 
 
 def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
