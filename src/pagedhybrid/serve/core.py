@@ -164,7 +164,7 @@ class _Outbox:
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
-        self._queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
         self._broken: OSError | None = None
         self._writer = threading.Thread(target=self._write, name="pagedhybrid-to-server",
                                         daemon=True)
@@ -173,7 +173,7 @@ class _Outbox:
     def send(self, msg: tuple[Any, ...]) -> None:
         if self._broken is not None:
             raise self._broken
-        self._queue.put(bytes(ForkingPickler.dumps(msg)))
+        self._queue.put(ForkingPickler.dumps(msg))  # its buffer, as Connection.send sends it
 
     def _write(self) -> None:
         while (data := self._queue.get()) is not None:
