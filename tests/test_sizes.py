@@ -25,15 +25,7 @@ FILES = {
     "kernels/native/csrc/state_updates.cpp": 934,
     "models/qwen35/model.py": 611,
 }
-FUNCTIONS = {
-    "attention/contract.py::ShardingSpec.__post_init__": 88,
-    "export/verify.py::_verify": 114,
-    "kernels/cpu/gated_delta_net.py::_intra": 89,
-    "kernels/webgpu/loader.py::WebGpuKernel.__call__": 97,
-    "ops/_paged_attention_contract.py::validate_call": 174,
-    "ops/gated_delta_net.py::validate_call": 136,
-    "ops/paged_attention.py::reference": 91,
-}
+FUNCTIONS: dict[str, int] = {}
 
 
 def file_sizes() -> dict[str, int]:
@@ -95,6 +87,6 @@ def test_the_ratchet_catches_each_case() -> None:
     assert any("c.py: 601 lines > 600" in p for p in problems)
     assert any("gone.py" in p for p in problems)
     sizes = function_sizes()
-    assert sizes["ops/gated_delta_net.py::validate_call"] == \
-        FUNCTIONS["ops/gated_delta_net.py::validate_call"]
+    assert 1 <= sizes["ops/gated_delta_net.py::validate_call"] <= MAX_FUNCTION_LINES
+    assert "attention/contract.py::ShardingSpec.__post_init__" in sizes  # Class.method names
     assert all(n >= 1 for n in sizes.values()) and len(sizes) > 1000

@@ -87,6 +87,12 @@ class ShardingSpec(JsonObject):
 
     def __post_init__(self) -> None:
         c = Checker("ShardingSpec")
+        cp = self._check_heads(c)
+        glen, llen, starts, offs = self._check_blocks(c, cp)
+        self._check_packed(c, cp, glen, llen, starts, offs)
+
+    def _check_heads(self, c: Checker) -> int:
+        """Ranks, world sizes and the contiguous TP head ownership; returns ``cp_world_size``."""
         tp = c.positive(self.tp_world_size, "tp_world_size")
         cp = c.positive(self.cp_world_size, "cp_world_size")
         tp_rank = c.non_negative(self.tp_rank, "tp_rank")
@@ -114,7 +120,12 @@ class ShardingSpec(JsonObject):
         c.check(ks == tp_rank * lkv, "local_kv_head_start",
                 f"must equal tp_rank * local_kv_heads = {tp_rank * lkv} (contiguous ownership "
                 "preserving the global GQA mapping)", ks)
+        return cp
 
+    def _check_blocks(self, c: Checker, cp: int
+                      ) -> tuple[int, int, tuple[int, ...], tuple[int, ...]]:
+        """Sequence lengths and CP block-to-token ownership (normalised in place); returns
+        ``(global length, local length, block token starts, local block offsets)``."""
         glen = c.positive(self.global_sequence_length, "global_sequence_length")
         llen = c.positive(self.local_sequence_length, "local_sequence_length")
         c.check(llen <= glen, "local_sequence_length",
@@ -143,7 +154,11 @@ class ShardingSpec(JsonObject):
         object.__setattr__(self, "global_block_indices", idx)
         object.__setattr__(self, "global_block_token_starts", starts)
         object.__setattr__(self, "local_block_offsets", offs)
+        return glen, llen, starts, offs
 
+    def _check_packed(self, c: Checker, cp: int, glen: int, llen: int,
+                      starts: tuple[int, ...], offs: tuple[int, ...]) -> None:
+        """Packed varlen offsets, local and global, against the blocks this rank holds."""
         packed = self.packed_sequence_offsets
         gpacked = self.global_packed_sequence_offsets
         if packed is not None:

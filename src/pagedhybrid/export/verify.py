@@ -161,15 +161,42 @@ def _verify(model: ir.Model, genai: dict[str, Any], workflow: dict[str, Any] | N
     graph = model.graph
     meta = dict(model.metadata_props)
     dec = genai.get("model", {}).get("decoder", {})
-    n_layers = int(dec.get("num_hidden_layers", -1))
     # -- 1. metadata and partition ----------------------------------------------------------------
+    checked = _verify_metadata(meta, dec, chk)
+    if checked is None:
+        return
+    full, linear, block_size, io_dtype, kv_dtype, quant = checked
+    # -- 2./3. graph inputs and outputs -----------------------------------------------------------
+    inputs = {v.name: v for v in graph.inputs}
+    outputs = {v.name: v for v in graph.outputs}
+    cap = _capacity(meta)
+    updates_in, updates_out = _state_update_names(cap, linear)
+    _verify_inputs(inputs, dec, full, linear, updates_in, block_size, io_dtype, kv_dtype, chk)
+    logits = _verify_outputs(inputs, outputs, genai, meta, full, linear, updates_out, chk)
+    for bad in ("attention_mask", "slot_mapping"):
+        chk(bad not in inputs, "no dense inputs", f"{bad} absent")
+    # -- 4. operators -----------------------------------------------------------------------------
+    _verify_nodes(graph, dec, full, linear, inputs, quant, chk)
+    _verify_state_updates(graph, dec, cap, linear, inputs, outputs, chk)
+    # -- 5. genai_config --------------------------------------------------------------------------
+    _verify_genai(genai, meta, full, linear, block_size, inputs, outputs, logits, chk)
+    # -- 6. workflow ------------------------------------------------------------------------------
+    if workflow is not None:
+        _verify_workflow(workflow, full, linear, io_dtype, kv_dtype, quant, chk)
+
+
+def _verify_metadata(meta: dict[str, str], dec: dict[str, Any], chk: _Checker
+                     ) -> tuple[list[int], list[int], int, str, str, str] | None:
+    """Check 1: ABI tag, runtime pins, layer partition, block size and dtypes; returns
+    ``(full, linear, block_size, io_dtype, kv_dtype, quant)``, or None without a partition."""
+    n_layers = int(dec.get("num_hidden_layers", -1))
     chk(meta.get(c.META_ABI) == c.ABI_NAME, "metadata abi", f"{meta.get(c.META_ABI)!r}")
     for key, pin in ((c.META_ORT, c.ONNXRUNTIME_PIN), (c.META_GENAI, c.ONNXRUNTIME_GENAI_PIN)):
         chk(meta.get(key) == pin, "metadata pins", f"{key}={meta.get(key)!r} (expected {pin})")
     full, linear = _layers(meta, c.META_FULL_LAYERS), _layers(meta, c.META_LINEAR_LAYERS)
     if not chk(full is not None and linear is not None, "metadata partition",
                f"full={meta.get(c.META_FULL_LAYERS)!r} linear={meta.get(c.META_LINEAR_LAYERS)!r}"):
-        return
+        return None
     assert full is not None and linear is not None
     overlap = sorted(set(full) & set(linear))
     chk(not overlap, "partition disjoint", f"overlap {overlap}")
@@ -189,9 +216,13 @@ def _verify(model: ir.Model, genai: dict[str, Any], workflow: dict[str, Any] | N
     chk(kv_dtype in (io_dtype, *QUANT_CACHE_DTYPES) and quant in QUANT_TYPES
         and (quant != "NONE") == quantized, "metadata kv cache",
         f"kv_cache_dtype={kv_dtype}, kv_quant_type={quant} (activation {io_dtype})")
-    # -- 2./3. graph inputs and outputs -----------------------------------------------------------
-    inputs = {v.name: v for v in graph.inputs}
-    outputs = {v.name: v for v in graph.outputs}
+    return full, linear, block_size, io_dtype, kv_dtype, quant
+
+
+def _verify_inputs(inputs: dict[str, ir.Value], dec: dict[str, Any], full: list[int],
+                   linear: list[int], updates_in: set[str], block_size: int, io_dtype: str,
+                   kv_dtype: str, chk: _Checker) -> None:
+    """Check 2: the shared packed inputs, nothing extra, and each layer's state inputs."""
     for name, (dt, dims) in SHARED.items():
         v = inputs.get(name)
         if not chk(v is not None, "input", f"{name} present"):
@@ -208,8 +239,6 @@ def _verify(model: ir.Model, genai: dict[str, Any], workflow: dict[str, Any] | N
     for i in linear:
         expected_states[c.PAST_CONV % i] = (i, "conv_state")
         expected_states[c.PAST_RECURRENT % i] = (i, "recurrent_state")
-    cap = _capacity(meta)
-    updates_in, updates_out = _state_update_names(cap, linear)
     extra = sorted(set(inputs) - set(SHARED) - set(expected_states) - updates_in)
     chk(not extra, "inputs exact", f"unexpected inputs {extra}" if extra else "no extra inputs")
     for name, (_layer, kind) in expected_states.items():
@@ -230,6 +259,13 @@ def _verify(model: ir.Model, genai: dict[str, Any], workflow: dict[str, Any] | N
                   and all(isinstance(x, int) for x in d[1:]))
             exp = "float [B, Hv, Dv, Dk]"
         chk(ok, "state input", f"{name} {rd.dtype(v)} {list(d)} (expected {exp})")
+
+
+def _verify_outputs(inputs: dict[str, ir.Value], outputs: dict[str, ir.Value],
+                    genai: dict[str, Any], meta: dict[str, str], full: list[int],
+                    linear: list[int], updates_out: set[str], chk: _Checker) -> ir.Value | None:
+    """Check 3: float logits, nothing extra, one ``present.*`` per state input; returns the
+    logits output (None when missing)."""
     logits = outputs.get(c.LOGITS)
     if chk(logits is not None, "output", f"{c.LOGITS} present"):
         assert logits is not None
@@ -251,25 +287,22 @@ def _verify(model: ir.Model, genai: dict[str, Any], workflow: dict[str, Any] | N
             assert ov is not None
             chk(rd.dtype(ov) == rd.dtype(pv) and rd.dims(ov) == rd.dims(pv), "present output",
                 f"{present} {rd.dtype(ov)} {list(rd.dims(ov))} matches {past}")
-    for bad in ("attention_mask", "slot_mapping"):
-        chk(bad not in inputs, "no dense inputs", f"{bad} absent")
-    # -- 4. operators -----------------------------------------------------------------------------
-    _verify_nodes(graph, dec, full, linear, inputs, quant, chk)
-    _verify_state_updates(graph, dec, cap, linear, inputs, outputs, chk)
-    # -- 5. genai_config --------------------------------------------------------------------------
-    _verify_genai(genai, meta, full, linear, block_size, inputs, outputs, logits, chk)
-    # -- 6. workflow ------------------------------------------------------------------------------
-    if workflow is not None:
-        found = {s.get("discipline"): s.get("layer_ids") for s in workflow.get("states", [])}
-        want = {c.GROUP_PAGED_KV: full} | ({c.GROUP_FIXED_CONV: linear,
-                                           c.GROUP_FIXED_RECURRENT: linear} if linear else {})
-        chk(found == want, "workflow states", f"{found}")
-        paged = next((s for s in workflow.get("states", [])
-                      if s.get("discipline") == c.GROUP_PAGED_KV), {})
-        chk(paged.get("element_type", io_dtype) == kv_dtype and
-            paged.get("quantization", {}).get("type", "NONE") == quant, "workflow kv cache",
-            f"element_type {paged.get('element_type')!r}, quantization "
-            f"{paged.get('quantization')!r} vs {kv_dtype} {quant}")
+    return logits
+
+
+def _verify_workflow(workflow: dict[str, Any], full: list[int], linear: list[int],
+                     io_dtype: str, kv_dtype: str, quant: str, chk: _Checker) -> None:
+    """Check 6: the workflow metadata's state disciplines, layer ids and KV cache format."""
+    found = {s.get("discipline"): s.get("layer_ids") for s in workflow.get("states", [])}
+    want = {c.GROUP_PAGED_KV: full} | ({c.GROUP_FIXED_CONV: linear,
+                                       c.GROUP_FIXED_RECURRENT: linear} if linear else {})
+    chk(found == want, "workflow states", f"{found}")
+    paged = next((s for s in workflow.get("states", [])
+                  if s.get("discipline") == c.GROUP_PAGED_KV), {})
+    chk(paged.get("element_type", io_dtype) == kv_dtype and
+        paged.get("quantization", {}).get("type", "NONE") == quant, "workflow kv cache",
+        f"element_type {paged.get('element_type')!r}, quantization "
+        f"{paged.get('quantization')!r} vs {kv_dtype} {quant}")
 
 
 def _capacity(meta: dict[str, str]) -> int:

@@ -211,12 +211,56 @@ def validate_call(call: BoundCall) -> PagedAttentionDims:
     SPEC.check_inputs(call.inputs)
     (query, key, value, key_cache, value_cache, cu, past, block_table, cos, sin, slot_mapping,
      head_sink, q_norm, k_norm, k_scale, v_scale, meta) = call.inputs
-    chk, fail = SPEC.check, SPEC.fail
     hq, hkv = a["num_heads"], a["kv_num_heads"]
     assert query is not None and key_cache is not None  # required ports (checked above)
     assert cu is not None and past is not None and block_table is not None
 
     # -- Q/K/V --------------------------------------------------------------------------------
+    n_tok, packed, d = _check_qkv(a, query, key, value, value_cache)
+    assert value_cache is not None
+
+    # -- caches -------------------------------------------------------------------------------
+    nb, bs = _check_caches(a, query, key_cache, value_cache, k_scale, v_scale, d)
+
+    # -- sequence metadata --------------------------------------------------------------------
+    cu_vals, past_vals, max_blocks, q_lens, totals, derived = _check_sequences(
+        cu, past, block_table, n_tok, nb, bs)
+    batch = len(cu_vals) - 1
+    max_q = max(q_lens, default=0)
+    max_kv = max((t for t, q in zip(totals, q_lens, strict=True) if q > 0), default=0)
+
+    # -- slot_mapping -------------------------------------------------------------------------
+    slots = _check_slot_mapping(slot_mapping, derived, n_tok, nb, bs)
+
+    # -- rotary -------------------------------------------------------------------------------
+    rotary_dim = _check_rotary(a, cos, sin, d, max_kv)
+
+    # -- optional per-head inputs -------------------------------------------------------------
+    _check_per_head_inputs(a, head_sink, q_norm, k_norm, hq, d)
+
+    # -- attention_metadata -------------------------------------------------------------------
+    if meta is not None:
+        _check_metadata(meta, max_q, max_kv)
+
+    scale = a["scale"] if a["scale"] != 0.0 else 1.0 / math.sqrt(d)
+    return PagedAttentionDims(
+        num_tokens=n_tok, batch=batch, num_heads=hq, kv_num_heads=hkv, head_size=d,
+        block_size=bs, num_blocks=nb, max_blocks_per_seq=max_blocks, packed_qkv=packed,
+        rotary_dim=rotary_dim, cu_seqlens=cu_vals, q_lens=q_lens, past_lens=past_vals,
+        total_lens=totals, write_slots=slots, max_query_len=max_q, max_kv_len=max_kv,
+        scale=scale, dtype=query.dtype, cache_dtype=key_cache.dtype,
+        has_slot_mapping=slot_mapping is not None, has_head_sink=head_sink is not None,
+        has_qk_norm=q_norm is not None, has_metadata=meta is not None, attrs=a,
+    )
+
+
+def _check_qkv(a: dict[str, Any], query: torch.Tensor, key: torch.Tensor | None,
+               value: torch.Tensor | None,
+               value_cache: torch.Tensor | None) -> tuple[int, bool, int]:
+    """Q/K/V: the value cache is given, key/value both or neither (packed QKV), the head size;
+    returns ``(num_tokens, packed, head_size)``."""
+    chk = SPEC.check
+    hq, hkv = a["num_heads"], a["kv_num_heads"]
     chk(value_cache is not None, "value_cache", "is required when kv_cache_layout='SEPARATE'",
         "None")
     assert value_cache is not None
@@ -239,8 +283,16 @@ def validate_call(call: BoundCall) -> PagedAttentionDims:
                     "[num_tokens, kv_num_heads*head_size]")
     chk(a["v_head_size"] in (0, d), "v_head_size",
         f"may differ from head_size ({d}) only when kv_cache_layout='LATENT'", a["v_head_size"])
+    return n_tok, packed, d
 
-    # -- caches -------------------------------------------------------------------------------
+
+def _check_caches(a: dict[str, Any], query: torch.Tensor, key_cache: torch.Tensor,
+                  value_cache: torch.Tensor, k_scale: torch.Tensor | None,
+                  v_scale: torch.Tensor | None, d: int) -> tuple[int, int]:
+    """The paged caches: shape, block size, element type, quantization and its scales; returns
+    ``(num_blocks, block_size)``."""
+    chk = SPEC.check
+    hkv = a["kv_num_heads"]
     nb, bs = int(key_cache.shape[0]), int(key_cache.shape[1])
     chk(bs >= 16 and bs & (bs - 1) == 0, "key_cache",
         "dim 1 (block_size) must be a power of two >= 16", bs)
@@ -257,8 +309,15 @@ def validate_call(call: BoundCall) -> PagedAttentionDims:
     _check_cache_dtype_attr("v_cache_dtype", a["v_cache_dtype"], value_cache)
     for kv, scale_t in (("k", k_scale), ("v", v_scale)):
         _check_quant(kv, a[f"{kv}_quant_type"], scale_t, quantized, hkv, d)
+    return nb, bs
 
-    # -- sequence metadata --------------------------------------------------------------------
+
+def _check_sequences(cu: torch.Tensor, past: torch.Tensor, block_table: torch.Tensor, n_tok: int,
+                     nb: int, bs: int
+                     ) -> tuple[list[int], list[int], int, list[int], list[int], list[int]]:
+    """Sequence metadata and the block table's needed pages; returns ``(cu_seqlens, past_lens,
+    max_blocks_per_seq, q_lens, total_lens, derived write slots)``."""
+    chk, fail = SPEC.check, SPEC.fail
     cu_vals = check_cu_seqlens(SPEC, "cumulative_sequence_length", cu, n_tok)
     batch = len(cu_vals) - 1
     check_shape(SPEC, "past_seqlens", past, [batch], "[batch]")
@@ -292,10 +351,14 @@ def validate_call(call: BoundCall) -> PagedAttentionDims:
         for i in range(q_lens[b]):
             p = past_vals[b] + i
             derived.append(pages[p // bs] * bs + p % bs)
-    max_q = max(q_lens, default=0)
-    max_kv = max((t for t, q in zip(totals, q_lens, strict=True) if q > 0), default=0)
+    return cu_vals, past_vals, max_blocks, q_lens, totals, derived
 
-    # -- slot_mapping -------------------------------------------------------------------------
+
+def _check_slot_mapping(slot_mapping: torch.Tensor | None, derived: list[int], n_tok: int,
+                        nb: int, bs: int) -> list[int]:
+    """``slot_mapping`` (or, without it, the slots the block table derives): in range, no slot
+    written twice; returns the write slots."""
+    chk, fail = SPEC.check, SPEC.fail
     if slot_mapping is not None:
         check_shape(SPEC, "slot_mapping", slot_mapping, [n_tok], "[num_tokens]")
         slots = [int(v) for v in slot_mapping.tolist()]
@@ -311,8 +374,14 @@ def validate_call(call: BoundCall) -> PagedAttentionDims:
         chk(len(set(slots)) == len(slots), "block_table",
             "sequences must not write the same cache slot (a page shared by two sequences is "
             "written by both)", slots)
+    return slots
 
-    # -- rotary -------------------------------------------------------------------------------
+
+def _check_rotary(a: dict[str, Any], cos: torch.Tensor | None, sin: torch.Tensor | None, d: int,
+                  max_kv: int) -> int:
+    """``cos_cache``/``sin_cache`` against head size, ``rotary_offset`` and ``do_rotary``;
+    returns ``rotary_dim`` (0 without rotary)."""
+    chk = SPEC.check
     chk((cos is None) == (sin is None), "cos_cache" if cos is None else "sin_cache",
         "'cos_cache' and 'sin_cache' must be both present or both absent")
     rotary_dim = 0
@@ -333,8 +402,14 @@ def validate_call(call: BoundCall) -> PagedAttentionDims:
                 int(cos.shape[0]))
     chk(not a["do_rotary"] or cos is not None, "cos_cache",
         "is required (with sin_cache) when do_rotary=1", "None")
+    return rotary_dim
 
-    # -- optional per-head inputs -------------------------------------------------------------
+
+def _check_per_head_inputs(a: dict[str, Any], head_sink: torch.Tensor | None,
+                           q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, hq: int,
+                           d: int) -> None:
+    """The optional per-head inputs: ``head_sink`` and the q/k norm weights."""
+    chk = SPEC.check
     if head_sink is not None:
         check_shape(SPEC, "head_sink", head_sink, [hq], "[num_heads]")
     chk((q_norm is None) == (k_norm is None), "q_norm_weight" if q_norm is None
@@ -347,34 +422,25 @@ def validate_call(call: BoundCall) -> PagedAttentionDims:
         eps = a["qk_norm_epsilon"]
         chk(math.isfinite(eps) and eps > 0, "qk_norm_epsilon", "must be finite and > 0", eps)
 
-    # -- attention_metadata -------------------------------------------------------------------
-    if meta is not None:
-        chk(int(meta.shape[0]) in (2, 3), "attention_metadata", "must have length 2 or 3",
-            int(meta.shape[0]))
-        mv = [int(v) for v in meta.tolist()]
-        chk(all(v >= 0 for v in mv), "attention_metadata", "entries must be >= 0 (0 = unknown)",
-            mv)
-        chk(mv[0] == 0 or mv[0] >= max_q, "attention_metadata",
-            f"[0] (max_query_len_bound) underestimates the largest query length ({max_q})", mv)
-        chk(mv[1] == 0 or mv[1] >= max_kv, "attention_metadata",
-            f"[1] (max_kv_len_bound) underestimates the largest past+new length ({max_kv})", mv)
-        if len(mv) == 3 and mv[2] > 0:
-            chk(mv[1] == 0 or mv[2] <= mv[1], "attention_metadata",
-                "[2] (max_kv_len_lower_bound) must not exceed [1] (max_kv_len_bound)", mv)
-            chk(mv[2] <= max_kv, "attention_metadata",
-                f"[2] (max_kv_len_lower_bound) exceeds the largest past+new length ({max_kv})",
-                mv)
 
-    scale = a["scale"] if a["scale"] != 0.0 else 1.0 / math.sqrt(d)
-    return PagedAttentionDims(
-        num_tokens=n_tok, batch=batch, num_heads=hq, kv_num_heads=hkv, head_size=d,
-        block_size=bs, num_blocks=nb, max_blocks_per_seq=max_blocks, packed_qkv=packed,
-        rotary_dim=rotary_dim, cu_seqlens=cu_vals, q_lens=q_lens, past_lens=past_vals,
-        total_lens=totals, write_slots=slots, max_query_len=max_q, max_kv_len=max_kv,
-        scale=scale, dtype=query.dtype, cache_dtype=key_cache.dtype,
-        has_slot_mapping=slot_mapping is not None, has_head_sink=head_sink is not None,
-        has_qk_norm=q_norm is not None, has_metadata=meta is not None, attrs=a,
-    )
+def _check_metadata(meta: torch.Tensor, max_q: int, max_kv: int) -> None:
+    """``attention_metadata``: its bounds must not underestimate the call's lengths."""
+    chk = SPEC.check
+    chk(int(meta.shape[0]) in (2, 3), "attention_metadata", "must have length 2 or 3",
+        int(meta.shape[0]))
+    mv = [int(v) for v in meta.tolist()]
+    chk(all(v >= 0 for v in mv), "attention_metadata", "entries must be >= 0 (0 = unknown)",
+        mv)
+    chk(mv[0] == 0 or mv[0] >= max_q, "attention_metadata",
+        f"[0] (max_query_len_bound) underestimates the largest query length ({max_q})", mv)
+    chk(mv[1] == 0 or mv[1] >= max_kv, "attention_metadata",
+        f"[1] (max_kv_len_bound) underestimates the largest past+new length ({max_kv})", mv)
+    if len(mv) == 3 and mv[2] > 0:
+        chk(mv[1] == 0 or mv[2] <= mv[1], "attention_metadata",
+            "[2] (max_kv_len_lower_bound) must not exceed [1] (max_kv_len_bound)", mv)
+        chk(mv[2] <= max_kv, "attention_metadata",
+            f"[2] (max_kv_len_lower_bound) exceeds the largest past+new length ({max_kv})",
+            mv)
 
 
 def output_shapes(inputs: Sequence[torch.Tensor | None],

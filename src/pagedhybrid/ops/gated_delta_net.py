@@ -198,11 +198,31 @@ class GdnDims(NamedTuple):
 
 def validate_call(call: BoundCall) -> GdnDims:
     """Check every port and attribute against ORT's rules and derive the dimensions."""
-    chk = SPEC.check
     SPEC.check_inputs(call.inputs)
     (query, key, value, cu_seqlens, decay, beta, initial_state, a_log,
      dt_bias) = call.inputs[:9]
     a = call.attrs
+    state_dtype = _check_dtypes(a, query, decay, beta, initial_state, a_log, dt_bias)
+    packed, hq, hv, dk, dv, lead, token_rank, total = _check_geometry(query, key, value,
+                                                                       initial_state)
+    batch, cu = _check_packing(cu_seqlens, initial_state, query, lead, token_rank, total, hv, dv,
+                               dk)
+    per_key = _check_gates(a, decay, beta, a_log, dt_bias, lead, hv, dk)
+    capture_count, active = call.inputs[9:11]
+    captured = _check_state_updates(a, capture_count, active, batch, cu)
+
+    out_shape = (*lead, hv, dv)
+    scale = a["scale"] if a["scale"] != 0.0 else 1.0 / math.sqrt(dk)
+    return GdnDims(packed, token_rank, total, batch, hq, hv, dk, dv, per_key, tuple(cu),
+                   out_shape, query.dtype, state_dtype, state_dtype, scale, a, captured)
+
+
+def _check_dtypes(a: dict[str, Any], query: torch.Tensor, decay: torch.Tensor | None,
+                  beta: torch.Tensor | None, initial_state: torch.Tensor | None,
+                  a_log: torch.Tensor | None, dt_bias: torch.Tensor | None) -> torch.dtype:
+    """The numeric attributes (gate lower bound, chunk size) and the float ports' element
+    types; returns the state dtype (float32, float64 with double inputs)."""
+    chk = SPEC.check
     glb = a["gate_lower_bound"]
     chk(math.isfinite(glb) and glb < 0, "gate_lower_bound", "must be finite and negative", glb)
     chk(0 < a["chunk_size"] <= 2**31 - 1, "chunk_size", "must be positive and fit in int32",
@@ -217,8 +237,15 @@ def validate_call(call: BoundCall) -> GdnDims:
         chk(t is None or t.dtype in (torch.float32, query.dtype), name,
             "must be float or the query element type",
             None if t is None else describe(t.dtype))
+    return state_dtype
 
-    # -- layout and head geometry
+
+def _check_geometry(query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
+                    initial_state: torch.Tensor | None
+                    ) -> tuple[bool, int, int, int, int, tuple[int, ...], int, int]:
+    """Layout (separate or packed QKV) and head geometry; returns ``(packed, Hq, Hv, Dk, Dv,
+    token axes, token rank, total tokens)``."""
+    chk = SPEC.check
     chk((key is None) == (value is None), "value" if value is None else "key",
         "key and value must both be present or both be absent (absent = packed QKV)", "one")
     packed = key is None
@@ -259,8 +286,15 @@ def validate_call(call: BoundCall) -> GdnDims:
     token_rank = len(lead)
     total = math.prod(lead)
     chk(total > 0, "query", "must hold at least one token", list(query.shape))
+    return packed, hq, hv, dk, dv, lead, token_rank, total
 
-    # -- packing
+
+def _check_packing(cu_seqlens: torch.Tensor | None, initial_state: torch.Tensor | None,
+                   query: torch.Tensor, lead: tuple[int, ...], token_rank: int, total: int,
+                   hv: int, dv: int, dk: int) -> tuple[int, list[int]]:
+    """Sequence packing (``cu_seqlens``, ``[B, S, ...]`` or uniform) and the state's shape;
+    returns ``(batch, cu_seqlens)``."""
+    chk = SPEC.check
     if cu_seqlens is not None:
         chk(token_rank == 1, "cu_seqlens",
             "describes ragged packing, so query must use the [T, ...] spelling (rank 3, or "
@@ -281,8 +315,15 @@ def validate_call(call: BoundCall) -> GdnDims:
     if initial_state is not None:
         check_shape(SPEC, "initial_state", initial_state, [batch, hv, dv, dk],
                     "[B, Hv, Dv, Dk] (V-major)")
+    return batch, cu
 
-    # -- gates
+
+def _check_gates(a: dict[str, Any], decay: torch.Tensor | None, beta: torch.Tensor | None,
+                 a_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
+                 lead: tuple[int, ...], hv: int, dk: int) -> bool:
+    """``decay``/``beta`` against the update rule, ``a_log``/``dt_bias`` against the gate
+    activation; returns whether the decay is per key dimension."""
+    chk = SPEC.check
     rule = a["update_rule"]
     for name, t, need in (("decay", decay, rule in _GATED), ("beta", beta, rule in _DELTA)):
         chk((t is not None) == need, name,
@@ -311,9 +352,15 @@ def validate_call(call: BoundCall) -> GdnDims:
             f"must be [{hv}]" + (f", [{hv}, {dk}] or [{hv * dk}]" if per_key else
                                  " (the [Hv, Dk] forms need per-key-dim decay)"),
             list(dt_bias.shape))
+    return per_key
 
-    # -- compact state updates
-    capture_count, active = call.inputs[9:11]
+
+def _check_state_updates(a: dict[str, Any], capture_count: torch.Tensor | None,
+                         active: torch.Tensor | None, batch: int,
+                         cu: list[int]) -> tuple[int, ...]:
+    """Compact state updates: ``capture_count``/``state_update_active`` against
+    ``state_update_capacity``; returns the captured token count of each sequence."""
+    chk = SPEC.check
     cap = a["state_update_capacity"]
     chk((capture_count is not None) == (cap > 0), "capture_count",
         "must be given exactly when state_update_capacity > 0",
@@ -327,11 +374,7 @@ def validate_call(call: BoundCall) -> GdnDims:
         on = active is None or int(active[0]) != 0
         captured = tuple(max(0, min(int(n), cap, hi - lo)) if on else 0
                          for n, (lo, hi) in zip(capture_count.tolist(), pairwise(cu), strict=True))
-
-    out_shape = (*lead, hv, dv)
-    scale = a["scale"] if a["scale"] != 0.0 else 1.0 / math.sqrt(dk)
-    return GdnDims(packed, token_rank, total, batch, hq, hv, dk, dv, per_key, tuple(cu),
-                   out_shape, query.dtype, state_dtype, state_dtype, scale, a, captured)
+    return captured
 
 
 validate = SPEC.define(validate_call, "validate")  # the same check, called like the op

@@ -124,14 +124,35 @@ def reference(inputs: Sequence[torch.Tensor | None],
     (query, key, value, key_cache, value_cache, _cu, _past, block_table, cos, sin, _slots,
      head_sink, q_norm, k_norm, k_scale, v_scale, _meta) = inputs
     assert query is not None and key_cache is not None and value_cache is not None
-    a = dims.attrs
-    n, hq, hkv, d, bs = (dims.num_tokens, dims.num_heads, dims.kv_num_heads, dims.head_size,
-                         dims.block_size)
+    n, hq, d = dims.num_tokens, dims.num_heads, dims.head_size
     cdt = torch.float64 if dims.dtype == torch.float64 else torch.float32
     if n == 0:
         return query.new_zeros((0, hq * d)), key_cache, value_cache
 
     # 1. split
+    q, k, v = _split_qkv(query, key, value, dims, cdt)
+
+    # 2. q/k RMSNorm, 3. RoPE at absolute positions
+    q, k = _norm_and_rope(q, k, q_norm, k_norm, cos, sin, dims, cdt)
+
+    # 4. write this step's K/V into the pages (in the cache's element type)
+    quant = is_quantized(key_cache.dtype)
+    _write_pages(k, v, key_cache, value_cache, k_scale, v_scale, quant, dims)
+
+    # 5. attention per sequence, K/V read back from the pages
+    out = _attend(q, key_cache, value_cache, k_scale, v_scale, block_table, head_sink, quant,
+                  dims, cdt)
+
+    # 6. back to the query dtype
+    return out.reshape(n, hq * d).to(query.dtype), key_cache, value_cache
+
+
+def _split_qkv(query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
+               dims: PagedAttentionDims,
+               cdt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Step 1: Q/K/V in ``cdt`` as ``[N, Hq, D]``, ``[N, Hkv, D]``, ``[N, Hkv, D]`` (packed
+    ``[Q | K | V]`` query rows when key/value are absent)."""
+    n, hq, hkv, d = dims.num_tokens, dims.num_heads, dims.kv_num_heads, dims.head_size
     if dims.packed_qkv:
         qkv = query.to(cdt)
         q_flat, k_flat, v_flat = qkv.split([hq * d, hkv * d, hkv * d], dim=1)
@@ -141,8 +162,15 @@ def reference(inputs: Sequence[torch.Tensor | None],
     q = q_flat.reshape(n, hq, d)  # [N, Hq, D]
     k = k_flat.reshape(n, hkv, d)  # [N, Hkv, D]
     v = v_flat.reshape(n, hkv, d)  # [N, Hkv, D]
+    return q, k, v
 
-    # 2. q/k RMSNorm, 3. RoPE at absolute positions
+
+def _norm_and_rope(q: torch.Tensor, k: torch.Tensor, q_norm: torch.Tensor | None,
+                   k_norm: torch.Tensor | None, cos: torch.Tensor | None,
+                   sin: torch.Tensor | None, dims: PagedAttentionDims,
+                   cdt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Steps 2 and 3: q/k RMSNorm, then RoPE at each token's absolute position."""
+    a = dims.attrs
     if q_norm is not None:
         assert k_norm is not None
         q = _rms_norm(q, q_norm.to(cdt), a["qk_norm_epsilon"])
@@ -154,9 +182,15 @@ def reference(inputs: Sequence[torch.Tensor | None],
         args = (cos.to(cdt), sin.to(cdt), positions, a["rotary_offset"], dims.rotary_dim,
                 bool(a["rotary_interleaved"]))
         q, k = _rope(q, *args), _rope(k, *args)
+    return q, k
 
-    # 4. write this step's K/V into the pages (in the cache's element type)
-    quant = is_quantized(key_cache.dtype)
+
+def _write_pages(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
+                 value_cache: torch.Tensor, k_scale: torch.Tensor | None,
+                 v_scale: torch.Tensor | None, quant: bool, dims: PagedAttentionDims) -> None:
+    """Step 4: this step's K/V into the pages at ``dims.write_slots`` (in place), quantized
+    for a quantized cache."""
+    bs = dims.block_size
     if quant:
         assert k_scale is not None and v_scale is not None
         k_store, v_store = quantize(k, k_scale, key_cache.dtype), quantize(v, v_scale,
@@ -168,12 +202,22 @@ def reference(inputs: Sequence[torch.Tensor | None],
             key_cache[slot // bs, slot % bs] = k_store[t]
             value_cache[slot // bs, slot % bs] = v_store[t]
 
-    def read(cache: torch.Tensor, scale: torch.Tensor | None, pages: torch.Tensor,
-             offs: torch.Tensor) -> torch.Tensor:  # [L, Hkv, D] in cdt
-        rows = cache[pages, offs]
-        return dequantize(rows, scale, cdt) if quant and scale is not None else rows.to(cdt)
 
-    # 5. attention per sequence, K/V read back from the pages
+def _read_pages(cache: torch.Tensor, scale: torch.Tensor | None, pages: torch.Tensor,
+                offs: torch.Tensor, quant: bool, cdt: torch.dtype) -> torch.Tensor:
+    """The cache rows at ``(pages, offs)`` as ``[L, Hkv, D]`` in ``cdt`` (dequantized)."""
+    rows = cache[pages, offs]
+    return dequantize(rows, scale, cdt) if quant and scale is not None else rows.to(cdt)
+
+
+def _attend(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+            k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, block_table: torch.Tensor,
+            head_sink: torch.Tensor | None, quant: bool, dims: PagedAttentionDims,
+            cdt: torch.dtype) -> torch.Tensor:
+    """Step 5: attention per sequence, K/V read back from the pages; returns ``[N, Hq, D]``."""
+    a = dims.attrs
+    n, hq, hkv, d, bs = (dims.num_tokens, dims.num_heads, dims.kv_num_heads, dims.head_size,
+                         dims.block_size)
     out = torch.zeros(n, hq, d, dtype=cdt)  # [N, Hq, D]
     group = hq // hkv
     table = block_table.to(torch.long)
@@ -186,8 +230,10 @@ def reference(inputs: Sequence[torch.Tensor | None],
         total = past + q_len
         kv_pos = torch.arange(total)  # [L]
         pages, offs = table[b, kv_pos // bs], kv_pos % bs  # [L], [L]
-        kb = read(key_cache, k_scale, pages, offs).repeat_interleave(group, dim=1)  # [L, Hq, D]
-        vb = read(value_cache, v_scale, pages, offs).repeat_interleave(group, dim=1)
+        kb = _read_pages(key_cache, k_scale, pages, offs, quant, cdt).repeat_interleave(
+            group, dim=1)  # [L, Hq, D]
+        vb = _read_pages(value_cache, v_scale, pages, offs, quant, cdt).repeat_interleave(
+            group, dim=1)
         qb = q[start: start + q_len]  # [Q, Hq, D]
         logits = dims.scale * torch.einsum("qhd,lhd->hql", qb, kb)  # [Hq, Q, L]
         if a["softcap"] > 0:
@@ -206,6 +252,4 @@ def reference(inputs: Sequence[torch.Tensor | None],
             denom = denom + torch.exp(sink[:, None, None] - m)
         probs = e / denom  # [Hq, Q, L]
         out[start: start + q_len] = torch.einsum("hql,lhd->qhd", probs, vb)  # [Q, Hq, D]
-
-    # 6. back to the query dtype
-    return out.reshape(n, hq * d).to(query.dtype), key_cache, value_cache
+    return out

@@ -310,17 +310,7 @@ def _intra(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | 
     n, c = rows.shape
     gated, delta = rule in _GATED, rule in _DELTA
     flat_rows = rows.flatten()
-
-    def take(x: torch.Tensor | None) -> torch.Tensor | None:
-        """Row gather ``[N, C, ...]`` (whole-row copies), padding zeroed."""
-        if x is None:
-            return None
-        y = x.index_select(0, flat_rows).view(n, c, *x.shape[1:])
-        if valid is not None:
-            y.mul_(valid.view(n, c, *([1] * (x.dim() - 1))).to(y.dtype))
-        return y
-
-    qz, kz, vz, gz, bz = take(q), take(k), take(v), take(g), take(beta)
+    qz, kz, vz, gz, bz = (_take(x, flat_rows, valid, n, c) for x in (q, k, v, g, beta))
     assert qz is not None and kz is not None and vz is not None
     qh = qz.permute(0, 2, 1, 3).contiguous()  # [N, Hk, C, Dk]
     kh = kz.permute(0, 2, 1, 3).contiguous()  # [N, Hk, C, Dk]
@@ -328,40 +318,16 @@ def _intra(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | 
     hk, dk = qh.shape[1], qh.shape[3]
     r = hv // hk
     incl = torch.ones(c, c, dtype=torch.bool).tril()  # [C, C]  j <= i
-
-    def per_v(x: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
-        """x ``[N, Hk, ...]`` broadcast to value heads times f ``[N, Hv, ...]``."""
-        fv = f.reshape(n, hk, r, *f.shape[2:])
-        return (x.unsqueeze(2) * fv).reshape(n, hv, *torch.broadcast_shapes(
-            x.shape[2:], f.shape[2:]))
-
     qk_k = qh @ kh.transpose(-1, -2)  # [N, Hk, C, C]
     kk_k = kh @ kh.transpose(-1, -2) if delta else None  # [N, Hk, C, C]
     b = bz.permute(0, 2, 1) if delta and bz is not None else None  # [N, Hv, C]
     s_decay = None
     if gated and g is not None and g.dim() == 3:  # per-key decay: [C, C, Dk] decay tensors
-        gcum = torch.cumsum(gz, dim=1).permute(0, 2, 1, 3)  # [N, Hv, C, Dk]
-        diff = gcum[:, :, :, None, :] - gcum[:, :, None, :, :]  # [N, Hv, C, C, Dk]
-        dec = torch.exp(diff.masked_fill(~incl[:, :, None], float("-inf")))
-        qe, ke = _expand_heads(qh, hv, 1), _expand_heads(kh, hv, 1)  # [N, Hv, C, Dk]
-        qk = torch.einsum("nhid,nhjd,nhijd->nhij", qe, ke, dec) * scale  # [N, Hv, C, C]
-        kk = (torch.einsum("nhid,nhjd,nhijd->nhij", ke, ke, dec) * b[..., :, None]
-              if delta and b is not None else None)  # [N, Hv, C, C]
-        ea = torch.exp(gcum)  # [N, Hv, C, Dk]
-        qa, kea = qe * (ea * scale), ke * ea
-        kd = ke * torch.exp(gcum[:, :, -1:, :] - gcum)  # [N, Hv, C, Dk]
-        s_decay = torch.exp(gcum[:, :, -1, :]).reshape(n * hv, 1, dk)
+        qk, kk, qa, kd, ea, kea, s_decay = _per_key_decay(qh, kh, gz, b, incl, delta, scale,
+                                                          n, hv, dk)
     elif gated and gz is not None:  # per-head decay
-        gcum = torch.cumsum(gz, dim=1).permute(0, 2, 1).contiguous()  # [N, Hv, C]
-        diff = gcum[..., :, None] - gcum[..., None, :]  # [N, Hv, C, C]
-        dec = torch.exp(diff.masked_fill(~incl, float("-inf")))  # lower incl. diagonal
-        qk = per_v(qk_k, dec * scale)  # [N, Hv, C, C]
-        kk = per_v(kk_k, dec * b[..., :, None]) if kk_k is not None and b is not None else None
-        ea = torch.exp(gcum)  # [N, Hv, C]
-        qa = per_v(qh, (ea * scale)[..., None])  # [N, Hv, C, Dk]
-        kd = per_v(kh, torch.exp(gcum[..., -1:] - gcum)[..., None])  # [N, Hv, C, Dk]
-        kea = None
-        s_decay = torch.exp(gcum[..., -1]).reshape(n * hv, 1, 1)
+        qk, kk, qa, kd, ea, kea, s_decay = _per_head_decay(qh, kh, qk_k, kk_k, gz, b, incl,
+                                                           scale, n, hk, r, hv)
     else:  # no decay
         mask = incl.to(qh.dtype) * scale  # [C, C]
         qk = _expand_heads(qk_k, hv, 1) * mask  # [N, Hv, C, C]
@@ -373,18 +339,85 @@ def _intra(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | 
     w = None
     if delta:
         assert kk is not None and b is not None
-        if not gated:
-            kk = kk.masked_fill(~incl, 0.0)
-        eye = torch.eye(c, dtype=qh.dtype).expand(n, hv, c, c)
-        tinv = torch.linalg.solve_triangular(kk, eye, upper=False, unitriangular=True)
-        u = (tinv * b[..., None, :]) @ vh  # [N, Hv, C, Dv]  T diag(beta) V
-        if kea is not None:  # per-key decay: T diag(beta) (exp(G) * K), value-head operands
-            w = (tinv * b[..., None, :]) @ kea  # [N, Hv, C, Dk]
-        else:
-            tk = tinv * (b if ea is None else b * ea)[..., None, :]  # [N, Hv, C, C]
-            w = (tk.reshape(n, hk, r * c, c) @ kh).reshape(n, hv, c, dk)  # GQA w/o copies
-        w = w.reshape(n * hv, c, dk)
+        u, w = _delta_operands(kk, b, vh, kh, ea, kea, incl, qh.dtype, gated, n, hk, r, hv)
     else:
         u = vh
     return _Chunks(qa.reshape(n * hv, c, dk), qk.reshape(n * hv, c, c),
                    u.reshape(n * hv, c, -1), w, kd.reshape(n * hv, c, dk), s_decay)
+
+
+def _take(x: torch.Tensor | None, flat_rows: torch.Tensor, valid: torch.Tensor | None, n: int,
+          c: int) -> torch.Tensor | None:
+    """Row gather ``[N, C, ...]`` (whole-row copies), padding zeroed."""
+    if x is None:
+        return None
+    y = x.index_select(0, flat_rows).view(n, c, *x.shape[1:])
+    if valid is not None:
+        y.mul_(valid.view(n, c, *([1] * (x.dim() - 1))).to(y.dtype))
+    return y
+
+
+def _per_v(x: torch.Tensor, f: torch.Tensor, n: int, hk: int, r: int, hv: int) -> torch.Tensor:
+    """x ``[N, Hk, ...]`` broadcast to value heads times f ``[N, Hv, ...]``."""
+    fv = f.reshape(n, hk, r, *f.shape[2:])
+    return (x.unsqueeze(2) * fv).reshape(n, hv, *torch.broadcast_shapes(
+        x.shape[2:], f.shape[2:]))
+
+
+def _per_key_decay(qh: torch.Tensor, kh: torch.Tensor, gz: torch.Tensor, b: torch.Tensor | None,
+                   incl: torch.Tensor, delta: bool, scale: float, n: int, hv: int,
+                   dk: int) -> tuple[Any, ...]:
+    """Chunk operands under per-key decay (``[C, C, Dk]`` decay tensors, value-head operands):
+    ``(qk, kk, qa, kd, ea, kea, s_decay)``."""
+    gcum = torch.cumsum(gz, dim=1).permute(0, 2, 1, 3)  # [N, Hv, C, Dk]
+    diff = gcum[:, :, :, None, :] - gcum[:, :, None, :, :]  # [N, Hv, C, C, Dk]
+    dec = torch.exp(diff.masked_fill(~incl[:, :, None], float("-inf")))
+    qe, ke = _expand_heads(qh, hv, 1), _expand_heads(kh, hv, 1)  # [N, Hv, C, Dk]
+    qk = torch.einsum("nhid,nhjd,nhijd->nhij", qe, ke, dec) * scale  # [N, Hv, C, C]
+    kk = (torch.einsum("nhid,nhjd,nhijd->nhij", ke, ke, dec) * b[..., :, None]
+          if delta and b is not None else None)  # [N, Hv, C, C]
+    ea = torch.exp(gcum)  # [N, Hv, C, Dk]
+    qa, kea = qe * (ea * scale), ke * ea
+    kd = ke * torch.exp(gcum[:, :, -1:, :] - gcum)  # [N, Hv, C, Dk]
+    s_decay = torch.exp(gcum[:, :, -1, :]).reshape(n * hv, 1, dk)
+    return qk, kk, qa, kd, ea, kea, s_decay
+
+
+def _per_head_decay(qh: torch.Tensor, kh: torch.Tensor, qk_k: torch.Tensor,
+                    kk_k: torch.Tensor | None, gz: torch.Tensor, b: torch.Tensor | None,
+                    incl: torch.Tensor, scale: float, n: int, hk: int, r: int,
+                    hv: int) -> tuple[Any, ...]:
+    """Chunk operands under per-head decay (key-head Gram matrices broadcast to value heads):
+    ``(qk, kk, qa, kd, ea, kea, s_decay)``."""
+    gcum = torch.cumsum(gz, dim=1).permute(0, 2, 1).contiguous()  # [N, Hv, C]
+    diff = gcum[..., :, None] - gcum[..., None, :]  # [N, Hv, C, C]
+    dec = torch.exp(diff.masked_fill(~incl, float("-inf")))  # lower incl. diagonal
+    qk = _per_v(qk_k, dec * scale, n, hk, r, hv)  # [N, Hv, C, C]
+    kk = _per_v(kk_k, dec * b[..., :, None], n, hk, r, hv) if kk_k is not None and \
+        b is not None else None
+    ea = torch.exp(gcum)  # [N, Hv, C]
+    qa = _per_v(qh, (ea * scale)[..., None], n, hk, r, hv)  # [N, Hv, C, Dk]
+    kd = _per_v(kh, torch.exp(gcum[..., -1:] - gcum)[..., None], n, hk, r, hv)  # [N, Hv, C, Dk]
+    kea = None
+    s_decay = torch.exp(gcum[..., -1]).reshape(n * hv, 1, 1)
+    return qk, kk, qa, kd, ea, kea, s_decay
+
+
+def _delta_operands(kk: torch.Tensor, b: torch.Tensor, vh: torch.Tensor, kh: torch.Tensor,
+                    ea: torch.Tensor | None, kea: torch.Tensor | None, incl: torch.Tensor,
+                    dtype: torch.dtype, gated: bool, n: int, hk: int, r: int,
+                    hv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Delta rules: solve ``(I + L) [U | W] = [beta v | beta exp(G) k]`` (L = ``kk``'s strict
+    lower triangle, ``incl`` the mask ``j <= i``); returns ``(u, w)``, w as ``[N*Hv, C, Dk]``."""
+    c, dk = incl.shape[0], kh.shape[3]
+    if not gated:
+        kk = kk.masked_fill(~incl, 0.0)
+    eye = torch.eye(c, dtype=dtype).expand(n, hv, c, c)
+    tinv = torch.linalg.solve_triangular(kk, eye, upper=False, unitriangular=True)
+    u = (tinv * b[..., None, :]) @ vh  # [N, Hv, C, Dv]  T diag(beta) V
+    if kea is not None:  # per-key decay: T diag(beta) (exp(G) * K), value-head operands
+        w = (tinv * b[..., None, :]) @ kea  # [N, Hv, C, Dk]
+    else:
+        tk = tinv * (b if ea is None else b * ea)[..., None, :]  # [N, Hv, C, C]
+        w = (tk.reshape(n, hk, r * c, c) @ kh).reshape(n, hv, c, dk)  # GQA w/o copies
+    return u, w.reshape(n * hv, c, dk)

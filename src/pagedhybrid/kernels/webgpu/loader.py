@@ -181,6 +181,31 @@ class WebGpuKernel:
         inputs = {k: v for k, v in inputs.items() if k in self.manifest["inputs"]}
         resolved = self.resolve_attrs(dict(attrs or {}))
         dims = self._contract(inputs, resolved)
+        call_args = self._call_args(dims, args)
+        tun = self._tunables(tunables)
+        ctx = runner.gpu()
+        scope = self._scope(ctx, inputs, bound, call_args, resolved, tun)
+        out_specs = self._infer_outputs(scope)
+        for key, (_, dt) in out_specs.items():
+            scope["logicalDtypes"].setdefault(key, dt)
+            scope["dtypes"].setdefault(key, WGSL_SCALAR.get(dt, dt))
+        executor.evaluate_derive(self.manifest.get("derive", {}), scope)
+        if dims.num_tokens == 0:  # nothing to scatter or attend: no GPU work at all
+            shape, dt = out_specs["outputT"]
+            result: dict[str, Any] = {"outputT": np.zeros(shape, dtypes.numpy_dtype(dt))}
+            self.last = {"variant": None, "dispatches": []}
+            return {**result, **{k: inputs[k] for k in out_specs if k in inputs}}
+        self._check_sizes(ctx, inputs, bound, out_specs)
+        buffers, owned = self._bind_buffers(inputs, out_specs, output)
+        plan = executor.plan(self.package, scope, buffers, self.pool, ctx.features)
+        runner.run_dispatches(plan.dispatches)
+        self.last = {"variant": plan.variant, "dispatches": [(d.name, d.workgroups)
+                                                             for d in plan.dispatches],
+                     "derive": dict(scope["derive"])}
+        return self._results(inputs, out_specs, buffers, owned)
+
+    def _call_args(self, dims: Any, args: Mapping[str, Any] | None) -> dict[str, int]:
+        """The call's ``args`` (upper bounds), each at least the contract's own value."""
         call_args = {"maxQueryLen": dims.max_query_len, "maxKvLen": dims.max_kv_len}
         for name, value in (args or {}).items():
             if name not in self.manifest.get("args", {}):
@@ -190,14 +215,23 @@ class WebGpuKernel:
             if int(value) < floor:
                 raise self._fail(name, f"is an upper bound and must be >= {floor}", value)
             call_args[name] = int(value)
+        return call_args
+
+    def _tunables(self, tunables: Mapping[str, Any] | None) -> dict[str, Any]:
+        """The manifest's tunable defaults with the call's overrides."""
         tun = {k: t["default"] for k, t in self.manifest.get("tunables", {}).items()}
         for name, value in (tunables or {}).items():
             if name not in tun:
                 raise self._fail(name, f"is not a tunable; tunables: {sorted(tun)}", value)
             tun[name] = value
-        ctx = runner.gpu()
+        return tun
+
+    def _scope(self, ctx: Any, inputs: dict[str, Any], bound: dict[str, str],
+               call_args: dict[str, int], resolved: dict[str, Any],
+               tun: dict[str, Any]) -> dict[str, Any]:
+        """The manifest expressions' evaluation scope for this call (``derive`` still empty)."""
         shapes = {k: list(map(int, v.shape)) for k, v in inputs.items()}
-        scope: dict[str, Any] = {
+        return {
             "shapes": shapes, "ranks": {k: len(s) for k, s in shapes.items()},
             "logicalDtypes": dict(bound), "tensorDtypes": dict(bound),
             "dtypes": {k: WGSL_SCALAR.get(d, d) for k, d in bound.items()},
@@ -207,17 +241,10 @@ class WebGpuKernel:
                        "adapterInfo": ctx.info},
             "env": {"device": {"features": sorted(ctx.features)}}, "derive": {},
         }
-        out_specs = self._infer_outputs(scope)
-        for key, (_, dt) in out_specs.items():
-            scope["logicalDtypes"].setdefault(key, dt)
-            scope["dtypes"].setdefault(key, WGSL_SCALAR.get(dt, dt))
-        executor.evaluate_derive(self.manifest.get("derive", {}), scope)
-        result: dict[str, Any] = {}
-        if dims.num_tokens == 0:  # nothing to scatter or attend: no GPU work at all
-            shape, dt = out_specs["outputT"]
-            result["outputT"] = np.zeros(shape, dtypes.numpy_dtype(dt))
-            self.last = {"variant": None, "dispatches": []}
-            return {**result, **{k: inputs[k] for k in out_specs if k in inputs}}
+
+    def _check_sizes(self, ctx: Any, inputs: dict[str, Any], bound: dict[str, str],
+                     out_specs: dict[str, tuple[list[int], str]]) -> None:
+        """Every input and output fits one storage buffer binding of this device."""
         biggest = ctx.limits.get("max-storage-buffer-binding-size", 1 << 27)
         sizes = {k: int(np.prod(v.shape)) * dtypes.itemsize(bound[k]) for k, v in inputs.items()}
         sizes.update({k: int(np.prod(s)) * dtypes.itemsize(d) for k, (s, d) in out_specs.items()})
@@ -226,6 +253,12 @@ class WebGpuKernel:
                 raise UnsupportedConfiguration(
                     f"{self.op_id}: '{key}' needs {nbytes} bytes, above this device's "
                     f"max-storage-buffer-binding-size ({biggest}); use smaller tensors per call")
+
+    def _bind_buffers(self, inputs: dict[str, Any], out_specs: dict[str, tuple[list[int], str]],
+                      output: str) -> tuple[dict[str, Any], dict[str, GpuTensor]]:
+        """GPU buffers per bind key: device inputs as they are, host inputs uploaded to pooled
+        buffers, outputs pooled (``cpu``) or new caller-owned ``GpuTensor`` (``gpu``, returned
+        as the second dict); inout ports keep the input's buffer."""
         buffers: dict[str, Any] = {}
         for key, value in inputs.items():
             if isinstance(value, GpuTensor):
@@ -246,11 +279,14 @@ class WebGpuKernel:
             else:
                 nbytes = int(np.prod(shape)) * dtypes.itemsize(dt)
                 buffers[key] = self.pool.buffer(f"out:{key}", nbytes)
-        plan = executor.plan(self.package, scope, buffers, self.pool, ctx.features)
-        runner.run_dispatches(plan.dispatches)
-        self.last = {"variant": plan.variant, "dispatches": [(d.name, d.workgroups)
-                                                             for d in plan.dispatches],
-                     "derive": dict(scope["derive"])}
+        return buffers, owned
+
+    @staticmethod
+    def _results(inputs: dict[str, Any], out_specs: dict[str, tuple[list[int], str]],
+                 buffers: dict[str, Any], owned: dict[str, GpuTensor]) -> dict[str, Any]:
+        """The call's outputs: inout ports are the caller's own objects (host caches written
+        back), ``gpu`` outputs their ``GpuTensor``, the rest read back to numpy."""
+        result: dict[str, Any] = {}
         for key, (shape, dt) in out_specs.items():
             if key in inputs:
                 value = inputs[key]
