@@ -64,8 +64,12 @@ class NativeKernelsHook(BuildHookInterface):
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(src), env.get("PYTHONPATH")) if p)
         self.app.display_info(f"building the native kernels ({ENV_FORMS}={spec}) ...")
         quiet = "ignore:Failed to initialize NumPy:UserWarning"  # torch without numpy: harmless
-        done = subprocess.run([sys.executable, "-W", quiet, "-m",
-                               "pagedhybrid.kernels.native.build", "--forms", spec],
+        # src/ first on sys.path inside the child too: pip's isolated build environment has a
+        # sitecustomize that drops PYTHONPATH entries it did not put there
+        run = ("import runpy, sys; sys.path.insert(0, sys.argv.pop(1)); "
+               "runpy.run_module('pagedhybrid.kernels.native.build', run_name='__main__', "
+               "alter_sys=True)")
+        done = subprocess.run([sys.executable, "-W", quiet, "-c", run, str(src), "--forms", spec],
                               cwd=self.root, env=env, check=False)
         if done.returncode != 0:
             raise RuntimeError(f"the native kernel build failed (exit {done.returncode}); "
