@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from pagedhybrid.engine import SamplingParams, load_engine
-from pagedhybrid.engine.config import slot_bytes
+from pagedhybrid.engine.core.config import slot_bytes
 from pagedhybrid.models.qwen35 import Qwen35Config, default_model_dir, load_tokenizer
 from pagedhybrid.models.qwen35.default_model import heldout_text_path
 

@@ -154,7 +154,8 @@ def worker_pagedhybrid(spec: dict[str, Any]) -> dict[str, Any]:
 
     torch.set_num_threads(spec.get("threads", THREADS))
     import pagedhybrid
-    from pagedhybrid.engine import LLM, SamplingParams
+    from pagedhybrid.engine import SamplingParams
+    from pagedhybrid.serve.llm import LLM
 
     extra = {k: spec[k] for k in ("adaptive_threads",) if k in spec}  # older engines lack it
     llm = LLM(spec["model_dir"], dtype=spec["dtype"], max_num_seqs=64, num_blocks=NUM_BLOCKS,

@@ -92,7 +92,8 @@ def _measure(gen: Any, spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def worker_pagedhybrid(spec: dict[str, Any]) -> dict[str, Any]:
-    from pagedhybrid.engine import LLM, SamplingParams
+    from pagedhybrid.engine import SamplingParams
+    from pagedhybrid.serve.llm import LLM
 
     t0 = time.perf_counter()
     llm = LLM(spec["model"], dtype=spec["dtype"])

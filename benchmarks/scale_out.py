@@ -81,7 +81,7 @@ def _decode(llm: Any, prompts: list[str], tokens: int) -> tuple[float, int]:
 
 
 def tp_rows(model: str | None, name: str, reps: int, tokens: int) -> list[dict[str, Any]]:
-    from pagedhybrid.engine import LLM
+    from pagedhybrid.serve.llm import LLM
 
     acc = _timed_all_reduce()
     prompts = [f"And the {i} children of Israel went" for i in range(8)]

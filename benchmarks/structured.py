@@ -47,7 +47,12 @@ from pathlib import Path
 import torch
 
 from pagedhybrid.engine import SamplingParams, load_engine
-from pagedhybrid.engine.structured import Grammars, StructuredOutputs, allowed_tokens, consume
+from pagedhybrid.engine.sample.structured import (
+    Grammars,
+    StructuredOutputs,
+    allowed_tokens,
+    consume,
+)
 from pagedhybrid.kernels.native import cpu_form
 from pagedhybrid.kernels.native.sampling import greedy_rows
 from pagedhybrid.models.qwen35 import default_model_dir, load_tokenizer

@@ -86,7 +86,7 @@ def weight_bytes(model: Any) -> int:
 
 
 def _engine(model_dir: Path, fmt: str, **kw: Any) -> Any:
-    from pagedhybrid.engine.llm import load_engine
+    from pagedhybrid.engine.loader import load_engine
 
     dtype = "bfloat16" if fmt == "bf16" else "float32"
     quant = None if fmt in ("fp32", "bf16") else fmt

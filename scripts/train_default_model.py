@@ -64,7 +64,8 @@ CHAT_FRACTION = 0.15  # chat exchanges per training chapter
 SPECIALS = ("<|endoftext|>", "<|bos|>", "<|im_start|>", "<|im_end|>")
 EOS, BOS, IM_START, IM_END = range(4)
 # ChatML turns, BOS first (every training document began with it); tools, tool calls and tool
-# results in the Qwen3.5 format (engine/chat.py), without reasoning (the model was not trained to)
+# results in the Qwen3.5 format (serve/chat/format.py), without reasoning (the model was not
+# trained to)
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{%- set system = messages and messages[0].role == 'system' -%}"

@@ -7,7 +7,8 @@ export -> cli. Modules DESIGN.md does not name are placed here explicitly: ``dty
 ``errors``, and so do ``weightquant`` (the weights' int8 / int4 formats, on ``errors``) and
 ``openmp`` (OpenMP's spin, set before torch loads: imports nothing of the package);
 ``parallel`` (context and tensor parallelism over torch.distributed, as DESIGN.md
-puts it) with ``attention``; the root package ``pagedhybrid`` re-exports the engine (``engine``);
+puts it) with ``attention``; the root package ``pagedhybrid`` re-exports the engine and ``LLM``
+(``serve``);
 the command-line tools ``conformance``, ``calibrate_kv``, ``perplexity`` and ``__main__`` with
 ``cli``.
 
@@ -16,6 +17,11 @@ Rules, from a static scan (``ast``) of ``src/pagedhybrid``:
 * every import -- at module level, inside a function (lazy) or under ``TYPE_CHECKING`` --
   names a module of the same or an earlier layer: lazy imports are allowed (for optional
   dependencies and start-up time) but never upward, so no cycle can run through a later layer;
+* inside ``engine``, the sub-packages are layers too (vLLM v1's concepts, issue 52), in the order
+  ``ENGINE_LAYERS``: ``sample`` (sampling parameters, the sampler, grammars) -> ``core``
+  (requests, scheduler, pages and slots, configs, memory plan, outputs) -> ``spec_decode``
+  (proposers, draft budget, verification) -> ``worker`` (the runner, the step's sampling,
+  tensor-parallel ranks) -> the package itself (``engine.py``: the loop, ``loader.py``);
 * the imports executed at module import (module level, outside ``TYPE_CHECKING``) form no cycle
   between modules.
 
@@ -40,7 +46,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 PKG = SRC / "pagedhybrid"
 LAYERS = ("errors", "ops", "kernels", "attention", "models", "engine", "serve", "export", "cli")
 EXACT = {
-    "pagedhybrid": "engine",
+    "pagedhybrid": "serve",
     "pagedhybrid.__main__": "cli",
 }
 PREFIX = {
@@ -154,6 +160,19 @@ def all_imports() -> list[Import]:
     return [i for m, p in known.items() for i in scan(m, p, known)]
 
 
+ENGINE_LAYERS = ("sample", "core", "spec_decode", "worker", "")
+
+
+def engine_rank(module: str) -> int:
+    """Where an ``engine`` module sits among ``ENGINE_LAYERS`` ("": the package's own modules)."""
+    parts = module.removeprefix("pagedhybrid.engine").lstrip(".").split(".")
+    if parts[0] in ENGINE_LAYERS:
+        return ENGINE_LAYERS.index(parts[0])
+    if len(parts) == 1:
+        return ENGINE_LAYERS.index("")
+    raise AssertionError(f"{module}: in no engine sub-package of {ENGINE_LAYERS}")
+
+
 def test_every_module_has_a_layer() -> None:
     for m in modules():
         layer_of(m)
@@ -165,6 +184,17 @@ def test_imports_only_point_to_the_same_or_an_earlier_layer() -> None:
            f"{i.target} ({layer_of(i.target)}) [{i.where}]"
            for i in all_imports() if rank(i.target) > rank(i.source)]
     assert not bad, "imports of a later layer:\n" + "\n".join(bad)
+
+
+def test_engine_sub_packages_import_only_downward() -> None:
+    known = modules()
+    engine = [m for m in known if layer_of(m) == "engine" and m != "pagedhybrid"]
+    bad = [f"{known[i.source].relative_to(SRC)}:{i.line} imports {i.target} [{i.where}]"
+           for i in all_imports() if i.source in engine and i.target in engine
+           and engine_rank(i.target) > engine_rank(i.source)]
+    assert not bad, "imports of a later engine sub-package:\n" + "\n".join(bad)
+    assert engine_rank("pagedhybrid.engine.core.scheduler") < engine_rank(
+        "pagedhybrid.engine.worker.runner") < engine_rank("pagedhybrid.engine.engine")
 
 
 def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:

@@ -24,7 +24,6 @@ from pagedhybrid.errors import (  # noqa: E402
 
 if TYPE_CHECKING:
     from pagedhybrid.engine import (
-        LLM,
         BlockPool,
         Engine,
         EngineConfig,
@@ -34,9 +33,13 @@ if TYPE_CHECKING:
         Scheduler,
         StatePool,
     )
+    from pagedhybrid.serve.llm import LLM
 
-_ENGINE_NAMES = frozenset({"LLM", "BlockPool", "Engine", "EngineConfig", "InvalidRequest",
-                           "RequestOutput", "SamplingParams", "Scheduler", "StatePool"})
+# name -> the module it lives in, imported on first use
+_LAZY = {"LLM": "pagedhybrid.serve.llm",
+         **{n: "pagedhybrid.engine" for n in ("BlockPool", "Engine", "EngineConfig",
+                                              "InvalidRequest", "RequestOutput", "SamplingParams",
+                                              "Scheduler", "StatePool")}}
 
 __all__ = [
     "LLM",
@@ -57,6 +60,6 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
-    if name in _ENGINE_NAMES:
-        return getattr(import_module("pagedhybrid.engine"), name)
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'pagedhybrid' has no attribute {name!r}")

@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="regenerate the cases file from the OpSpecs and exit")
     c.set_defaults(func=_conformance)
 
-    from pagedhybrid.engine import cli as engine_cli
+    from pagedhybrid.serve import offline_cli as engine_cli
 
     r = sub.add_parser("run", help="the main job: the default model serving overlapping requests")
     engine_cli.add_run_arguments(r)

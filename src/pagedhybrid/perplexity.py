@@ -293,7 +293,7 @@ def perplexity_main(args: Any) -> int:
     from rich.console import Console
     from rich.progress import Progress as Bar
 
-    from pagedhybrid.engine.llm import load_engine
+    from pagedhybrid.engine.loader import load_engine
     from pagedhybrid.models.qwen35 import default_model_dir, load_tokenizer
     from pagedhybrid.models.qwen35.default_model import heldout_text_path
 

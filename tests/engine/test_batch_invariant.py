@@ -264,7 +264,7 @@ def test_backends_without_the_property_are_refused(make_engine: Callable[..., En
 
 
 def test_score_rejects_bad_pairs(alone) -> None:  # type: ignore[no-untyped-def]
-    from pagedhybrid.engine.request import InvalidRequest
+    from pagedhybrid.engine.core.request import InvalidRequest
 
     engine = alone.engine
     with pytest.raises(InvalidRequest, match="one entry per prompt"):

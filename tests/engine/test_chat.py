@@ -1,4 +1,4 @@
-"""Chat answers in the Qwen3.5 format (``engine/chat.py``) and ``LLM.chat``.
+"""Chat answers in the Qwen3.5 format (``serve/chat/format.py``) and ``LLM.chat``.
 
 * the parser: reasoning opened by the prompt or by the model, never closed, or absent; content;
   XML tool calls (and Qwen3's JSON calls) with arguments converted by the function's schema; a
@@ -24,20 +24,21 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pagedhybrid.engine import LLM, Engine, SamplingParams, load_engine
-from pagedhybrid.engine.chat import (
+from pagedhybrid.engine import Engine, SamplingParams, load_engine
+from pagedhybrid.engine.core.request import InvalidRequest
+from pagedhybrid.engine.sample.structured import Grammars, StructuredOutputs, allowed_tokens
+from pagedhybrid.errors import ContractViolation
+from pagedhybrid.kernels.native.sampling import unpack_bitmask
+from pagedhybrid.models.qwen35.synthetic import QWEN35_CHAT_TEMPLATE
+from pagedhybrid.serve.chat.format import (
     MAX_PARALLEL_CALLS,
     Tools,
     constraint,
     template_message,
     thinking,
 )
-from pagedhybrid.engine.chat_parser import ChatParser
-from pagedhybrid.engine.request import InvalidRequest
-from pagedhybrid.engine.structured import Grammars, StructuredOutputs, allowed_tokens
-from pagedhybrid.errors import ContractViolation
-from pagedhybrid.kernels.native.sampling import unpack_bitmask
-from pagedhybrid.models.qwen35.synthetic import QWEN35_CHAT_TEMPLATE
+from pagedhybrid.serve.chat.parser import ChatParser
+from pagedhybrid.serve.llm import LLM
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather of a city",

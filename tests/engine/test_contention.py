@@ -7,8 +7,9 @@ import os
 
 import torch
 
-from pagedhybrid.engine import LLM, SamplingParams
-from pagedhybrid.engine.contention import ThreadGovernor, machine_busy_seconds
+from pagedhybrid.engine import SamplingParams
+from pagedhybrid.engine.worker.contention import ThreadGovernor, machine_busy_seconds
+from pagedhybrid.serve.llm import LLM
 
 
 class Machine:

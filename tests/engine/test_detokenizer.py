@@ -7,10 +7,11 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedhybrid.engine import LLM, SamplingParams
-from pagedhybrid.engine.detokenizer import IncrementalDetokenizer
+from pagedhybrid.engine import SamplingParams
+from pagedhybrid.engine.core.detokenizer import IncrementalDetokenizer
 from pagedhybrid.models.qwen35 import default_model_dir, load_tokenizer
 from pagedhybrid.models.qwen35.tokenizer import ByteTokenizer
+from pagedhybrid.serve.llm import LLM
 
 TOK = load_tokenizer(default_model_dir())
 TEXT = "In the beginning — God créa 天地 ∑ 😀 and the earth was without form. "

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from pagedhybrid.engine.cli import (
+from pagedhybrid.models.qwen35 import ByteTokenizer
+from pagedhybrid.serve.offline_cli import (
     add_generate_arguments,
     add_run_arguments,
     generate_main,
     run_main,
 )
-from pagedhybrid.models.qwen35 import ByteTokenizer
 
 
 def parse(adder: Callable[[argparse.ArgumentParser], None], argv: list[str]

@@ -15,7 +15,6 @@ import torch
 from engine_helpers import prompt_of
 
 from pagedhybrid.engine import (
-    LLM,
     Engine,
     EngineConfig,
     InvalidRequest,
@@ -23,11 +22,12 @@ from pagedhybrid.engine import (
     SequenceOutput,
     build_batch,
 )
-from pagedhybrid.engine import runner as runner_module
-from pagedhybrid.engine.runner import StepBatch
-from pagedhybrid.engine.scheduler import SchedulerOutput
+from pagedhybrid.engine.core.scheduler import SchedulerOutput
+from pagedhybrid.engine.worker import runner as runner_module
+from pagedhybrid.engine.worker.runner import StepBatch
 from pagedhybrid.errors import CapacityError, ContractViolation
 from pagedhybrid.models.qwen35 import ABI_INPUT_NAMES, PackedBatch, load
+from pagedhybrid.serve.llm import LLM
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -138,7 +138,7 @@ def test_the_step_log_keeps_the_last_steps(make_engine: Callable[..., Engine],
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """A server steps for days: the per-step log is bounded (``stats.STEP_LOG``), not a list
     that grows with every step."""
-    from pagedhybrid.engine import stats
+    from pagedhybrid.engine.core import stats
 
     monkeypatch.setattr(stats, "STEP_LOG", 3)
     engine = make_engine(block_size=16, num_blocks=16)

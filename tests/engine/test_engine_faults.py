@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from pagedhybrid.engine import LLM, SamplingParams
+from pagedhybrid.engine import SamplingParams
+from pagedhybrid.serve.llm import LLM
 
 G = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
@@ -94,7 +95,7 @@ def test_pools_that_do_not_add_up_after_a_fault_are_rebuilt(
 
 def test_a_row_whose_sampling_raises_fails_alone(llm: LLM,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    import pagedhybrid.engine.step_sampling as engine_mod
+    import pagedhybrid.engine.worker.sampling as engine_mod
 
     want = {p: alone(llm, p) for p in ("In the beginning", "And the earth")}
     real = engine_mod.sample
@@ -119,7 +120,7 @@ def test_rows_sampled_again_after_a_failed_batch_draw_the_same_uniforms(
         llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
     """The batch draws every row's uniform before it fails; the rows sampled one by one after it
     start from their generators' earlier states, so a seeded request is as when alone."""
-    import pagedhybrid.engine.step_sampling as engine_mod
+    import pagedhybrid.engine.worker.sampling as engine_mod
 
     seeded = SamplingParams(temperature=1.0, max_tokens=6, seed=5, ignore_eos=True)
     want = llm.generate(["In the beginning"], seeded, use_progress=False)[0].token_ids

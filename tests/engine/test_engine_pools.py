@@ -7,11 +7,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedhybrid.engine.pages import BlockPool, chain_hashes
-from pagedhybrid.engine.request import Request
-from pagedhybrid.engine.sampling import SamplingParams
-from pagedhybrid.engine.scheduler import HybridAllocator
-from pagedhybrid.engine.states import StatePool
+from pagedhybrid.engine.core.pages import BlockPool, chain_hashes
+from pagedhybrid.engine.core.request import Request
+from pagedhybrid.engine.core.scheduler import HybridAllocator
+from pagedhybrid.engine.core.states import StatePool
+from pagedhybrid.engine.sample.sampler import SamplingParams
 from pagedhybrid.errors import ContractViolation
 
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pagedhybrid.engine.sampling import (
+from pagedhybrid.engine.sample.sampler import (
     DRAW_BLOCK,
     DRAW_DIRECT,
     GREEDY,

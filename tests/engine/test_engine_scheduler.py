@@ -13,11 +13,11 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from pagedhybrid.engine.pages import BlockPool
-from pagedhybrid.engine.request import Request
-from pagedhybrid.engine.sampling import SampledToken, SamplingParams
-from pagedhybrid.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from pagedhybrid.engine.states import StatePool
+from pagedhybrid.engine.core.pages import BlockPool
+from pagedhybrid.engine.core.request import Request
+from pagedhybrid.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedhybrid.engine.core.states import StatePool
+from pagedhybrid.engine.sample.sampler import SampledToken, SamplingParams
 from pagedhybrid.errors import CapacityError
 
 VOCAB = 50

@@ -32,9 +32,9 @@ from engine_helpers import prompt_of
 from zmq.utils.monitor import recv_monitor_message
 
 from pagedhybrid.engine import Engine, EngineConfig, SamplingParams, SequenceOutput
-from pagedhybrid.engine import kv_events as kv
-from pagedhybrid.engine.kv_events import KVEventPublisher, KVEventsConfig, open_publisher
-from pagedhybrid.engine.pages import (
+from pagedhybrid.engine.core import kv_events as kv
+from pagedhybrid.engine.core.kv_events import KVEventPublisher, KVEventsConfig, open_publisher
+from pagedhybrid.engine.core.pages import (
     BlockPool,
     PagesCleared,
     PagesRemoved,
@@ -276,7 +276,7 @@ def published(engine: Engine) -> int:
 # -- stable hashes ---------------------------------------------------------------------------------
 def test_chain_hashes_are_stable_across_processes() -> None:
     toks = prompt_of(3, 100, vocab=150_000)
-    script = ("import json, sys; from pagedhybrid.engine.pages import chain_hashes; "
+    script = ("import json, sys; from pagedhybrid.engine.core.pages import chain_hashes; "
               "t = json.loads(sys.argv[1]); "
               "print(json.dumps([chain_hashes(t, 16, 'lora-7'), chain_hashes(t, 16), "
               "chain_hashes(t, 32, ('adapter', 3))]))")

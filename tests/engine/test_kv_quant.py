@@ -23,7 +23,7 @@ from engine_helpers import prompt_of, run_all
 from pagedhybrid.calibrate_kv import channel_amax, scales_from_amax
 from pagedhybrid.cli import main as cli_main
 from pagedhybrid.engine import Engine, EngineConfig, SamplingParams, SequenceOutput
-from pagedhybrid.engine.memory import plan_memory
+from pagedhybrid.engine.core.memory import plan_memory
 from pagedhybrid.errors import ContractViolation
 from pagedhybrid.kernels.native import status
 from pagedhybrid.kvquant import KV_DTYPES, QMAX, load_scales, quantize, save_scales
@@ -111,7 +111,7 @@ def test_scale_files_are_checked(tiny_model: Qwen35ForCausalLM,
 
 def test_calibrate_kv_cli_writes_what_the_engine_loads(tmp_path: Path,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
-    from pagedhybrid.engine.llm import load_engine
+    from pagedhybrid.engine.loader import load_engine
 
     text = tmp_path / "calib.txt"
     text.write_text("And God said, Let there be light: and there was light.\n" * 20)
@@ -131,7 +131,7 @@ def test_calibrate_kv_cli_writes_what_the_engine_loads(tmp_path: Path,
 def test_calibrate_kv_default_out_is_the_checkpoints_kv_scales_folder(tmp_path: Path) -> None:
     """Without ``--out`` the file goes to ``kv_scales/`` in the checkpoint folder -- not its top,
     whose ``*.safetensors`` weight loaders (vLLM) read -- and the engine finds it there."""
-    from pagedhybrid.engine.llm import load_engine
+    from pagedhybrid.engine.loader import load_engine
     from pagedhybrid.models.qwen35 import default_model_dir
 
     ckpt = tmp_path / "ckpt"

@@ -9,10 +9,11 @@ import itertools
 
 import pytest
 
-from pagedhybrid.engine import LLM, SamplingParams
-from pagedhybrid.engine.outputs import CompletionOutput, RequestOutput
+from pagedhybrid.engine import SamplingParams
+from pagedhybrid.engine.core.outputs import CompletionOutput, RequestOutput
 from pagedhybrid.errors import ContractViolation
 from pagedhybrid.models.qwen35 import default_model_dir
+from pagedhybrid.serve.llm import LLM
 
 TEXT = "And God said"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

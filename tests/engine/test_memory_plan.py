@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from pagedhybrid.engine import Engine, EngineConfig, SamplingParams
-from pagedhybrid.engine.config import page_bytes, slot_bytes
-from pagedhybrid.engine.memory import (
+from pagedhybrid.engine.core.config import page_bytes, slot_bytes
+from pagedhybrid.engine.core.memory import (
     DEFAULT_CACHE_FRACTION,
     MIN_CONTEXT,
     available_memory,

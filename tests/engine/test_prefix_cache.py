@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from pagedhybrid.engine import Engine, EngineConfig, SamplingParams, SequenceOutput
-from pagedhybrid.engine.pages import BlockPool, chain_hashes
-from pagedhybrid.engine.states import CheckpointPool
+from pagedhybrid.engine.core.pages import BlockPool, chain_hashes
+from pagedhybrid.engine.core.states import CheckpointPool
 from pagedhybrid.errors import CapacityError, ContractViolation, UnsupportedConfiguration
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

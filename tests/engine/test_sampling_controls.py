@@ -8,9 +8,8 @@ import math
 import pytest
 import torch
 
-from pagedhybrid.engine import LLM
-from pagedhybrid.engine.request import InvalidRequest
-from pagedhybrid.engine.sampling import (
+from pagedhybrid.engine.core.request import InvalidRequest
+from pagedhybrid.engine.sample.sampler import (
     GREEDY,
     SamplingParams,
     _filtered_probs,
@@ -21,6 +20,7 @@ from pagedhybrid.engine.sampling import (
     wrap_seed,
 )
 from pagedhybrid.errors import ContractViolation
+from pagedhybrid.serve.llm import LLM
 
 
 class History:

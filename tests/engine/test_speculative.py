@@ -24,7 +24,8 @@ import torch
 from engine_helpers import prompt_of
 
 from pagedhybrid.engine import Engine, Request, SamplingParams, SequenceOutput
-from pagedhybrid.engine.speculative import DraftBudget, NgramIndex
+from pagedhybrid.engine.spec_decode.budget import DraftBudget
+from pagedhybrid.engine.spec_decode.ngram import NgramIndex
 from pagedhybrid.errors import ContractViolation, UnsupportedConfiguration
 from pagedhybrid.models.qwen35 import Qwen35ForCausalLM
 

@@ -21,10 +21,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pagedhybrid.engine import LLM, Engine, SamplingParams, load_engine
-from pagedhybrid.engine.request import InvalidRequest
-from pagedhybrid.engine.structured import StructuredOutputs
+from pagedhybrid.engine import Engine, SamplingParams, load_engine
+from pagedhybrid.engine.core.request import InvalidRequest
+from pagedhybrid.engine.sample.structured import StructuredOutputs
 from pagedhybrid.errors import ContractViolation
+from pagedhybrid.serve.llm import LLM
 
 PROMPT = "And the LORD said unto Moses,"
 
@@ -211,10 +212,10 @@ def test_a_forced_spelling_is_masked_first_and_a_refused_pick_takes_its_next_bes
     lies past its candidates takes the mask: each the masked argmax."""
     import torch
 
-    from pagedhybrid.engine.request import Request
-    from pagedhybrid.engine.stats import EngineStats
-    from pagedhybrid.engine.step_sampling import NEXT_BEST, sample_requests
-    from pagedhybrid.engine.structured import Grammars
+    from pagedhybrid.engine.core.request import Request
+    from pagedhybrid.engine.core.stats import EngineStats
+    from pagedhybrid.engine.sample.structured import Grammars
+    from pagedhybrid.engine.worker.sampling import NEXT_BEST, sample_requests
 
     tok, vocab = engine.tokenizer, engine.model.config.vocab_size
     eos = tuple(tok.eos_token_ids)
@@ -261,7 +262,7 @@ def test_a_pick_drawn_again_under_the_mask_keeps_the_masked_odds(engine: Engine)
     model's own logprobs give (chi-square, 1e-5 level)."""
     import math
 
-    from pagedhybrid.engine.structured import Grammars, allowed_tokens
+    from pagedhybrid.engine.sample.structured import Grammars, allowed_tokens
     from pagedhybrid.kernels.native.sampling import unpack_bitmask
 
     vocab = engine.model.config.vocab_size
@@ -344,7 +345,7 @@ def test_a_grammar_compiled_already_needs_no_wait_for_the_compile_thread(engine:
     low-priority compile thread: once compiled, a request's matcher is there when it is added
     (a fresh copy in the start state), while a schema whose properties come in another order
     is another grammar (the order orders the output)."""
-    from pagedhybrid.engine.structured import GrammarCompiler
+    from pagedhybrid.engine.sample.structured import GrammarCompiler
 
     vocab = engine.model.config.vocab_size
     compiler = GrammarCompiler(engine.tokenizer, vocab)
@@ -375,7 +376,7 @@ def test_word_slices_change_no_mask(engine: Engine, spec: dict) -> None:
     import llguidance
     import torch
 
-    from pagedhybrid.engine.structured import WORD_SLICES, Grammars, allowed_tokens, consume
+    from pagedhybrid.engine.sample.structured import WORD_SLICES, Grammars, allowed_tokens, consume
     from pagedhybrid.kernels.native.sampling import unpack_bitmask
 
     vocab = engine.model.config.vocab_size

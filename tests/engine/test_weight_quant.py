@@ -25,11 +25,11 @@ import torch
 from engine_helpers import prompt_of, run_all
 
 from pagedhybrid.engine import Engine, EngineConfig, SamplingParams, SequenceOutput
-from pagedhybrid.engine.cli import _engine_kwargs, add_engine_arguments
 from pagedhybrid.errors import ContractViolation, UnsupportedConfiguration
 from pagedhybrid.kernels.native import status
 from pagedhybrid.models.qwen35 import Qwen35ForCausalLM, load
 from pagedhybrid.models.qwen35.weights import HUGE_PAGE, HugePageArena, is_mapped, thp_mode
+from pagedhybrid.serve.offline_cli import _engine_kwargs, add_engine_arguments
 from pagedhybrid.weightquant import WeightFormat, dequantize, quantized_nbytes
 
 PROMPTS = [prompt_of(s, n) for s, n in ((1, 9), (2, 40), (3, 75), (4, 20))]

@@ -29,11 +29,12 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from pagedhybrid.engine import LLM, SamplingParams
+from pagedhybrid.engine import SamplingParams
 from pagedhybrid.errors import UnsupportedConfiguration
 from pagedhybrid.models.qwen35 import PackedBatch, PagedHybridCache, Qwen35Config, load
 from pagedhybrid.models.qwen35.errors import CheckpointError
 from pagedhybrid.models.qwen35.synthetic import random_weights, tiny_moe_config, write_checkpoint
+from pagedhybrid.serve.llm import LLM
 
 
 def hf_model(seed: int, zero_router: bool = False):

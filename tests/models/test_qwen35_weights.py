@@ -12,7 +12,7 @@ from qwen35_tiny import build_hf_model, hf_logits, save_checkpoint, tiny_hf_conf
 from safetensors.torch import save_file
 from transformers import Qwen3_5Config
 
-from pagedhybrid.engine.memory import weight_bytes
+from pagedhybrid.engine.core.memory import weight_bytes
 from pagedhybrid.errors import ContractViolation
 from pagedhybrid.models.qwen35 import CheckpointError, load
 from pagedhybrid.models.qwen35.weights import (

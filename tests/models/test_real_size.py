@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedhybrid.engine import LLM, SamplingParams
-from pagedhybrid.engine.memory import available_memory
+from pagedhybrid.engine import SamplingParams
+from pagedhybrid.engine.core.memory import available_memory
 from pagedhybrid.models.qwen35.synthetic import INDEX_FILE, published_checkpoint
+from pagedhybrid.serve.llm import LLM
 
 LOAD_RSS_BOUND = 1.2  # RSS growth while loading and reading, in units of the weights' bytes
 

@@ -1,7 +1,8 @@
 """Tensor-parallel serving: the engine with ``tensor_parallel_size=2`` on real ranks.
 
 Rank 0 is this process (``LLM(tensor_parallel_size=2)``); rank 1 is a real worker process
-started by the ``mp`` executor (``python -m pagedhybrid.engine.distributed``), joined over gloo.
+started by the ``mp`` executor (``python -m pagedhybrid.engine.worker.distributed``), joined
+over gloo.
 Greedy outputs equal TP=1's on the built-in model and on random checkpoints (one with a single
 KV head and linear key head, replicated on both ranks), through chunked prefill, prefix-cache
 hits, an abort, preemption and n-gram speculative decoding; both ranks ran the same steps on
@@ -28,10 +29,11 @@ from typing import Any
 import pytest
 import torch
 
-from pagedhybrid.engine import LLM, Engine, EngineConfig, SamplingParams
+from pagedhybrid.engine import Engine, EngineConfig, SamplingParams
 from pagedhybrid.errors import ContractViolation, EngineDead
 from pagedhybrid.models.qwen35 import default_model_dir, load
 from pagedhybrid.models.qwen35.synthetic import random_weights, tiny_byte_config, write_checkpoint
+from pagedhybrid.serve.llm import LLM
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PROMPTS = ["The quick brown fox", "And the children of Israel went up out of Egypt, and",

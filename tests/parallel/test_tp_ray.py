@@ -23,8 +23,9 @@ from pathlib import Path
 import pytest
 import ray
 
-from pagedhybrid.engine import LLM, SamplingParams
+from pagedhybrid.engine import SamplingParams
 from pagedhybrid.errors import ContractViolation
+from pagedhybrid.serve.llm import LLM
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 PROMPTS = ["The quick brown fox", "And the children of Israel went up out of Egypt, and"]

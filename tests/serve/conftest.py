@@ -17,7 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pagedhybrid.engine import LLM, SamplingParams
+from pagedhybrid.engine import SamplingParams
+from pagedhybrid.serve.llm import LLM
 
 PROMPT = "And it came to pass, when the king heard"
 

@@ -19,10 +19,10 @@ class InjectedFault(RuntimeError):
 
 
 def install() -> None:
-    import pagedhybrid.engine.step_sampling as sampling_mod
+    import pagedhybrid.engine.worker.sampling as sampling_mod
     from pagedhybrid.engine import Engine
-    from pagedhybrid.engine.request import Request
-    from pagedhybrid.engine.scheduler import HybridAllocator
+    from pagedhybrid.engine.core.request import Request
+    from pagedhybrid.engine.core.scheduler import HybridAllocator
     from pagedhybrid.models.qwen35 import Qwen35ForCausalLM
     from pagedhybrid.models.qwen35.tokenizer import TokenizersTokenizer
     from pagedhybrid.serve.metrics import ServerMetrics

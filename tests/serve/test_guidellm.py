@@ -31,8 +31,8 @@ from pathlib import Path
 import pytest
 from conftest import Server, start_server, still_serving
 
-from pagedhybrid.engine import LLM
 from pagedhybrid.models.qwen35 import default_model_dir
+from pagedhybrid.serve.llm import LLM
 
 SECONDS = 8          # per strategy
 PROMPT_TOKENS, OUTPUT_TOKENS = 256, 64

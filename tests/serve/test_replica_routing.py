@@ -9,7 +9,7 @@ import pytest
 from conftest import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagedhybrid.engine.pages import chain_hashes
+from pagedhybrid.engine.core.pages import chain_hashes
 from pagedhybrid.serve.cli import serve_parser
 from pagedhybrid.serve.metrics import ServerMetrics
 from pagedhybrid.serve.replica_metrics import ReplicaMetrics, aggregate, parse_totals

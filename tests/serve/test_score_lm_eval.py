@@ -34,8 +34,8 @@ from typing import Any
 import pytest
 from conftest import start_server
 
-from pagedhybrid.engine import LLM
 from pagedhybrid.models.qwen35 import default_model_dir
+from pagedhybrid.serve.llm import LLM
 
 TASK = "pagedhybrid_kjv_next_words"
 DATA = Path(__file__).parent / "data_lm_eval_kjv"

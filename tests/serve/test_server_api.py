@@ -13,8 +13,9 @@ import openai
 import pytest
 from conftest import Server, flood, start_server
 
-from pagedhybrid.engine import LLM, SamplingParams
+from pagedhybrid.engine import SamplingParams
 from pagedhybrid.models.qwen35.synthetic import random_weights, tiny_byte_config, write_checkpoint
+from pagedhybrid.serve.llm import LLM
 
 PROMPT = "And it came to pass, when the king heard"
 

@@ -16,7 +16,8 @@ import httpx
 import pytest
 from conftest import start_server
 
-from pagedhybrid.engine import LLM, SamplingParams
+from pagedhybrid.engine import SamplingParams
+from pagedhybrid.serve.llm import LLM
 
 PROMPT = "And it came to pass"
 

@@ -15,8 +15,9 @@ import time
 import httpx
 from conftest import PROMPT, Server, greedy_text, still_serving
 
-from pagedhybrid.engine import LLM, SamplingParams
+from pagedhybrid.engine import SamplingParams
 from pagedhybrid.models.qwen35 import default_model_dir
+from pagedhybrid.serve.llm import LLM
 
 
 def max_model_len(server: Server) -> int:

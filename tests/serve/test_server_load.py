@@ -18,7 +18,8 @@ import time
 import httpx
 from conftest import Server, start_server
 
-from pagedhybrid.engine import LLM, SamplingParams
+from pagedhybrid.engine import SamplingParams
+from pagedhybrid.serve.llm import LLM
 
 WORDS = ("and", "the", "LORD", "said", "unto", "Moses", "children", "of", "Israel", "went",
          "up", "into", "land", "of", "Egypt", "king", "house", "people")

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from conftest import Server
 
-from pagedhybrid.engine import LLM
+from pagedhybrid.serve.llm import LLM
 
 PAIRS = [("And God said, Let there be", " light: and there was light."),
          ("In the beginning God created the heaven", " and the earth."),

@@ -15,7 +15,8 @@ import openai
 import pytest
 from conftest import Server, start_server
 
-from pagedhybrid.engine import LLM, SamplingParams
+from pagedhybrid.engine import SamplingParams
+from pagedhybrid.serve.llm import LLM
 
 PROMPT = "And God said, Let there be"
 

@@ -19,7 +19,8 @@ import pytest
 from conftest import PROMPT, Server, flood, greedy_text, start_server, still_serving
 from fault_server import DETOK, FINISH, HOOK, INTAKE, SAMPLE, SCHED, STEP
 
-from pagedhybrid.engine import LLM, SamplingParams
+from pagedhybrid.engine import SamplingParams
+from pagedhybrid.serve.llm import LLM
 
 
 def post_raw(server: Server, path: str, raw: bytes) -> httpx.Response:

@@ -1,4 +1,4 @@
-"""Tool calls and reasoning through the real ``openai`` client (``engine/chat.py`` behind the
+"""Tool calls and reasoning through the real ``openai`` client (``serve/chat/format.py`` behind the
 server): forced calls (``required``, a named function, one call when ``parallel_tool_calls`` is
 false) streamed as OpenAI streams them (a header delta, then argument deltas) and equal to the
 same answer whole, arguments valid for the function's schema, ``finish_reason: "tool_calls"``
@@ -20,9 +20,10 @@ import openai
 import pytest
 from conftest import Server, start_server
 
-from pagedhybrid.engine import LLM, SamplingParams
-from pagedhybrid.engine.chat import MAX_PARALLEL_CALLS
+from pagedhybrid.engine import SamplingParams
 from pagedhybrid.models.qwen35.synthetic import QWEN35_CHAT_TEMPLATE
+from pagedhybrid.serve.chat.format import MAX_PARALLEL_CALLS
+from pagedhybrid.serve.llm import LLM
 
 VERSE = {"type": "function", "function": {
     "name": "find_verse", "description": "Find a verse of the Bible",

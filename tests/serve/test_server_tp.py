@@ -20,7 +20,8 @@ import openai
 import pytest
 from conftest import Server, start_server
 
-from pagedhybrid.engine import LLM, SamplingParams
+from pagedhybrid.engine import SamplingParams
+from pagedhybrid.serve.llm import LLM
 
 PROMPTS = ["The LORD is my shepherd;", "And the children of Israel"]
 
@@ -28,7 +29,8 @@ PROMPTS = ["The LORD is my shepherd;", "And the children of Israel"]
 def _rank1(core: int) -> int:
     """The engine process's worker process (rank 1), among its children."""
     (pid,) = [int(c) for c in Path(f"/proc/{core}/task/{core}/children").read_text().split()
-              if b"pagedhybrid.engine.distributed" in Path(f"/proc/{c}/cmdline").read_bytes()]
+              if b"pagedhybrid.engine.worker.distributed"
+              in Path(f"/proc/{c}/cmdline").read_bytes()]
     return pid
 
 

@@ -1,52 +1,46 @@
-"""Continuous-batching engine for hybrid decoders: KV pages + state slots, scheduler, sampling.
+"""Continuous-batching engine for hybrid decoders, by concept (vLLM v1's layout):
 
-* ``BlockPool`` (``pages.py``) -- KV pages of the full-attention layers: free list, reference
-  counts, per-request block tables.
-* ``StatePool`` (``states.py``) -- one fixed conv + recurrent state slot per running request.
-* ``Scheduler`` (``scheduler.py``) -- token budget, ``max_num_seqs``, chunked prefill, decode and
-  prefill in one packed step, FCFS admission into both pools atomically, preemption by recompute.
-* ``SamplingParams`` / ``sample`` (``sampling.py``) -- greedy, temperature, top-k, top-p, seeds,
-  stop ids / EOS, ``logprobs``.
-* ``EngineConfig`` (``config.py``) -- pool sizes and batching limits.
-* ``plan_memory`` / ``MemoryPlan`` (``memory.py``) -- the cache budget from the model and the
-  machine (or the options), split into pages, slots and checkpoints; the start-up line.
-* ``ThreadGovernor`` (``contention.py``) -- one thread while other processes keep the cores busy,
-  the engine's threads again when they leave room (the runner ticks it before each step).
-* ``ModelRunner`` (``runner.py``) -- owns the model, its kernel bundle and the cache; runs one
-  scheduled step (prepare -> model -> sampler) and ``score`` (the training-side recompute).
-* ``SpeculativeConfig`` / ``NgramDrafter`` / ``DraftBudget`` / ``verify`` (``speculative.py``) --
-  speculative decoding: vLLM's config, n-gram drafts, the budget that keeps drafts only where
-  they pay, verification by rejection sampling (the states rolled back by ``kernels/capsule.py``);
-  ``MtpDrafter`` (``mtp.py``) -- drafts from the checkpoint's MTP head.
-* ``IncrementalDetokenizer`` (``detokenizer.py``) -- each request's text, O(new tokens) a step;
-  the server reads it.
-* ``Engine`` (``engine.py``) -- ``add_request`` / ``abort_request`` / ``step`` (schedule ->
-  runner -> update) / ``stream``; ``LLM`` (``llm.py``) -- offline ``generate`` and ``chat``.
+* ``core/`` -- requests (``request.py``), the scheduler (``scheduler.py``: token budget, chunked
+  prefill, decode and prefill in one packed step, preemption by recompute), the KV pages
+  (``pages.py``: ``BlockPool``, prefix caching) and state slots (``states.py``), the engine's
+  configs (``config.py``), the memory plan (``memory.py``), stats, KV events, the output types
+  (``outputs.py``) and the incremental detokenizer.
+* ``sample/`` -- ``SamplingParams`` and the sampler (``sampler.py``), grammars for structured
+  outputs (``structured.py``).
+* ``spec_decode/`` -- speculative decoding: the ``Proposer`` interface and its registry
+  (``proposer.py``), the n-gram and MTP proposers, the draft budget and verification.
+* ``worker/`` -- ``ModelRunner`` (``runner.py``: prepare -> model -> sampler), the step's
+  sampling (``sampling.py``), tensor-parallel ranks (``distributed.py``), the thread governor.
+* ``engine.py`` -- ``Engine``: ``add_request`` / ``abort_request`` / ``step`` (schedule -> runner
+  -> update) / ``stream``; ``loader.py`` -- ``load_engine`` (a checkpoint folder to an engine).
+
+Sub-packages import downward only, in the order sample -> core -> spec_decode -> worker ->
+``engine.py`` / ``loader.py`` (``tests/test_layering.py``). ``LLM`` (offline generation and
+chat) is an entry point and lives in ``serve/llm.py``.
 """
 
 from __future__ import annotations
 
-from pagedhybrid.engine.config import EngineConfig
-from pagedhybrid.engine.engine import Engine
-from pagedhybrid.engine.llm import LLM, Throughput, load_engine
-from pagedhybrid.engine.outputs import CompletionOutput, RequestOutput
-from pagedhybrid.engine.pages import BlockPool
-from pagedhybrid.engine.request import FinishReason, InvalidRequest, Request, SequenceOutput
-from pagedhybrid.engine.runner import ModelRunner, build_batch
-from pagedhybrid.engine.sampling import GREEDY, Logprob, SampledToken, SamplingParams, sample
-from pagedhybrid.engine.scheduler import (
+from pagedhybrid.engine.core.config import EngineConfig
+from pagedhybrid.engine.core.outputs import CompletionOutput, RequestOutput
+from pagedhybrid.engine.core.pages import BlockPool
+from pagedhybrid.engine.core.request import FinishReason, InvalidRequest, Request, SequenceOutput
+from pagedhybrid.engine.core.scheduler import (
     HybridAllocator,
     ScheduledSequence,
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
 )
-from pagedhybrid.engine.states import StatePool
-from pagedhybrid.engine.stats import EngineStats
+from pagedhybrid.engine.core.states import StatePool
+from pagedhybrid.engine.core.stats import EngineStats
+from pagedhybrid.engine.engine import Engine
+from pagedhybrid.engine.loader import load_engine
+from pagedhybrid.engine.sample.sampler import GREEDY, Logprob, SampledToken, SamplingParams, sample
+from pagedhybrid.engine.worker.runner import ModelRunner, build_batch
 
 __all__ = [
     "GREEDY",
-    "LLM",
     "BlockPool",
     "CompletionOutput",
     "Engine",
@@ -67,7 +61,6 @@ __all__ = [
     "SchedulerOutput",
     "SequenceOutput",
     "StatePool",
-    "Throughput",
     "build_batch",
     "load_engine",
     "sample",

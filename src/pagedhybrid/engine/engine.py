@@ -13,7 +13,8 @@ One ``step()`` is schedule -> run -> update:
    accepted states committed through ``ModelRunner.commit``); each reported request's text
    grows through its ``IncrementalDetokenizer``.
 4. With speculative decoding (``EngineConfig.speculative_config``), the drafter (n-gram,
-   ``speculative.py``, or the checkpoint's MTP head over the step's hidden states, ``mtp.py``)
+   ``spec_decode/ngram.py``, or the checkpoint's MTP head over the step's hidden states,
+   ``spec_decode/mtp.py``: a registered ``Proposer``)
    proposes the next step's drafts for the decoding requests and ``DraftBudget`` keeps those
    that pay for their rows by the engine's own step times -- none while more than
    ``disable_by_batch_size`` requests are running. A drafter that raises costs that step its
@@ -38,26 +39,31 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagedhybrid.engine.config import EngineConfig, slot_bytes
-from pagedhybrid.engine.detokenizer import IncrementalDetokenizer
-from pagedhybrid.engine.kv_events import open_publisher
-from pagedhybrid.engine.memory import MemoryPlan, available_memory, plan_memory, weight_bytes
-from pagedhybrid.engine.mtp import MtpDrafter
-from pagedhybrid.engine.pages import BlockPool
-from pagedhybrid.engine.request import InvalidRequest, Request, RequestStatus, SequenceOutput
-from pagedhybrid.engine.runner import ModelRunner, StepResult
-from pagedhybrid.engine.sampling import SamplingParams, bad_words_token_ids
-from pagedhybrid.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from pagedhybrid.engine.speculative import DraftBudget, Drafter, NgramDrafter, draftable
-from pagedhybrid.engine.states import CheckpointPool, StatePool
-from pagedhybrid.engine.stats import EngineStats
-from pagedhybrid.engine.structured import GrammarCompiler, matcher_token
+from pagedhybrid.engine.core.config import EngineConfig, slot_bytes
+from pagedhybrid.engine.core.detokenizer import IncrementalDetokenizer
+from pagedhybrid.engine.core.kv_events import open_publisher
+from pagedhybrid.engine.core.memory import MemoryPlan, available_memory, plan_memory, weight_bytes
+from pagedhybrid.engine.core.pages import BlockPool
+from pagedhybrid.engine.core.request import InvalidRequest, Request, RequestStatus, SequenceOutput
+from pagedhybrid.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedhybrid.engine.core.states import CheckpointPool, StatePool
+from pagedhybrid.engine.core.stats import EngineStats
+from pagedhybrid.engine.sample.sampler import SamplingParams, bad_words_token_ids
+from pagedhybrid.engine.sample.structured import GrammarCompiler, matcher_token
+from pagedhybrid.engine.spec_decode import (
+    DraftBudget,
+    Proposer,
+    ProposerContext,
+    draftable,
+    proposer_spec,
+)
+from pagedhybrid.engine.worker.runner import ModelRunner, StepResult
 from pagedhybrid.errors import ContractViolation, EngineDead
 from pagedhybrid.kernels.backend import Selection
 from pagedhybrid.models.qwen35 import PagedHybridCache, Qwen35ForCausalLM
 
 if TYPE_CHECKING:
-    from pagedhybrid.engine.distributed import TensorParallelGroup
+    from pagedhybrid.engine.worker.distributed import TensorParallelGroup
 
 GRAMMAR_WAIT_S = 0.05  # a step with only compiling grammars to wait for waits this long at most
 
@@ -80,11 +86,8 @@ class Engine:
         self.eos_token_ids = tuple(model.config.eos_token_id) or tuple(
             getattr(tokenizer, "eos_token_ids", ()) or ())
         spec = self.config.speculative
-        if spec is not None and spec.method == "mtp" and model.mtp is None:
-            raise ContractViolation(
-                "speculative_config", "method", "'mtp' needs the checkpoint's MTP head: a "
-                "checkpoint with mtp_num_hidden_layers=1 and mtp.* tensors, loaded with "
-                "load(..., mtp=True) (load_engine does)", spec.method)
+        # the registered proposer speculative_config.method names (refused before any work)
+        self.proposer = None if spec is None else proposer_spec(spec)
         # the kernels first: the weights are held as they multiply (packed or plain) before the
         # memory is measured and planned
         self.runner = ModelRunner(model, self.config, self.stats, self.eos_token_ids, peers)
@@ -92,22 +95,22 @@ class Engine:
         self.memory: MemoryPlan = plan_memory(
             model.config, self.config, model.dtype, weight_bytes(model),
             available=None if local == 1 else available_memory() // local,
-            unmapped=weight_bytes(model, mapped_only=True))
+            unmapped=weight_bytes(model, mapped_only=True),
+            draft_head=self.proposer is not None and self.proposer.model_head)
         for warning in self.memory.warnings:
             print(f"pagedhybrid: warning: {warning}", file=sys.stderr)
         self.sizes = self.memory.sizes
         self.runner.allocate(self.sizes)
         self.kv_events = open_publisher(self.config.kv_events_config)  # None: events off
         self._make_pools()
-        self.drafter: Drafter | None = None
-        if spec is not None and spec.method == "mtp":
-            self.drafter = MtpDrafter(
-                self.runner, lambda r: self.blocks.table(r.request_id),
-                (lambda reqs, costs: self.draft_budget.trim(reqs, len(self.scheduler.running),
-                                                             costs)) if spec.adaptive else None)
-        elif spec is not None:
-            self.drafter = NgramDrafter(spec)
         self.draft_budget = DraftBudget()
+        self.drafter: Proposer | None = None
+        if spec is not None and self.proposer is not None:
+            self.drafter = self.proposer.build(ProposerContext(
+                spec, self.runner, lambda r: self.blocks.table(r.request_id),
+                (lambda reqs, costs: self.draft_budget.trim(reqs, len(self.scheduler.running),
+                                                             costs))
+                if spec.adaptive and self.proposer.budgets_itself else None))
         self.grammars: GrammarCompiler | None = None  # structured outputs (when first asked)
         self._generator = torch.Generator().manual_seed(self.config.seed)
         self._arrivals = 0
@@ -154,10 +157,10 @@ class Engine:
             self.config.checkpoint_interval, self.config.prefix_cache_key)
 
     def _lookahead(self) -> int:
-        """Page positions reserved past a sampling chunk: the MTP chain's (``engine/mtp.py``)."""
+        """Page positions reserved past a sampling chunk: the proposer's chain's (MTP's)."""
         spec = self.config.speculative
-        return spec.num_speculative_tokens - 1 if spec is not None and spec.method == "mtp" \
-            else 0
+        return 0 if spec is None or self.proposer is None else self.proposer.lookahead(
+            spec.num_speculative_tokens)
 
     def score(self, prompts: Sequence[str | Sequence[int]],
               completions: Sequence[str | Sequence[int]]) -> list[list[float]]:
@@ -411,7 +414,7 @@ class Engine:
             if req.matcher is not None and req.draft_ids:
                 req.draft_ids = tuple(req.draft_ids[:req.matcher.validate_tokens(
                     [matcher_token(t, self.eos_token_ids) for t in req.draft_ids])])
-        if todo and spec.adaptive and spec.method != "mtp":  # (MtpDrafter trims its chain)
+        if todo and spec.adaptive and not (self.proposer and self.proposer.budgets_itself):
             self.draft_budget.trim([r for r in todo if r.draft_ids], len(running))
 
     def _account(self, sched: SchedulerOutput, result: StepResult, t0: float, t_sched: float,

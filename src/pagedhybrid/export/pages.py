@@ -8,7 +8,7 @@ onnxruntime-genai 0.18.0 sizes its paged KV cache from free device memory
 measured with 0.18.0 on WebGPU).
 
 Without ``--num-blocks`` the export picks ``num_blocks`` for such a provider by the engine's own
-rule (``engine/memory.py``) with the budget fixed at export time instead of measured:
+rule (``engine/core/memory.py``) with the budget fixed at export time instead of measured:
 
 * demand: ``max_batch_size`` sequences that each reach ``max_length`` tokens, i.e.
   ``max_batch_size * ceil(max_length / block_size)`` pages; ``max_length`` is ``--max-length``,
@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedhybrid import dtypes
-from pagedhybrid.engine.memory import MIN_CONTEXT
+from pagedhybrid.engine.core.memory import MIN_CONTEXT
 from pagedhybrid.errors import UnsupportedConfiguration
 from pagedhybrid.models.qwen35.config import Qwen35Config
 

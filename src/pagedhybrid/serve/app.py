@@ -36,9 +36,9 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pagedhybrid import __version__
-from pagedhybrid.engine.chat import Tools, constraint, thinking
 from pagedhybrid.errors import ContractViolation
 from pagedhybrid.serve import handlers
+from pagedhybrid.serve.chat.format import Tools, constraint, thinking
 from pagedhybrid.serve.generate import generate
 from pagedhybrid.serve.openapi import HEALTH, PROMETHEUS, SSE, document, errors
 from pagedhybrid.serve.protocol import (

@@ -29,7 +29,7 @@ from pagedhybrid.errors import PagedHybridError
 
 
 def register_subcommands(subparsers: Any) -> None:
-    from pagedhybrid.engine.cli import add_engine_arguments
+    from pagedhybrid.serve.offline_cli import add_engine_arguments
 
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server over the engine")
     p.add_argument("model_dir", nargs="?", default=None,
@@ -69,12 +69,12 @@ def build_state(args: argparse.Namespace) -> Any:
     """Start the engine process and the server's state around it (tokenizer, metrics)."""
     import functools
 
-    from pagedhybrid.engine.cli import _engine_kwargs
-    from pagedhybrid.engine.llm import load_engine
-    from pagedhybrid.engine.speculative import SpeculativeConfig
+    from pagedhybrid.engine.core.config import SpeculativeConfig
+    from pagedhybrid.engine.loader import load_engine
     from pagedhybrid.models.qwen35 import default_model_dir, load_tokenizer
     from pagedhybrid.serve.core import EngineClient
     from pagedhybrid.serve.metrics import ServerMetrics
+    from pagedhybrid.serve.offline_cli import _engine_kwargs
     from pagedhybrid.serve.state import ServerState
 
     model_dir = Path(args.model_dir or args.model or default_model_dir())
@@ -103,8 +103,8 @@ def build_state(args: argparse.Namespace) -> Any:
 def serve_main(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from pagedhybrid.engine.cli import worker_rank
     from pagedhybrid.serve.app import create_app
+    from pagedhybrid.serve.offline_cli import worker_rank
 
     if getattr(args, "replicas", None) is not None:  # N engine replicas behind one endpoint
         from pagedhybrid.serve.replicas import serve_replicas

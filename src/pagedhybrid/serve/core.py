@@ -54,8 +54,8 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any, NamedTuple
 
 from pagedhybrid.engine import Engine, SamplingParams, SequenceOutput
-from pagedhybrid.engine.sampling import Logprob
-from pagedhybrid.engine.stats import SpecStats
+from pagedhybrid.engine.core.stats import SpecStats
+from pagedhybrid.engine.sample.sampler import Logprob
 from pagedhybrid.errors import EngineDead, PagedHybridError
 
 LIVENESS_S = 1.0  # how often the server checks the engine process while it sends nothing

@@ -17,7 +17,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedhybrid.engine import SamplingParams
-from pagedhybrid.engine.structured import StructuredOutputs, check
+from pagedhybrid.engine.sample.structured import StructuredOutputs, check
 from pagedhybrid.errors import ContractViolation
 from pagedhybrid.serve.core import Closing, EngineRefusal, Refused
 from pagedhybrid.serve.protocol import ApiError

@@ -21,7 +21,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from pagedhybrid.engine.sampling import INT64
+from pagedhybrid.engine.sample.sampler import INT64
 from pagedhybrid.serve.protocol import ErrorResponse, Health
 
 WHY = {

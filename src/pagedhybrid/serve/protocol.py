@@ -8,10 +8,10 @@ model (token ids inside the vocabulary, ``top_k`` up to the vocabulary, prompt +
 within ``max_model_len``) is checked by the handler against it. A field
 is either implemented or refused: unknown fields, and known OpenAI fields this server does not
 implement (``suffix``), are a 400 naming the field. ``tools`` / ``tool_choice`` and tool
-messages follow ``engine/chat.py``. ``response_format``
+messages follow ``serve/chat/format.py``. ``response_format``
 (``json_object`` / ``json_schema``) and vLLM's ``structured_outputs`` / ``guided_json`` /
 ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` constrain the output by a grammar
-(``engine/structured.py``); one of them per request. ``ApiError`` is every refusal: an HTTP
+(``engine/sample/structured.py``); one of them per request. ``ApiError`` is every refusal: an HTTP
 status and OpenAI's error object ``{"error": {"message", "type", "param", "code"}}``.
 """
 
@@ -21,10 +21,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from pagedhybrid.engine.chat import Tools, template_message
-from pagedhybrid.engine.sampling import INT64, MAX_LOGIT_BIAS, MAX_PENALTY
-from pagedhybrid.engine.structured import StructuredOutputs
+from pagedhybrid.engine.sample.sampler import INT64, MAX_LOGIT_BIAS, MAX_PENALTY
+from pagedhybrid.engine.sample.structured import StructuredOutputs
 from pagedhybrid.errors import ContractViolation
+from pagedhybrid.serve.chat.format import Tools, template_message
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit; also logprobs / prompt_logprobs here
 MAX_N = 128  # OpenAI's limit for n (and best_of here)
@@ -151,7 +151,7 @@ class _Sampling(BaseModel):
         return self
 
     def structured(self) -> tuple[StructuredOutputs | None, str]:
-        """The request's grammar (``engine/structured.py``) and the field it came from:
+        """The request's grammar (``engine/sample/structured.py``) and the field it came from:
         ``response_format`` (``json_object``; ``json_schema``'s ``schema``, ``strict`` or
         not: the output always follows it), vLLM's ``structured_outputs`` or one ``guided_*``
         extra. More than one of them is a 400 naming the second."""

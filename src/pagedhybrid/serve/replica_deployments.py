@@ -49,7 +49,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from pagedhybrid.engine.pages import chain_hashes
+from pagedhybrid.engine.core.pages import chain_hashes
 from pagedhybrid.serve.replica_metrics import ReplicaMetrics, aggregate
 from pagedhybrid.serve.replica_routing import Route, router_of
 from pagedhybrid.serve.replica_spec import ENGINE_DEPLOYMENT, ReplicaSpec

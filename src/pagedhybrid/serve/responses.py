@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedhybrid.engine import SequenceOutput
-from pagedhybrid.engine.chat import Tools
-from pagedhybrid.engine.chat_parser import ChatParser
-from pagedhybrid.engine.sampling import Logprob
-from pagedhybrid.engine.structured import StructuredOutputs
+from pagedhybrid.engine.sample.sampler import Logprob
+from pagedhybrid.engine.sample.structured import StructuredOutputs
+from pagedhybrid.serve.chat.format import Tools
+from pagedhybrid.serve.chat.parser import ChatParser
 
 
 @dataclass

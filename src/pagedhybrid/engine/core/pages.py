@@ -11,15 +11,14 @@ tokens ``[i*block_size, (i+1)*block_size)``). A page is in exactly one of three 
   content hash and waits in an LRU list, reusable by a later request with the same prefix, and
   is evicted (its hash dropped) only when the pool needs a page and no free one is left.
 
-Content hashes (``page_hash``) chain from the first page of a sequence: page ``j``'s hash is
-the hash of (page ``j-1``'s hash, its ``block_size`` token ids, the extra key -- e.g. the model
-or adapter id). The hash is a stable, unsigned 64-bit BLAKE2b digest of a fixed byte encoding
-(the same in every process and on every machine), so other processes -- a router indexing the
-KV events of many replicas (``engine/kv_events.py``) -- can use it as the page's name. Only full
-pages get a hash, so a shared page is never written (a request writes only positions at or after
-its computed prefix, which lie in its private last pages). A lookup walks the chain and verifies
-each page's own tokens and parent page, so a hash collision can never hand a request another
-prefix's page.
+Content hashes (``page_hash``) chain from the first page of a sequence: page ``j``'s hash is the
+hash of (page ``j-1``'s hash, its ``block_size`` token ids, the extra key -- e.g. the model or
+adapter id). The hash is a stable, unsigned 64-bit BLAKE2b digest of a fixed byte encoding (the same
+in every process and on every machine), so other processes -- a router indexing the KV events of
+many replicas (``engine/core/kv_events.py``) -- can use it as the page's name. Only full pages get a
+hash, so a shared page is never written (a request writes only positions at or after its computed
+prefix, which lie in its private last pages). A lookup walks the chain and verifies each page's own
+tokens and parent page, so a hash collision can never hand a request another prefix's page.
 
 ``grow(request_id, num_tokens)`` extends a table so it covers ``num_tokens`` tokens, all or
 nothing (free pages first, then LRU evictions of cached ones); ``share`` starts a table with
@@ -28,7 +27,7 @@ once computed; ``release`` drops a table (hashed pages whose count reaches 0 bec
 others free). Pages are never zeroed: stale contents are unreachable because attention reads only
 ``past + new`` positions of a sequence's own table.
 
-Events (``record_events=True``, for ``engine/kv_events.py``): the pool records, in order, each
+Events (``record_events=True``, for ``engine/core/kv_events.py``): the pool records, in order, each
 page that enters the hash index (``PagesStored``: hashes, parent hash, tokens -- consecutive
 pages of one chain in one event), each hash that leaves it (``PagesRemoved``: LRU evictions)
 and, first of all, ``PagesCleared`` (a new pool holds nothing: a replica that starts or rebuilds

@@ -6,10 +6,10 @@ str, token ids, ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}`` or a list of
 else: ``ContractViolation`` naming the argument), queues every prompt's sequences
 (``SamplingParams.sequences``: ``n`` / ``best_of``) at once, steps the engine until all are
 finished (a progress bar on stderr), prints one throughput line (prompt tok/s, generated tok/s)
-and returns vLLM's ``RequestOutput`` of each prompt in input order (``engine/outputs.py``).
+and returns vLLM's ``RequestOutput`` of each prompt in input order (``engine/core/outputs.py``).
 ``stream`` yields the engine's per-sequence outputs of every step instead. ``chat(messages,
 tools=...)`` renders each conversation with the checkpoint's chat template and returns the same
-``RequestOutput``, each sequence's answer parsed as the server parses it (``engine/chat.py``:
+``RequestOutput``, each sequence's answer parsed as the server parses it (``serve/chat/format.py``:
 ``reasoning_content``, ``content``, ``tool_calls``; ``tool_choice`` ``required`` or a named
 function forced by a grammar).
 """
@@ -26,16 +26,15 @@ from typing import Any
 
 import torch
 
-from pagedhybrid import dtypes
-from pagedhybrid.engine.chat import Tools, constraint, template_message, thinking
-from pagedhybrid.engine.chat_parser import ChatParser
-from pagedhybrid.engine.config import EngineConfig
+from pagedhybrid.engine.core.outputs import RequestOutput, gather
+from pagedhybrid.engine.core.request import InvalidRequest, SequenceOutput
 from pagedhybrid.engine.engine import Engine
-from pagedhybrid.engine.outputs import RequestOutput, gather
-from pagedhybrid.engine.request import InvalidRequest, SequenceOutput
-from pagedhybrid.engine.sampling import SamplingParams
-from pagedhybrid.engine.structured import check
+from pagedhybrid.engine.loader import load_engine
+from pagedhybrid.engine.sample.sampler import SamplingParams
+from pagedhybrid.engine.sample.structured import check
 from pagedhybrid.errors import ContractViolation, UnsupportedConfiguration
+from pagedhybrid.serve.chat.format import Tools, constraint, template_message, thinking
+from pagedhybrid.serve.chat.parser import ChatParser
 
 Prompt = str | Sequence[int]
 PromptInput = Prompt | Mapping[str, Any] | Sequence[Prompt | Mapping[str, Any]]
@@ -99,25 +98,6 @@ class _Queued:
         k = self.params.num_sequences
         return [self.request_id] if k == 1 else [f"{self.request_id}-{j}" for j in range(k)]
 
-MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what a model may be loaded in
-# their accepted names (--dtype choices): "auto" (the checkpoint's dtype), logical ("float32")
-# and short ("fp32") spellings
-DTYPE_SPELLINGS = ("auto", *dtypes.spellings(MODEL_DTYPES, kinds=("logical", "cli")))
-
-
-def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: str | None = None) -> torch.dtype:
-    """``dtype`` as a torch dtype; ``"auto"`` is the dtype the checkpoint records
-    (``config.json`` ``dtype``/``torch_dtype``: a bf16 checkpoint stays bf16, as vLLM and
-    transformers load it), float32 when it records none the engine serves."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPE_SPELLINGS:
-        raise ContractViolation("LLM", "dtype", f"must be one of {list(DTYPE_SPELLINGS)}", dtype)
-    if dtype == "auto":
-        dtype = checkpoint_dtype if checkpoint_dtype in DTYPE_SPELLINGS else "float32"
-    return dtypes.to_torch(dtype)
-
-
 @dataclass(frozen=True)
 class Throughput:
     requests: int
@@ -136,41 +116,6 @@ class Throughput:
     def line(self) -> str:
         return (f"{self.requests} requests in {self.elapsed_s:.2f} s: "
                 f"prompt {self.prompt_tps:.1f} tok/s, generated {self.generated_tps:.1f} tok/s")
-
-
-def load_engine(model: str | Path | None = None, *, dtype: str | torch.dtype = "auto",
-                **config: object) -> Engine:
-    """An ``Engine`` over a checkpoint folder (None = the built-in default model)."""
-    from pagedhybrid.models.qwen35 import Qwen35Config, default_model_dir, load, load_tokenizer
-
-    model_dir = default_model_dir() if model is None else Path(model)
-    cfg = EngineConfig(**config)  # type: ignore[arg-type]
-    checkpoint = Qwen35Config.from_model_dir(model_dir)
-    mtp = cfg.speculative is not None and cfg.speculative.method == "mtp"
-    if mtp and checkpoint.mtp_num_hidden_layers != 1:
-        raise ContractViolation("speculative_config", "method",
-                                f"'mtp' needs a checkpoint with an MTP head "
-                                f"(mtp_num_hidden_layers=1 and mtp.* tensors); {model_dir} has "
-                                f"mtp_num_hidden_layers={checkpoint.mtp_num_hidden_layers}",
-                                "mtp")
-    torch_dtype = resolve_dtype(dtype, checkpoint.checkpoint_dtype)
-    peers = None
-    if cfg.tensor_parallel_size > 1:  # the other ranks start and load while this one loads
-        from pagedhybrid.engine.distributed import start_ranks
-
-        peers = start_ranks(cfg, model_dir, torch_dtype)
-    try:
-        net = load(model_dir, dtype=torch_dtype, mtp=mtp,
-                   parallel=None if peers is None else peers.parallel)
-        try:
-            tokenizer = load_tokenizer(model_dir, net.config.vocab_size)
-        except UnsupportedConfiguration:
-            tokenizer = None  # token-id prompts still work
-        return Engine(net, cfg, tokenizer, peers)
-    except BaseException:
-        if peers is not None:
-            peers.close(0.0)
-        raise
 
 
 class LLM:

@@ -52,15 +52,17 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from pagedhybrid import openmp
-from pagedhybrid.engine.config import EngineConfig, PoolSizes
-from pagedhybrid.engine.contention import ThreadGovernor
-from pagedhybrid.engine.request import Request
-from pagedhybrid.engine.sampling import SampledToken, logprob_dicts
-from pagedhybrid.engine.scheduler import Commit, SchedulerOutput
-from pagedhybrid.engine.speculative import verify
-from pagedhybrid.engine.stats import EngineStats
-from pagedhybrid.engine.step_sampling import advance, sample_requests
-from pagedhybrid.engine.structured import draft_masks
+from pagedhybrid.engine.core.config import EngineConfig, PoolSizes
+from pagedhybrid.engine.core.request import Request
+from pagedhybrid.engine.core.scheduler import Commit, SchedulerOutput
+from pagedhybrid.engine.core.stats import EngineStats
+from pagedhybrid.engine.sample.sampler import SampledToken, logprob_dicts
+from pagedhybrid.engine.sample.structured import draft_masks
+from pagedhybrid.engine.spec_decode.mtp import MtpCall
+from pagedhybrid.engine.spec_decode.proposer import proposer_spec
+from pagedhybrid.engine.spec_decode.verify import verify
+from pagedhybrid.engine.worker.contention import ThreadGovernor
+from pagedhybrid.engine.worker.sampling import advance, sample_requests
 from pagedhybrid.errors import ContractViolation
 from pagedhybrid.kernels.backend import Needs, Selection, select
 from pagedhybrid.kernels.native import cpu_form, dense, set_pool_threads
@@ -123,28 +125,6 @@ class StepPlan(NamedTuple):
     verify: Sequence[int] = ()
     rows: Sequence[int] | None = None  # token rows whose logits are computed (None: all)
     restores: Sequence[tuple[int, int]] = ()  # (checkpoint row, state slot) before the forward
-
-
-class MtpCall(NamedTuple):
-    """The MTP drafter's step as every tensor-parallel rank runs it
-    (``ModelRunner.forward_mtp``): the catch-up over ``rows`` of the last step's hidden (with
-    ``token_ids``, per sequence ``q_lens`` rows from ``past_lens`` on the pages of ``tables``,
-    ``slots`` / ``num_slots`` / ``verify`` as ``StepMetadata.build`` takes them), whose picks at
-    catch-up rows ``picks`` are the drafting sequences' first drafts; then each one's chain of
-    ``steps`` head steps from ``positions`` on the pages of ``chain_tables``."""
-
-    token_ids: Sequence[int]
-    rows: Sequence[int]
-    q_lens: Sequence[int]
-    past_lens: Sequence[int]
-    tables: Any  # int32 [B, M] or lists
-    slots: Sequence[int]
-    num_slots: int
-    verify: Sequence[int]
-    picks: Sequence[int]
-    positions: Sequence[int]
-    steps: Sequence[int]
-    chain_tables: Sequence[Sequence[int]]
 
 
 class StepBatch(NamedTuple):
@@ -294,7 +274,7 @@ class ModelRunner:
         self._eos = [t for t in self.eos_token_ids if 0 <= t < model.config.vocab_size]
         self._last: StepBatch | None = None  # the last step (its successor reuses its tensors)
         spec = config.speculative
-        self._mtp = spec is not None and spec.method == "mtp"
+        self._mtp = spec is not None and proposer_spec(spec).model_head
         # the last step's metadata and requests, and its final-norm hidden [N, hidden]: the
         # MTP drafter's input (``forward_mtp``)
         self._hidden: tuple[StepMetadata, tuple[Request, ...]] | None = None

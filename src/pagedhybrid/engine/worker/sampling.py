@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from pagedhybrid.engine.request import Request
-from pagedhybrid.engine.sampling import SampledToken, bad_word_bans, sample
-from pagedhybrid.engine.stats import EngineStats
-from pagedhybrid.engine.structured import allowed_tokens, consume, forced, try_consume
+from pagedhybrid.engine.core.request import Request
+from pagedhybrid.engine.core.stats import EngineStats
+from pagedhybrid.engine.sample.sampler import SampledToken, bad_word_bans, sample
+from pagedhybrid.engine.sample.structured import allowed_tokens, consume, forced, try_consume
 from pagedhybrid.kernels.native.sampling import top_rows
 
 

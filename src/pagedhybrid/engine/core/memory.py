@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from pagedhybrid.dtypes import logical_name
-from pagedhybrid.engine.config import EngineConfig, PoolSizes, page_bytes, slot_bytes
+from pagedhybrid.engine.core.config import EngineConfig, PoolSizes, page_bytes, slot_bytes
 from pagedhybrid.errors import CapacityError
 from pagedhybrid.kernels.capsule import capsule_bytes
 from pagedhybrid.models.qwen35.config import Qwen35Config
@@ -145,15 +145,15 @@ class MemoryPlan:
 
 def plan_memory(config: Qwen35Config, cfg: EngineConfig, dtype: torch.dtype,
                 weights: int = 0, available: int | None = None,
-                unmapped: int | None = None) -> MemoryPlan:
+                unmapped: int | None = None, draft_head: bool = False) -> MemoryPlan:
     """The pools of an engine for ``config`` in ``dtype`` (module docstring). ``available``:
     the machine's available memory in bytes (default: measured now); ``unmapped``: the part of
     ``weights`` that is not already in private memory, so not yet out of ``available``
-    (default: all of it; quantised weights are already there)."""
+    (default: all of it; quantised weights are already there); ``draft_head``: the pages also
+    hold the K/V of the model's draft head (a proposer's ``model_head``: the MTP head's layer)."""
     bs = cfg.block_size
-    spec = cfg.speculative
     per_page = max(page_bytes(config, bs, cfg.page_dtype(dtype),
-                              dtype if spec is not None and spec.method == "mtp" else None), 1)
+                              dtype if draft_head else None), 1)
     per_slot = slot_bytes(config, dtype)
     limit = min(cfg.max_model_len or config.max_position_embeddings,
                 config.max_position_embeddings)

@@ -13,7 +13,7 @@ and sends ``PoolSizes``); the scheduler, the prefix cache's hashes and the reque
 0 only.
 
 Start (``start_ranks``): rank 0 opens a ``torch.distributed.TCPStore``; the other ranks are
-started by the executor -- ``mp``: ``python -m pagedhybrid.engine.distributed HOST PORT RANK
+started by the executor -- ``mp``: ``python -m pagedhybrid.engine.worker.distributed HOST PORT RANK
 WORLD`` subprocesses on this machine, ``cores // W`` threads each; ``ray``: one Ray actor per
 rank in a placement group of ``W - 1`` bundles (any node of the cluster); ``external_launcher``:
 the user starts every rank with torchrun's environment (``MASTER_ADDR``, ``MASTER_PORT``,
@@ -56,7 +56,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pagedhybrid.engine.config import EngineConfig, PoolSizes
+from pagedhybrid.engine.core.config import EngineConfig, PoolSizes
+from pagedhybrid.engine.spec_decode.proposer import proposer_spec
 from pagedhybrid.errors import ContractViolation, EngineDead, PagedHybridError
 from pagedhybrid.parallel import ParallelConfig
 from pagedhybrid.parallel.shm import ShmAllReduce
@@ -275,8 +276,9 @@ def start_ranks(config: EngineConfig, model_dir: Path, dtype: torch.dtype
     try:
         if executor == "mp":
             for r in range(1, world):
-                proc = subprocess.Popen([sys.executable, "-m", "pagedhybrid.engine.distributed",
-                                         host, str(store.port), str(r), str(world)],
+                proc = subprocess.Popen([sys.executable, "-m",
+                                         "pagedhybrid.engine.worker.distributed", host,
+                                         str(store.port), str(r), str(world)],
                                         stdin=subprocess.DEVNULL)
                 ranks.append(_Rank(r, proc=proc))
         elif executor == "ray":
@@ -397,8 +399,8 @@ class RayRank:
 # -- a rank other than 0 --------------------------------------------------------------------------
 def worker_main(host: str, port: int, rank: int, world: int) -> int:
     """Join rank 0's group as ``rank`` and serve its steps until it stops or goes away."""
-    from pagedhybrid.engine.runner import ModelRunner
-    from pagedhybrid.engine.stats import EngineStats
+    from pagedhybrid.engine.core.stats import EngineStats
+    from pagedhybrid.engine.worker.runner import ModelRunner
     from pagedhybrid.kernels.native import set_pool_threads
     from pagedhybrid.models.qwen35 import load
 
@@ -419,7 +421,8 @@ def worker_main(host: str, port: int, rank: int, world: int) -> int:
             shm_name, rank, world, alive=lambda: os.getppid() == parent)
         try:
             spec = config.speculative
-            model = load(model_dir, dtype=dtype, mtp=spec is not None and spec.method == "mtp",
+            model = load(model_dir, dtype=dtype,
+                         mtp=spec is not None and proposer_spec(spec).model_head,
                          parallel=ParallelConfig(rank, world, communicator=comm))
             runner = ModelRunner(model, config, EngineStats())
         except Exception as exc:
@@ -459,7 +462,8 @@ def _serve(conn: Connection, runner: Any, rank: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m pagedhybrid.engine.distributed HOST PORT RANK WORLD`` (the mp executor)."""
+    """``python -m pagedhybrid.engine.worker.distributed HOST PORT RANK WORLD`` (the mp
+    executor)."""
     host, port, rank, world = (argv if argv is not None else sys.argv[1:])
     return worker_main(host, int(port), int(rank), int(world))
 

@@ -1,4 +1,5 @@
-"""Chat answers split into OpenAI's assistant message (the Qwen3.5 format of ``engine/chat.py``).
+"""Chat answers split into OpenAI's assistant message (the Qwen3.5 format of
+``serve/chat/format.py``).
 
 ``ChatParser(thinking, tools)`` -- the answer's text, fed as it grows, split into OpenAI's message
 parts: ``reasoning_content`` (vLLM's field), ``content`` and ``tool_calls`` (ids,
@@ -31,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedhybrid.engine.chat import (
+from pagedhybrid.serve.chat.format import (
     CALL_CLOSE,
     CALL_OPEN,
     FUNCTION_RE,

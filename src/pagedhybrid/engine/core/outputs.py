@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedhybrid.engine.request import SequenceOutput
-from pagedhybrid.engine.sampling import Logprob, SamplingParams
+from pagedhybrid.engine.core.request import SequenceOutput
+from pagedhybrid.engine.sample.sampler import Logprob, SamplingParams
 
 
 @dataclass(frozen=True)

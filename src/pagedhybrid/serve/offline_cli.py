@@ -19,12 +19,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pagedhybrid.engine.config import EXECUTORS
+from pagedhybrid.engine.core.config import EXECUTORS
+from pagedhybrid.engine.core.request import SequenceOutput
 from pagedhybrid.engine.engine import Engine
-from pagedhybrid.engine.llm import DTYPE_SPELLINGS, LLM, Throughput, load_engine
-from pagedhybrid.engine.request import SequenceOutput
-from pagedhybrid.engine.sampling import SamplingParams
+from pagedhybrid.engine.loader import DTYPE_SPELLINGS, load_engine
+from pagedhybrid.engine.sample.sampler import SamplingParams
 from pagedhybrid.errors import PagedHybridError
+from pagedhybrid.serve.llm import LLM, Throughput
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -154,7 +155,7 @@ def worker_rank(args: argparse.Namespace) -> int | None:
     if getattr(args, "distributed_executor_backend", None) != "external_launcher" or \
             int(os.environ.get("RANK", "0")) == 0:
         return None
-    from pagedhybrid.engine.distributed import worker_main
+    from pagedhybrid.engine.worker.distributed import worker_main
 
     env = os.environ
     return worker_main(env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["RANK"]),
@@ -378,7 +379,7 @@ def _report(engine: Engine, tracks: dict[str, _Track], console: object, table_cl
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Stand-alone entry (``python -m pagedhybrid.engine.cli generate|run ...``)."""
+    """Stand-alone entry (``python -m pagedhybrid.serve.offline_cli generate|run ...``)."""
     p = argparse.ArgumentParser(prog="pagedhybrid-engine")
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate")

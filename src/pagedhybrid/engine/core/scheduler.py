@@ -63,10 +63,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from pagedhybrid.engine.pages import BlockPool, chain_hashes
-from pagedhybrid.engine.request import FinishReason, Request, RequestStatus
-from pagedhybrid.engine.sampling import SampledToken
-from pagedhybrid.engine.states import CheckpointPool, StatePool
+from pagedhybrid.engine.core.pages import BlockPool, chain_hashes
+from pagedhybrid.engine.core.request import FinishReason, Request, RequestStatus
+from pagedhybrid.engine.core.states import CheckpointPool, StatePool
+from pagedhybrid.engine.sample.sampler import SampledToken
 from pagedhybrid.errors import CapacityError, ContractViolation
 
 

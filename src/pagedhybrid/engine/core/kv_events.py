@@ -63,7 +63,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from pagedhybrid.engine.pages import PageEvent, PagesCleared, PagesRemoved, PagesStored
+from pagedhybrid.engine.core.pages import PageEvent, PagesCleared, PagesRemoved, PagesStored
 from pagedhybrid.errors import ContractViolation, from_mapping
 
 OP = "kv_events_config"

@@ -19,7 +19,7 @@ GenAI's layout). After every step, ``propose``:
    takes as the proposal distribution); then ``k - 1`` one-token head steps feed each draft
    back with the head's own hidden in place of ``h``, one position further on each (their K/V
    lie past the sequence's length: the next catch-up overwrites them). Catch-up and chains are
-   one ``runner.MtpCall`` (the native bundle runs them in one C++ call). The scheduler reserves
+   one ``MtpCall`` (the native bundle runs them in one C++ call). The scheduler reserves
    ``k - 1`` lookahead positions of pages for that when it can (``SchedulerConfig.lookahead``);
    a chain stops early where the request's pages end.
 
@@ -45,22 +45,55 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from pagedhybrid.engine.request import Request, RequestStatus
-from pagedhybrid.engine.runner import MtpCall
+from pagedhybrid.engine.core.request import Request, RequestStatus
+from pagedhybrid.engine.spec_decode.proposer import (
+    Budget,
+    ProposerContext,
+    ProposerSpec,
+    register_proposer,
+)
+from pagedhybrid.errors import ContractViolation
 from pagedhybrid.kernels.step import StepMetadata
 
-if TYPE_CHECKING:
-    from pagedhybrid.engine.runner import ModelRunner
+
+class MtpCall(NamedTuple):
+    """The MTP drafter's step as every tensor-parallel rank runs it
+    (``ModelRunner.forward_mtp``): the catch-up over ``rows`` of the last step's hidden (with
+    ``token_ids``, per sequence ``q_lens`` rows from ``past_lens`` on the pages of ``tables``,
+    ``slots`` / ``num_slots`` / ``verify`` as ``StepMetadata.build`` takes them), whose picks at
+    catch-up rows ``picks`` are the drafting sequences' first drafts; then each one's chain of
+    ``steps`` head steps from ``positions`` on the pages of ``chain_tables``."""
+
+    token_ids: Sequence[int]
+    rows: Sequence[int]
+    q_lens: Sequence[int]
+    past_lens: Sequence[int]
+    tables: Any  # int32 [B, M] or lists
+    slots: Sequence[int]
+    num_slots: int
+    verify: Sequence[int]
+    picks: Sequence[int]
+    positions: Sequence[int]
+    steps: Sequence[int]
+    chain_tables: Sequence[Sequence[int]]
 
 
-Budget = Callable[[Sequence[Request], Sequence[float]], None]
+
+class DraftHead(Protocol):
+    """What the MTP proposer drafts through: the engine's runner (``worker/runner.py``)."""
+
+    cache: Any
+
+    def take_step(self) -> tuple[StepMetadata, tuple[Request, ...]] | None: ...
+
+    def forward_mtp(self, call: MtpCall) -> torch.Tensor: ...
 
 
-class MtpDrafter:
+class MtpProposer:
     """Drafts from the model's MTP head over the runner's last step (module docstring);
     ``table(request)`` is the request's current page table. ``budget(requests, costs)``, when
     given, cuts each request's ``draft_ids`` (placeholders, ``k`` of them) before the head runs,
@@ -70,7 +103,7 @@ class MtpDrafter:
     some request keeps drafts, and a step where no draft pays for itself skips the head
     altogether."""
 
-    def __init__(self, runner: ModelRunner, table: Callable[[Request], Sequence[int]],
+    def __init__(self, runner: DraftHead, table: Callable[[Request], Sequence[int]],
                  budget: Budget | None = None) -> None:
         self.runner, self.table, self.budget = runner, table, budget
         self._drafts: dict[int, tuple[Request, int, tuple[int, ...]]] = {}
@@ -132,3 +165,16 @@ class MtpDrafter:
         chains = [list(itertools.takewhile(lambda t: t >= 0, row)) for row in drafted]
         for (req, _, _), chain in zip(drafting, chains, strict=True):
             self._drafts[id(req)] = (req, req.num_tokens, tuple(chain))
+
+
+def _build(ctx: ProposerContext) -> MtpProposer:
+    if ctx.runner.model.mtp is None:
+        raise ContractViolation(
+            "speculative_config", "method", "'mtp' needs the checkpoint's MTP head: a "
+            "checkpoint with mtp_num_hidden_layers=1 and mtp.* tensors, loaded with "
+            "load(..., mtp=True) (load_engine does)", ctx.config.method)
+    return MtpProposer(ctx.runner, ctx.table, ctx.budget)
+
+
+register_proposer(ProposerSpec("mtp", _build, model_head=True, lookahead=lambda k: k - 1,
+                               budgets_itself=True))

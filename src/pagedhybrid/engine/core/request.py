@@ -22,8 +22,8 @@ from typing import Any, Literal
 
 import torch
 
-from pagedhybrid.engine.detokenizer import IncrementalDetokenizer
-from pagedhybrid.engine.sampling import Logprob, SampledToken, SamplingParams
+from pagedhybrid.engine.core.detokenizer import IncrementalDetokenizer
+from pagedhybrid.engine.sample.sampler import Logprob, SampledToken, SamplingParams
 from pagedhybrid.errors import PagedHybridError
 
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -149,7 +149,7 @@ class Request:
 @dataclass(frozen=True)
 class SequenceOutput:
     """What ``Engine.step`` reports for one request (one sequence: ``LLM`` and the server
-    gather a prompt's sequences into vLLM's ``RequestOutput``, ``engine/outputs.py``).
+    gather a prompt's sequences into vLLM's ``RequestOutput``, ``engine/core/outputs.py``).
 
     ``new_token_ids`` are the tokens generated since the previous report, ``token_ids`` all
     generated tokens so far; ``text`` decodes ``token_ids`` when the engine has a tokenizer

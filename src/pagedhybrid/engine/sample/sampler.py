@@ -54,7 +54,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from pagedhybrid.engine.structured import StructuredOutputs
+from pagedhybrid.engine.sample.structured import StructuredOutputs
 from pagedhybrid.errors import ContractViolation
 from pagedhybrid.kernels.native.sampling import apply_token_bitmask_, greedy_rows
 
@@ -88,7 +88,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] | Mapping[int, float] = ()
     bad_words: tuple[str, ...] = ()
-    # grammar-constrained decoding (engine/structured.py): a StructuredOutputs or its mapping
+    # grammar-constrained decoding (engine/sample/structured.py): a StructuredOutputs or its mapping
     structured_outputs: StructuredOutputs | Mapping[str, Any] | None = None
     # vLLM's output options: ``n`` sequences returned per prompt, the best ``n`` of
     # ``best_of`` (by cumulative logprob; the sequences of a request -- ``LLM`` and the server

@@ -1,5 +1,5 @@
-"""Engine configuration: ``EngineConfig``, ``PoolSizes`` and the bytes of one KV page and one
-state slot (``engine/memory.py`` plans the pools from them)."""
+"""Engine configuration: ``EngineConfig``, ``SpeculativeConfig``, ``PoolSizes`` and the bytes of
+one KV page and one state slot (``engine/core/memory.py`` plans the pools from them)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,73 @@ from typing import Any
 
 import torch
 
-from pagedhybrid.engine.kv_events import KVEventsConfig
-from pagedhybrid.engine.speculative import SpeculativeConfig
-from pagedhybrid.errors import ContractViolation
+from pagedhybrid.engine.core.kv_events import KVEventsConfig
+from pagedhybrid.errors import ContractViolation, from_mapping
 from pagedhybrid.kvquant import QUANTS, kv_dtype
 from pagedhybrid.models.qwen35.config import Qwen35Config
 from pagedhybrid.weightquant import WeightFormat
 
 EXECUTORS = ("mp", "ray", "external_launcher")  # how the tensor-parallel ranks are started
+MAX_SPECULATIVE_TOKENS = 7  # + the last sampled token = ONNX Runtime's capacity limit of 8
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's ``speculative_config``: ``method`` (a registered proposer: ``ngram``, prompt lookup;
+    ``mtp``, the checkpoint's MTP head; see ``engine/spec_decode/``), ``num_speculative_tokens`` k
+    (1..7: a verify chunk is the last sampled token and k drafts, at most ONNX Runtime's
+    state-update capacity of 8), ``prompt_lookup_min`` / ``prompt_lookup_max`` (the n-gram
+    window), ``disable_by_batch_size`` (no drafts while more requests than that are running;
+    default None, as vLLM's) and ``adaptive`` (ours: the draft budget, ``spec_decode/budget.py``;
+    off = every draft verified)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    disable_by_batch_size: int | None = None
+    adaptive: bool = True  # DraftBudget on (ours, not vLLM's: off = every draft verified)
+
+    def __post_init__(self) -> None:
+        def bad(name: str, rule: str) -> ContractViolation:
+            return ContractViolation("speculative_config", name, rule, getattr(self, name))
+
+        def is_int(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if not isinstance(self.method, str) or not self.method:  # (which: the registry's,
+            raise bad("method", "must be a proposer's name")  # at the engine: spec_decode/)
+        k = self.num_speculative_tokens
+        if not is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise bad("num_speculative_tokens", f"must be an int in [1, {MAX_SPECULATIVE_TOKENS}]"
+                      " (the verify chunk of k + 1 tokens fits a state-update capacity of 8)")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if not is_int(lo) or lo < 1:
+            raise bad("prompt_lookup_min", "must be an int >= 1")
+        if not is_int(hi) or hi < lo:
+            raise bad("prompt_lookup_max", f"must be an int >= prompt_lookup_min ({lo})")
+        d = self.disable_by_batch_size
+        if d is not None and (not is_int(d) or d < 1):
+            raise bad("disable_by_batch_size", "must be None or an int >= 1")
+        if not isinstance(self.adaptive, bool):
+            raise bad("adaptive", "must be a bool")
+
+    @classmethod
+    def of(cls, value: SpeculativeConfig | Mapping[str, Any] | None
+           ) -> SpeculativeConfig | None:
+        """``value`` as a config: a mapping's unknown keys are refused by name."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, Mapping):
+            raise ContractViolation("EngineConfig", "speculative_config",
+                                    "must be a mapping (vLLM's speculative_config) or None",
+                                    type(value).__name__)
+        return from_mapping(cls, value, "speculative_config")
+
+    @property
+    def capacity(self) -> int:
+        """Tokens per verify chunk: the last sampled token and the drafts."""
+        return self.num_speculative_tokens + 1
 
 
 @dataclass(frozen=True)
@@ -28,17 +87,17 @@ class EngineConfig:
     ``memory.DEFAULT_CACHE_FRACTION`` of the memory the machine has for it, split into
     ``num_state_slots`` slots (default ``max_num_seqs``), checkpoints and as many pages as fit,
     capped at what ``max_num_seqs`` requests of ``max_model_len`` tokens can use
-    (``engine/memory.py``: defaults shrink to fit, with a warning). ``cache_fill=None`` fills the
-    pools with random garbage instead of zeros (outputs must not change). ``backend`` picks the
+    (``engine/core/memory.py``: defaults shrink to fit, with a warning). ``cache_fill=None`` fills
+    the pools with random garbage instead of zeros (outputs must not change). ``backend`` picks the
     kernels (``pagedhybrid.kernels.backend.select``): ``auto`` runs the native kernels when the
-    prebuilt extension is present and says why not otherwise; a named backend that cannot serve
-    the model's dtype/shape is refused here, at construction.
+    prebuilt extension is present and says why not otherwise; a named backend that cannot serve the
+    model's dtype/shape is refused here, at construction.
 
     Prefix caching (``enable_prefix_caching``, on by default): full KV pages are content-hashed
     and kept after their requests finish, and the linear layers' states are checkpointed every
     ``state_checkpoint_interval`` tokens (a multiple of ``block_size``) into their own pool of
     ``num_state_checkpoints`` rows; a new request starts after its longest prefix that has both
-    (``engine/scheduler.py``, ``HybridAllocator``).
+    (``engine/core/scheduler.py``, ``HybridAllocator``).
 
     Quantized KV pages (``kv_cache_dtype`` ``int8`` | ``fp8_e4m3``; ``auto`` = the model's
     dtype): K/V are stored by ONNX Runtime's PagedAttention rule (``pagedhybrid.kvquant``) with
@@ -68,24 +127,25 @@ class EngineConfig:
 
     ``adaptive_threads`` (on by default; off in batch-invariant mode): the engine drops to one
     thread while other processes keep the cores busy and returns to its threads when they leave
-    room (``engine/contention.py``).
+    room (``engine/worker/contention.py``).
 
     ``speculative_config`` (vLLM's: a mapping or ``SpeculativeConfig``, e.g. ``{"method":
     "ngram", "num_speculative_tokens": 3}``; None = off): drafts verified in the same packed
     steps, the linear layers' states rolled back by replaying the accepted tokens' compact
-    state updates (``engine/speculative.py``); each state slot gets capsules of ``k + 1``
+    state updates (``engine/spec_decode/``); each state slot gets capsules of ``k + 1``
     tokens (``kernels.capsule.capsule_bytes``); with ``"method": "mtp"`` each KV page also
     holds the MTP head's layer (model dtype) and the model is loaded with its ``mtp.*`` head.
 
     ``kv_events_config`` (vLLM's ``--kv-events-config``: a mapping, JSON text or
     ``KVEventsConfig``; None = off): every step's stored / removed KV pages are published over
-    ZMQ in vLLM's KV-events format, for external prefix-aware routers (``engine/kv_events.py``).
+    ZMQ in vLLM's KV-events format, for external prefix-aware routers
+    (``engine/core/kv_events.py``).
 
-    ``tensor_parallel_size`` ``W`` > 1 (``engine/distributed.py``): this process is rank 0 -- it
-    schedules and samples -- and ``W - 1`` more ranks each run the model runner on their shard
-    of every step (heads, MLP channels, KV pages and state slots split ``W`` ways), started by
-    ``distributed_executor_backend``: ``mp`` (local worker processes, the default), ``ray``
-    (Ray actors in a placement group, on any node of the cluster at ``ray_address``) or
+    ``tensor_parallel_size`` ``W`` > 1 (``engine/worker/distributed.py``): this process is rank 0 --
+    it schedules and samples -- and ``W - 1`` more ranks each run the model runner on their shard of
+    every step (heads, MLP channels, KV pages and state slots split ``W`` ways), started by
+    ``distributed_executor_backend``: ``mp`` (local worker processes, the default), ``ray`` (Ray
+    actors in a placement group, on any node of the cluster at ``ray_address``) or
     ``external_launcher`` (every rank started by the user, torchrun-style ``MASTER_ADDR``,
     ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK``). ``load_engine`` / ``LLM`` start the ranks.
     """

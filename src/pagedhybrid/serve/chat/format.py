@@ -43,7 +43,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pagedhybrid.engine.structured import JSON_LAYOUT, StructuredOutputs
+from pagedhybrid.engine.sample.structured import JSON_LAYOUT, StructuredOutputs
 from pagedhybrid.errors import ContractViolation
 
 OP = "chat"

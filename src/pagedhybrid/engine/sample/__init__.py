@@ -1,0 +1,3 @@
+"""Sampling: ``SamplingParams`` and the sampler (``sampler.py``), grammars for structured outputs
+(``structured.py``).
+"""
