@@ -11,6 +11,10 @@ table groups self CPU time by op.
 Only the public model API is used (``build``, ``PagedHybridCache.allocate``,
 ``PackedBatch.from_sequences``, ``forward_packed``), so the same script profiles an older tree
 (``PYTHONPATH=/path/to/old/src python benchmarks/decode_profile.py``) for a before/after table.
+``forward_packed`` is the eager executor (the model's modules, op by op, the fused Gated DeltaNet
+mixer included): the engine's decode steps run the graph or layers executor
+(``engine/worker/executors.py``), whose fused calls show as one op each; this table is where the
+ops' own time goes.
 
     python benchmarks/decode_profile.py [--dtype bf16] [--batch 16] [--context 2048]
 

@@ -8,7 +8,6 @@ the engine, so garbage must not change any output.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
@@ -17,14 +16,13 @@ from engine_helpers import prompt_of
 from pagedhybrid.engine import (
     Engine,
     EngineConfig,
+    InputBatch,
     InvalidRequest,
     SamplingParams,
     SequenceOutput,
-    build_batch,
 )
 from pagedhybrid.engine.core.scheduler import SchedulerOutput
-from pagedhybrid.engine.worker import runner as runner_module
-from pagedhybrid.engine.worker.runner import StepBatch
+from pagedhybrid.engine.worker.input_batch import StepPlan
 from pagedhybrid.errors import CapacityError, ContractViolation
 from pagedhybrid.models.qwen35 import ABI_INPUT_NAMES, PackedBatch, load
 from pagedhybrid.serve.llm import LLM
@@ -88,8 +86,11 @@ def test_batch_is_the_packed_abi(make_engine: Callable[..., Engine]) -> None:
     engine.step()
     engine.add_request("b", prompt_of(1, 40), GREEDY)
     sched = engine.scheduler.schedule()
-    batch, meta, rows, sampling, sample_rows, spans, _, verify, plan = build_batch(
-        sched, engine.cache)
+    step = InputBatch(engine.cache)
+    plan = step.update(sched)
+    batch, meta, rows = step.batch, step.meta, step.rows
+    sampling, sample_rows, spans, verify = (plan.sampling, plan.sample_rows, plan.prompt_spans,
+                                            plan.verify_rows)
     assert isinstance(batch, PackedBatch)
     assert set(ABI_INPUT_NAMES) <= set(PackedBatch._fields)
     (a, b) = sched.sequences
@@ -107,7 +108,7 @@ def test_batch_is_the_packed_abi(make_engine: Callable[..., Engine]) -> None:
     assert batch.state_slots.tolist() == [a.slot, b.slot] and a.slot != b.slot
     assert batch.attention_metadata.tolist() == [23, 23, 23]
     assert rows.tolist() == [0] and sampling == [0]  # b's chunk does not reach its last token
-    assert sample_rows == [0] and spans == [] and verify == ()  # no prompt logprobs, no drafts
+    assert sample_rows == [0] and spans == [] and verify == []  # no prompt logprobs, no drafts
     # the step object the other tensor-parallel ranks get: plain ints, built from the lists
     assert plan.write_slots is None and list(plan.token_ids) == batch.input_ids.tolist()
     assert (list(plan.q_lens), list(plan.starts), list(plan.rows)) == ([1, 23], [5, 0], [0])
@@ -120,7 +121,7 @@ def test_batch_is_the_packed_abi(make_engine: Callable[..., Engine]) -> None:
     engine.abort_request(["a", "b"])
 
 
-def _same_step(a: StepBatch, b: StepBatch) -> None:
+def _same_step(a: InputBatch, b: InputBatch) -> None:
     for name in PackedBatch._fields:
         assert torch.equal(getattr(a.batch, name), getattr(b.batch, name)), name
     ma, mb = a.meta, b.meta
@@ -130,8 +131,9 @@ def _same_step(a: StepBatch, b: StepBatch) -> None:
         assert getattr(ma, name).dtype == getattr(mb, name).dtype, name
     for name in ("q_lens", "past_lens", "cu_seqlens", "decode", "multi", "checkpoints"):
         assert getattr(ma, name) == getattr(mb, name), name
-    assert (a.rows, a.sampling, a.sample_rows, a.prompt_spans, a.requests) == (
-        b.rows, b.sampling, b.sample_rows, b.prompt_spans, b.requests)
+    assert a.rows == b.rows and a.requests == b.requests
+    assert (list(a.plan.sampling), list(a.plan.sample_rows), list(a.plan.prompt_spans)) == (
+        list(b.plan.sampling), list(b.plan.sample_rows), list(b.plan.prompt_spans))
 
 
 def test_the_step_log_keeps_the_last_steps(make_engine: Callable[..., Engine],
@@ -161,18 +163,22 @@ def test_a_decode_step_advanced_from_the_last_equals_one_built_from_lists(
         engine = make_engine(block_size=16, num_blocks=64, max_num_seqs=4,
                              max_num_batched_tokens=16, enable_prefix_caching=True)
         advanced = [0]
-        orig = runner_module.build_batch
+        step = engine.runner.input_batch
+        step.persistent = check
+        orig = step.update
 
-        def build(out: SchedulerOutput, cache: Any, device: str = "cpu",
-                  prev: StepBatch | None = None, inputs: Any = None) -> StepBatch:
-            step = orig(out, cache, device, prev if check else None, inputs if check else None)
-            if check and prev is not None and step.batch.cu_seqlens is prev.batch.cu_seqlens:
-                advanced[0] += 1  # advanced from the last step (its tensors reused)
-                assert step.batch.input_ids.data_ptr() == inputs._i64[2].data_ptr()
-                _same_step(step, orig(out, cache, device))
-            return step
+        def update(out: SchedulerOutput) -> StepPlan:
+            plan = orig(out)
+            if step.advanced:  # advanced from the last step (its tensors reused)
+                advanced[0] += 1
+                assert step.inputs is not None
+                assert step.batch.input_ids.data_ptr() == step.inputs._i64[2].data_ptr()
+                fresh = InputBatch(engine.cache)
+                fresh.update(out)
+                _same_step(step, fresh)
+            return plan
 
-        runner_module.build_batch = build
+        step.update = update  # type: ignore[method-assign]
         try:
             final: dict[str, list[int]] = {}
             prompts = [[7], prompt_of(1, 9), prompt_of(2, 6), prompt_of(1, 9)]  # a prefix hit
@@ -188,7 +194,7 @@ def test_a_decode_step_advanced_from_the_last_equals_one_built_from_lists(
                 final[rid] = list(out.token_ids)
             return final, advanced[0]
         finally:
-            runner_module.build_batch = orig
+            del step.update
 
     got, advanced = run(True)
     assert advanced >= 25, "most decode steps should advance from the last"
@@ -211,17 +217,15 @@ def test_one_token_prompt_chunks_beside_a_decode_are_not_taken_for_its_successor
     engine = make_engine(num_blocks=16, max_num_seqs=2, max_num_batched_tokens=2)
     for rid, prompt in prompts.items():  # a: one prompt token, then decodes; b: a token a step
         engine.add_request(rid, prompt, params)
-    orig, seen = runner_module.build_batch, []
+    step, seen = engine.runner.input_batch, []
+    orig = step.update
 
-    def build(out: SchedulerOutput, *a: Any) -> StepBatch:
+    def update(out: SchedulerOutput) -> StepPlan:
         seen.append(tuple(s.num_new_tokens for s in out.sequences))
-        return orig(out, *a)
+        return orig(out)
 
-    runner_module.build_batch = build
-    try:
-        got = {rid: list(out.token_ids) for rid, out in run_all(engine).items()}
-    finally:
-        runner_module.build_batch = orig
+    step.update = update  # type: ignore[method-assign]
+    got = {rid: list(out.token_ids) for rid, out in run_all(engine).items()}
     assert seen[:7] == [(1, 1)] * 7, seen  # the case meant: one token per sequence throughout
     assert got == want
 
@@ -390,3 +394,27 @@ def test_engine_config_sizing(tiny_model: object) -> None:
     assert e.blocks.capacity == e.cache.num_pages > 0
     with pytest.raises(CapacityError, match="cache budget"):
         Engine(tiny_model, EngineConfig(cache_memory_bytes=1000))  # type: ignore[arg-type]
+
+
+def test_the_runner_chooses_the_executor_by_the_step(make_engine: Callable[..., Engine]) -> None:
+    """The native bundle binds the graph executor: decode-only steps run the whole model in one
+    call, prefill steps eagerly, with the same tokens as a bundle without a graph (torch's,
+    which binds none and says why in the kernel line). (The engines share one model: each runs
+    before the next is built, as the model takes its bundle from the last engine built.)"""
+    out, steps = {}, {}
+    for name in ("native", "torch"):
+        engine = make_engine(block_size=16, num_blocks=32, backend=name)
+        assert (engine.runner.executors.graph is None) == (name == "torch")
+        if name == "torch":
+            line = engine.runner.kernel_summary()
+            assert "no graph (the torch bundle has no fused whole step)" in line, line
+        engine.add_request("a", prompt_of(3, 20), GREEDY)
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    out[name] = o.token_ids
+        steps[name] = dict(engine.runner.executors.steps)
+    assert out["native"] == out["torch"]
+    # decodes, prefill
+    assert steps["native"] == {"graph": GREEDY.max_tokens - 1, "layers": 0, "eager": 1}
+    assert steps["torch"] == {"graph": 0, "layers": 0, "eager": GREEDY.max_tokens}

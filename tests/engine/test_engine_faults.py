@@ -3,9 +3,12 @@ checked (rebuilt when they do not add up), and every other request is served exa
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import pytest
 
-from pagedhybrid.engine import SamplingParams
+from pagedhybrid.engine import Engine, SamplingParams
 from pagedhybrid.serve.llm import LLM
 
 G = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -29,20 +32,29 @@ def drain(llm: LLM) -> dict[str, object]:
     return final
 
 
+def break_steps(monkeypatch: pytest.MonkeyPatch, eng: Engine,
+                fault: Callable[..., object]) -> None:
+    """Every step's forward runs ``fault(execute, *args)``, whichever executor the runner chose
+    (``engine/worker/executors.py``) -- a fault inside the model's forward."""
+    executors = eng.runner.executors
+    choose = executors.choose
+    monkeypatch.setattr(executors, "choose",
+                        lambda meta, n: functools.partial(fault, choose(meta, n)))
+
+
 def test_a_step_that_raises_fails_its_requests_and_the_next_ones_are_served(
         llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
     want = alone(llm, "And God said")
     eng = llm.engine
-    real = eng.model.forward_packed
     calls = {"n": 0}
 
-    def flaky(*a: object, **k: object) -> object:
+    def flaky(execute: Callable[..., object], *a: object, **k: object) -> object:
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("boom")
-        return real(*a, **k)
+        return execute(*a, **k)
 
-    monkeypatch.setattr(eng.model, "forward_packed", flaky)
+    break_steps(monkeypatch, eng, flaky)
     eng.add_request("a", "In the beginning", G)
     eng.add_request("b", "And the earth", G)
     final = drain(llm)
@@ -78,11 +90,11 @@ def test_pools_that_do_not_add_up_after_a_fault_are_rebuilt(
     eng.add_request("e", "And the earth", SamplingParams(max_tokens=4))
     eng.step()
 
-    def corrupt(*a: object, **k: object) -> object:
+    def corrupt(execute: Callable[..., object], *a: object, **k: object) -> object:
         eng.states._free.clear()  # a bug that loses every free slot
         raise RuntimeError("corrupting bug")
 
-    monkeypatch.setattr(eng.model, "forward_packed", corrupt)
+    break_steps(monkeypatch, eng, corrupt)
     outs = eng.step()
     monkeypatch.undo()
     assert {o.request_id for o in outs} == {"d", "e"}

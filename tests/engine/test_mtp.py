@@ -182,14 +182,13 @@ def test_prefix_cache_a_b_a(mtp_model: Qwen35ForCausalLM) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_the_fused_head_equals_its_steps_bit_for_bit(mtp_dir: Path, dtype: torch.dtype) -> None:
-    """The native bundle's head kernels -- ``mtp_head_input`` / ``mtp_head_output`` for a
-    catch-up, ``mtp_chain`` for a whole chain in one call, ``mtp_draft`` for both -- give the
+    """The native bundle's head kernels (``Backend.mtp``) -- ``head_input`` / ``head_output``
+    for a catch-up, ``chain`` for a whole chain in one call, ``draft`` for both -- give the
     drafts, the head's hidden and the head's K/V pages of the same head run step by step
     through the modules, to the bit: two chains, one across a page boundary, one of a single
     step."""
     native = backend("native")
-    stepwise = dataclasses.replace(native, mtp_head_input=None, mtp_head_output=None,
-                                   mtp_chain=None)
+    stepwise = dataclasses.replace(native, mtp=None)
     model = load(mtp_dir, dtype=dtype, mtp=True, backend=native)
     cfg, head_layer = model.config, model.config.num_hidden_layers
     gen = torch.Generator().manual_seed(3)

@@ -10,7 +10,6 @@ back from the pages, and its conv / recurrent states must match its own HF run.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +18,7 @@ import pytest
 import torch
 from qwen35_tiny import HFSequence
 
+from pagedhybrid.engine.worker.executors import EagerExecutor, GraphExecutor, LayersExecutor
 from pagedhybrid.errors import ContractViolation
 from pagedhybrid.kernels.backend import backend
 from pagedhybrid.kernels.native import dense
@@ -311,16 +311,11 @@ def test_fused_decode_layers_equal_the_modules_bit_for_bit(tiny_checkpoint, dtyp
     native = backend("native")
     if product == "native":
         native = dataclasses.replace(native, linear_for=lambda dtype: dense.linear)
-    unfused = dataclasses.replace(native, gdn_decode_layer=None, gdn_decode=None,
-                                  attention_decode_layer=None)
-    fused_calls: list[tuple[str, bool]] = []
-
-    def counting(name):
-        def run(*args, **kwargs):
-            out = getattr(native, name)(*args, **kwargs)
-            fused_calls.append((name, out is not None))
-            return out
-        return run
+    unfused = dataclasses.replace(native, fused=None)
+    fused_calls: list[str] = []
+    counted = dataclasses.replace(native, fused=native.fused._replace(
+        gdn_layer=counting(native.fused.gdn_layer, "gdn_layer", fused_calls),
+        attention_layer=counting(native.fused.attention_layer, "attention_layer", fused_calls)))
 
     model = load(tiny_checkpoint.path, dtype=dtype, backend=native)
     if product.startswith("int"):
@@ -340,12 +335,11 @@ def test_fused_decode_layers_equal_the_modules_bit_for_bit(tiny_checkpoint, dtyp
             [[int(t)] for t in torch.randint(0, cfg.vocab_size, (batch,), generator=gen)],
             lengths, pages, list(range(batch)))
         results = []
-        for bundle in (dataclasses.replace(
-                native, gdn_decode_layer=counting("gdn_decode_layer"),
-                attention_decode_layer=counting("attention_decode_layer")), unfused):
+        for bundle in (counted, unfused):
             model.backend = bundle
             c = cache.clone()
-            results.append((model.forward_packed(step, c), c))
+            results.append((layers_run(model, step, c) if bundle is counted
+                            else model.forward_packed(step, c), c))
         (got, got_cache), (want, want_cache) = results
         assert torch.equal(got, want)
         for pools in ("key_cache", "value_cache", "conv_state", "recurrent_state"):
@@ -353,16 +347,33 @@ def test_fused_decode_layers_equal_the_modules_bit_for_bit(tiny_checkpoint, dtyp
                 assert torch.equal(getattr(got_cache, pools)[i], t), (pools, i)
         cache = want_cache
         lengths = [n + 1 for n in lengths]
-    kinds = ["attention_decode_layer" if i in cfg.full_attention_layers else "gdn_decode_layer"
+    kinds = ["attention_layer" if i in cfg.full_attention_layers else "gdn_layer"
              for i in range(cfg.num_hidden_layers)]
-    assert fused_calls == [(k, True) for k in kinds] * 3
+    assert fused_calls == kinds * 3
+
+
+def counting(fn, name, calls):  # type: ignore[no-untyped-def]
+    """``fn``, recording ``name`` in ``calls`` each time it runs."""
+    def run(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(name)
+        return fn(*args, **kwargs)
+    return run
+
+
+def layers_run(model, step, cache, meta=None):  # type: ignore[no-untyped-def]
+    """``step`` through the runner's layers executor (each fused layer one native call), which
+    must take it."""
+    meta = meta if meta is not None else step.metadata(model.config, cache)
+    execute, why = LayersExecutor.bind(model, cache)
+    assert execute is not None, why
+    assert execute.why_not(meta, step.num_tokens) is None
+    return execute(step, cache, None, meta, None)
 
 
 def _fused_setup(tiny_checkpoint, dtype):  # type: ignore[no-untyped-def]
     """The native bundle, the same without its fused layers, the model on it, a generator."""
     native = backend("native")
-    unfused = dataclasses.replace(native, gdn_decode_layer=None, gdn_decode=None,
-                                  attention_decode_layer=None)
+    unfused = dataclasses.replace(native, fused=None)
     model = load(tiny_checkpoint.path, dtype=dtype, backend=native)
     return native, unfused, model, torch.Generator().manual_seed(5)
 
@@ -387,24 +398,19 @@ def test_fused_layers_verify_drafts_as_the_modules_do(tiny_checkpoint, dtype):
     step = PackedBatch.from_sequences(new, lengths, pages, [3, 1, 0, 2])
     meta = StepMetadata.build([len(t) for t in new], lengths, pages, [3, 1, 0, 2],
                               block_size=BLOCK, num_pages=16, num_slots=4, verify=(1, 3))
-    calls: list[bool] = []
-
-    def counting(name):
-        def run(*args, **kwargs):
-            out = getattr(native, name)(*args, **kwargs)
-            calls.append(out is not None)
-            return out
-        return run
+    calls: list[str] = []
+    counted = dataclasses.replace(native, fused=native.fused._replace(
+        gdn_layer=counting(native.fused.gdn_layer, "gdn_layer", calls),
+        attention_layer=counting(native.fused.attention_layer, "attention_layer", calls)))
 
     results = []
-    for bundle in (dataclasses.replace(native, gdn_decode_layer=counting("gdn_decode_layer"),
-                                       attention_decode_layer=counting(
-                                           "attention_decode_layer")), unfused):
+    for bundle in (counted, unfused):
         model.backend = bundle
         c = cache.clone()
-        results.append((model.forward_packed(step, c, None, meta), c))
+        results.append((layers_run(model, step, c, meta) if bundle is counted
+                        else model.forward_packed(step, c, None, meta), c))
     (got, got_cache), (want, want_cache) = results
-    assert calls == [True] * cfg.num_hidden_layers
+    assert len(calls) == cfg.num_hidden_layers
     assert torch.equal(got, want)
     for pools in ("key_cache", "value_cache", "conv_state", "recurrent_state"):
         for i, t in getattr(want_cache, pools).items():
@@ -420,18 +426,17 @@ def test_fused_decode_layers_follow_a_replaced_parameter(tiny_checkpoint):
     """The fused layers gather each layer's weights once; a parameter object replaced after
     that (as ``load_weights`` does) is what the next step reads, not the old one."""
     native = backend("native")
-    unfused = dataclasses.replace(native, gdn_decode_layer=None, gdn_decode=None,
-                                  attention_decode_layer=None)
+    unfused = dataclasses.replace(native, fused=None)
     model = load(tiny_checkpoint.path, backend=native)
     cfg = model.config
     cache = PagedHybridCache.allocate(cfg, num_pages=2, block_size=BLOCK, num_slots=1)
     model.forward_packed(PackedBatch.from_sequences([[1, 2, 3]], [0], [[0]], [0]), cache)
     step = PackedBatch.from_sequences([[4]], [3], [[0]], [0])
-    before = model.forward_packed(step, cache.clone())
+    before = layers_run(model, step, cache.clone())
     for i in (cfg.linear_attention_layers[0], cfg.full_attention_layers[0]):
         mlp = model.model.layers[i].mlp
         mlp.down_proj.weight = torch.nn.Parameter(mlp.down_proj.weight * 2, requires_grad=False)
-    got = model.forward_packed(step, cache.clone())
+    got = layers_run(model, step, cache.clone())
     model.backend = unfused
     want = model.forward_packed(step, cache.clone())
     assert torch.equal(got, want) and not torch.equal(got, before)
@@ -456,7 +461,8 @@ def test_fused_decode_layers_write_the_same_state_checkpoints(tiny_checkpoint, d
     for bundle in (native, unfused):
         model.backend = bundle
         c = cache.clone()
-        runs.append((model.forward_packed(step, c, None, meta), c))
+        runs.append((layers_run(model, step, c, meta) if bundle is native
+                     else model.forward_packed(step, c, None, meta), c))
     (got, got_cache), (want, want_cache) = runs
     assert torch.equal(got, want)
     for pools in ("checkpoint_conv", "checkpoint_recurrent"):
@@ -468,17 +474,15 @@ def test_fused_decode_layers_write_the_same_state_checkpoints(tiny_checkpoint, d
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("product", ["preferred", "int4", "int8:32:asym"])
 @pytest.mark.parametrize("batch", [1, 3, 9])
-def test_the_stacked_decode_step_equals_the_layers_bit_for_bit(tiny_checkpoint, dtype, product,
+def test_the_graph_executor_equals_the_layers_bit_for_bit(tiny_checkpoint, dtype, product,
                                                                batch):
-    """A decode step as the runner builds it (positions one row of its metadata) runs the whole
-    model in one native call (``DecodeStack``) and gives the logits, the pruned rows, the final
-    hidden, the pages, the state pools and the chunk-end checkpoints of the same step run layer
-    by layer through the fused layers and module by module, to the bit; the stack is taken (not
-    silently skipped), and a bundle without fused layers does not take it."""
+    """A decode step run by the runner's graph executor -- the whole model in one native call
+    (``DecodeStack``) -- gives the logits, the pruned rows, the final hidden, the pages, the
+    state pools and the chunk-end checkpoints of the same step run by the layers executor (each
+    layer one fused call) and by the modules, to the bit; the graph takes the step (not
+    silently skipped), and a prefill step is refused by the graph with its reason."""
     native = backend("native")
-    layered = dataclasses.replace(native, decode_stack=None)
-    unfused = dataclasses.replace(native, gdn_decode_layer=None, gdn_decode=None,
-                                  attention_decode_layer=None)
+    unfused = dataclasses.replace(native, fused=None)
     model = load(tiny_checkpoint.path, dtype=dtype, backend=native)
     if product != "preferred":
         model.quantize(WeightFormat.parse(product))
@@ -499,16 +503,15 @@ def test_the_stacked_decode_step_equals_the_layers_bit_for_bit(tiny_checkpoint, 
     step = PackedBatch.from_metadata(meta, torch.randint(0, cfg.vocab_size, (batch,),
                                                          generator=gen).tolist())
     rows = torch.tensor([batch - 1, 0])
-    stacked = []
     runs = []
-    for bundle in (native, layered, unfused):
-        model.backend = bundle
+    for kind in (GraphExecutor, LayersExecutor, EagerExecutor):
+        model.backend = unfused if kind is EagerExecutor else native
         c = cache.clone()
+        execute = EagerExecutor(model) if kind is EagerExecutor else kind.bind(model, c)[0]
+        assert execute is not None and execute.why_not(meta, 2) is None  # taken, not skipped
         hidden: list[torch.Tensor] = []
-        logits = model.forward_packed(step, c, rows, meta, hidden)
-        stacked.append(model._stack[1] is not None)
+        logits = execute(step, c, rows, meta, hidden)
         runs.append((logits, hidden[0], c))
-    assert stacked == [True, False, False]
     got = runs[0]
     for want in runs[1:]:
         assert got[0].dtype == torch.float32 and got[0].shape == (2, cfg.vocab_size)
@@ -519,10 +522,9 @@ def test_the_stacked_decode_step_equals_the_layers_bit_for_bit(tiny_checkpoint, 
                 assert torch.equal(getattr(got[2], pools)[i], t), (pools, i)
     for i, t in got[2].checkpoint_recurrent.items():  # the checkpoint was written
         assert not torch.equal(t[1], cache.checkpoint_recurrent[i][1]), i
-    model.backend = native  # the binding holds a cache's pools: it goes when the cache does
-    c = cache.clone()
-    model.forward_packed(step, c, rows, meta)
-    assert model._stack[1] is not None
-    del c
-    gc.collect()
-    assert model._stack[1] is None
+    model.backend = native  # a prefill step is not the graph's: the runner runs it eagerly
+    graph, _ = GraphExecutor.bind(model, cache.clone())
+    assert graph is not None
+    prefill = StepMetadata.build([2] * batch, lengths, pages, slots, block_size=BLOCK,
+                                 num_pages=3 * batch, num_slots=batch)
+    assert graph.why_not(prefill, batch) == "not a decode-only step"

@@ -37,7 +37,8 @@ from pagedhybrid.engine.core.stats import EngineStats
 from pagedhybrid.engine.engine import Engine
 from pagedhybrid.engine.loader import load_engine
 from pagedhybrid.engine.sample.sampler import GREEDY, Logprob, SampledToken, SamplingParams, sample
-from pagedhybrid.engine.worker.runner import ModelRunner, build_batch
+from pagedhybrid.engine.worker.input_batch import InputBatch, StepPlan
+from pagedhybrid.engine.worker.runner import ModelRunner
 
 __all__ = [
     "GREEDY",
@@ -48,6 +49,7 @@ __all__ = [
     "EngineStats",
     "FinishReason",
     "HybridAllocator",
+    "InputBatch",
     "InvalidRequest",
     "Logprob",
     "ModelRunner",
@@ -61,7 +63,7 @@ __all__ = [
     "SchedulerOutput",
     "SequenceOutput",
     "StatePool",
-    "build_batch",
+    "StepPlan",
     "load_engine",
     "sample",
 ]

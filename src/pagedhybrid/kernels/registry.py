@@ -7,12 +7,12 @@ A ``Backend`` (a kernel bundle) holds, for one implementation family:
   (signatures in ``kernels/cpu/step.py``), ``linear_for(dtype)`` (what every projection and the
   LM head multiply with in a ``dtype`` model; None = ``torch.nn.functional.linear``),
   ``pointwise`` (silu and sigmoid) and ``norms`` (RMS, gated RMS and L2 norms; torch's for both
-  by default); optionally ``gdn_decode``, the Gated DeltaNet mixer of a decode-only step fused
-  into one call, and ``gdn_decode_layer`` / ``attention_decode_layer``, a whole decoder layer of
-  either kind, and ``mtp_head_input`` / ``mtp_head_output`` / ``mtp_chain`` / ``mtp_draft``, the
-  MTP head around its layer, the drafter's chain and its whole step (signatures in
-  ``kernels/native/step.py``; each returns None for a step it does not fuse, and the model then
-  runs the ops one by one); ``moe``, a
+  by default); optionally ``fused`` (``FusedDecode``: the Gated DeltaNet mixer of a step of
+  decodes in one call, a whole decoder layer of either kind, the whole decode step, and
+  ``why_not``, the step test they share -- the runner's executors ask it before they run a
+  step through them) and ``mtp`` (``MtpKernels``: the MTP head around its layer, the drafter's
+  chain and its whole step; each returns None for a step it does not fuse, and the head then
+  runs its modules) -- signatures in ``kernels/native/step.py``; ``moe``, a
   mixture-of-experts block's routed experts (and shared expert) in one call after its router
   (signature in ``kernels/native/moe.py``; None: the layer groups tokens by expert in torch);
   ``quantized_linear``, the product of an int8 / int4 projection weight (``x``, a
@@ -362,14 +362,8 @@ class Backend:
     linear_for: Callable[[torch.dtype], LinearFn | None] = field(default=_torch_linear)
     pointwise: Pointwise = TORCH_POINTWISE
     norms: Norms = TORCH_NORMS
-    gdn_decode: Callable[..., torch.Tensor | None] | None = None
-    gdn_decode_layer: Callable[..., torch.Tensor | None] | None = None
-    attention_decode_layer: Callable[..., torch.Tensor | None] | None = None
-    mtp_head_input: Callable[..., torch.Tensor | None] | None = None
-    mtp_head_output: Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None = None
-    mtp_chain: Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None = None
-    mtp_draft: Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None = None
-    decode_stack: Callable[..., Any] | None = None  # binds a model's whole decode step
+    fused: FusedDecode | None = None  # whole layers / the whole decode step in one call
+    mtp: MtpKernels | None = None  # the MTP head's fused kernels
     capture: Any = None  # kernels.capsule.StateCapture (this module imports nothing above it)
     moe: MoeFn | None = None  # a mixture-of-experts block's experts in one call
     quantized_linear: QLinearFn | None = None  # x @ W^T of an int8 / int4 weight
@@ -412,6 +406,32 @@ class Backend:
                 "features": sorted(self.features), "batch_invariant": self.batch_invariant,
                 "op_coverage": {op: c.describe() for op, c in self.ops.coverage.items()},
                 "capability": self.capability.describe(), "unavailable": self.available()}
+
+
+class FusedDecode(NamedTuple):
+    """A bundle's fused decode path (``kernels/native/step.py``): ``mixer`` -- the Gated
+    DeltaNet mixer of a step of decodes (and verify chunks) in one call, None for any other step
+    (the module then runs its ops); ``gdn_layer`` / ``attention_layer`` -- a whole decoder layer
+    in one call; ``stack`` -- binds a model's whole decode step as one call (``DecodeStack``);
+    ``why_not(meta, rows, dtype, matmul, quantized)`` -- why a step's layers do not fuse (None:
+    they do), the test the runner's layers executor makes before it runs a step through them."""
+
+    mixer: Callable[..., torch.Tensor | None]
+    gdn_layer: Callable[..., torch.Tensor]
+    attention_layer: Callable[..., torch.Tensor]
+    why_not: Callable[..., str | None]
+    stack: Callable[..., Any]
+
+
+class MtpKernels(NamedTuple):
+    """A bundle's MTP head kernels (``kernels/native/step.py``), each None for a step it does
+    not fuse: the head's input before its layer, its output after it (the drafter's greedy
+    picks), the drafter's whole chain, and its catch-up and chain in one call."""
+
+    head_input: Callable[..., torch.Tensor | None]
+    head_output: Callable[..., tuple[torch.Tensor, torch.Tensor] | None]
+    chain: Callable[..., tuple[torch.Tensor, torch.Tensor] | None]
+    draft: Callable[..., tuple[torch.Tensor, torch.Tensor] | None]
 
 
 class Selection(NamedTuple):

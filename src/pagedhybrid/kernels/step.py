@@ -367,7 +367,7 @@ class AttentionLayerWeights(NamedTuple):
 
 
 class MtpHeadInput(NamedTuple):
-    """What a bundle's ``mtp_head_input`` / ``mtp_chain`` read of the MTP head before its layer
+    """What a bundle's ``mtp.head_input`` / ``mtp.chain`` read of the MTP head before its layer
     (model dtype, the modules' parameters): the embedding table, the two offset norms' weights
     and ``eps``, and ``fc`` (or, with ``fc_quant``, its int8 / int4 form)."""
 

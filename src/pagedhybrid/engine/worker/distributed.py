@@ -1,7 +1,7 @@
 """Tensor-parallel serving over torch.distributed: rank 0 runs the engine, ranks ``1 .. W-1``
 run the model runner on their shard of the same steps.
 
-Rank 0 schedules, builds each step's ``StepPlan`` (``runner.py``) and sends it, pickled once,
+Rank 0 schedules, builds each step's ``StepPlan`` (``input_batch.py``) and sends it, pickled once,
 to every other rank over one socket each (the step object, once per step); every rank then
 materialises the same batch and metadata and runs the forward on its own heads, MLP channels,
 KV pages and state slots -- the row-parallel projections' all-reduces are the only traffic

@@ -3,28 +3,24 @@
 ``ModelRunner.run(scheduled)`` is the whole step on the model side (nano-vllm's
 ``ModelRunner.run``):
 
-1. prepare -- ``build_batch`` turns the ``SchedulerOutput`` into the step's packed ABI batch
-   (``input_ids[N]``, ``position_ids[3, N]``, ``cu_seqlens[B+1]``, ``past_seqlens[B]``,
-   ``block_table[B, M]`` (``-1`` padded), ``state_slots[B]``, ``attention_metadata[3]``), its
-   ``StepMetadata`` (validated once; every layer's kernels read it) and the logits rows: the last
-   row of every chunk that reaches its request's last known token, and, for requests that asked
-   for ``prompt_logprobs``, the rows of the prompt positions in the chunk that predict a prompt
-   token, and every row of a speculative verify chunk (its last token and its drafts). A decode
-   step of the same requests as the last one, one token further on the same
-   pages, is the last step advanced (``StepMetadata.advance``: the new values written into the
-   persistent ``DecodeInputs`` buffers) rather than built again from the lists -- vLLM's
-   persistent batch;
+1. prepare -- the persistent ``InputBatch`` (``input_batch.py``) takes the ``SchedulerOutput``:
+   the step's ``StepPlan`` (plain ints, sent once to the other tensor-parallel ranks), its
+   ``StepMetadata`` (validated once; every layer's kernels read it), the packed ABI batch and the
+   logits rows -- a decode successor advanced from the last step, anything else built from the
+   scheduler's lists;
 2. prefix-cache hits start from their checkpointed state (``restore_checkpoint``);
-3. ``model.forward_packed`` writes the KV pages and state slots in place and returns those rows'
-   logits; a sequence with ``past_seqlens == 0`` starts from zero conv/recurrent state whatever
-   its slot holds (pages are never zeroed: attention reads only a sequence's own positions);
-4. prompt logprobs are recorded, and the sampler (``step_sampling.sample_requests``) picks the
+3. the executor the runner chose for the step by capability (``executors.py``: the whole decode
+   step in one native call, fused decoder layers, or the model's modules) writes the KV pages and
+   state slots in place and returns those rows' logits; a sequence with ``past_seqlens == 0`` starts
+   from zero conv/recurrent state whatever its slot holds (pages are never zeroed: attention reads
+   only a sequence's own positions);
+4. prompt logprobs are recorded, and the sampler (``sampling.sample_requests``) picks the
    tokens (tensor in, tensor out, one host copy; the finite check rides in the greedy pick's
    pass): a row with non-finite logits, or whose sampling raises, fails its request alone; a
    constrained row is masked by its grammar before it picks, or -- greedy, or a draw from the
    whole distribution -- only after, where the grammar refuses its pick (then picked again
    under the mask: the same token, or the same odds); verify chunks keep their accepted
-   drafts and one sampled token (``speculative.verify``).
+   drafts and one sampled token (``spec_decode/verify.py``).
 
 It returns a ``StepResult`` (the tokens each request keeps, failed requests with a reason); the
 engine applies it to the scheduler, whose update hands the verify chunks' accepted states back
@@ -62,12 +58,14 @@ from pagedhybrid.engine.spec_decode.mtp import MtpCall
 from pagedhybrid.engine.spec_decode.proposer import proposer_spec
 from pagedhybrid.engine.spec_decode.verify import verify
 from pagedhybrid.engine.worker.contention import ThreadGovernor
+from pagedhybrid.engine.worker.executors import Executors
+from pagedhybrid.engine.worker.input_batch import InputBatch, StepPlan
 from pagedhybrid.engine.worker.sampling import advance, sample_requests
 from pagedhybrid.errors import ContractViolation
 from pagedhybrid.kernels.backend import Needs, Selection, select
 from pagedhybrid.kernels.native import cpu_form, dense, set_pool_threads
 from pagedhybrid.kernels.native import quant as native_quant
-from pagedhybrid.kernels.step import DecodeInputs, StepMetadata, int_tensor
+from pagedhybrid.kernels.step import StepMetadata, int_tensor
 from pagedhybrid.kvquant import (
     KVScales,
     default_scales_path,
@@ -97,164 +95,10 @@ class Peers(Protocol):
     def close(self, timeout: float = ...) -> None: ...
 
 
-class PromptSpan(NamedTuple):
-    """Logits rows ``[row, row + count)`` score prompt tokens ``first + 1 ... first + count`` of
-    sequence ``seq`` of the step."""
-
-    seq: int
-    first: int
-    row: int
-    count: int
-
-
-class StepPlan(NamedTuple):
-    """The step object: everything a tensor-parallel rank needs to run a step's forward, made
-    once by rank 0 from the ``SchedulerOutput`` and sent to the other ranks as it is (plain
-    ints; ``materialize`` turns it into the same batch and metadata on every rank).
-
-    A decode successor (``write_slots`` given) is the last step's metadata advanced one token,
-    writing those flat cache slots; any other step is built from its lists."""
-
-    token_ids: Sequence[int]  # the step's input tokens, packed
-    write_slots: Sequence[int] | None = None  # a decode successor's cache slots, one per sequence
-    q_lens: Sequence[int] = ()
-    starts: Sequence[int] = ()
-    tables: Sequence[Sequence[int]] = ()
-    slots: Sequence[int] = ()
-    checkpoints: Sequence[tuple[int, int, int]] = ()
-    verify: Sequence[int] = ()
-    rows: Sequence[int] | None = None  # token rows whose logits are computed (None: all)
-    restores: Sequence[tuple[int, int]] = ()  # (checkpoint row, state slot) before the forward
-
-
-class StepBatch(NamedTuple):
-    """A scheduled step as the model sees it, and what its logits rows are for."""
-
-    batch: PackedBatch
-    meta: StepMetadata  # validated once here; every layer's kernels read it
-    rows: torch.Tensor | None  # int64 [R]: token rows whose logits are computed (None: all)
-    sampling: list[int]  # sequences that sample this step (verify chunks aside)
-    sample_rows: list[int]  # their positions in ``rows``
-    prompt_spans: list[PromptSpan]  # prompt-logprob rows
-    requests: tuple[Request, ...]  # the step's requests, in batch order
-    verify: tuple[tuple[int, int], ...] = ()  # verify chunks: (sequence, first row in ``rows``)
-    plan: StepPlan | None = None  # the step object the other tensor-parallel ranks run
-
-
 class StepResult(NamedTuple):
     sampled: dict[str, list[SampledToken]]  # the tokens each request keeps, in order
     failed: list[tuple[Request, str]]  # requests that fail alone, with the reason
     prepare_s: float  # batch building and checkpoint restores (host work before the model)
-
-
-def _successor_writes(output: SchedulerOutput, prev: StepBatch | None) -> list[int] | None:
-    """The flat cache slot each sequence writes when ``output`` is the next decode step of
-    exactly ``prev``'s requests, in the same order, each sampling its next token with nothing
-    else to do (no restore, no checkpoint, no prompt logprobs: a one-token chunk that samples is
-    past its prompt); else None."""
-    if (prev is None or len(output.sequences) != len(prev.requests)
-            or len(prev.sampling) != len(prev.requests) or prev.prompt_spans):
-        return None  # (a prompt chunk of one token did not sample: its rows differ now)
-    bs = prev.meta.block_size
-    write = []
-    for s, r, p in zip(output.sequences, prev.requests, prev.meta.past_lens, strict=True):
-        if (s.request is not r or s.num_new_tokens != 1 or s.start != p + 1 or not s.samples
-                or s.restore is not None or s.checkpoints
-                or s.start // bs >= len(s.block_table)):
-            return None
-        write.append(s.block_table[s.start // bs] * bs + s.start % bs)
-    return write
-
-
-def _advanced_batch(prev: PackedBatch, meta: StepMetadata, ids: Sequence[int],
-                    inputs: DecodeInputs | None, device: str) -> PackedBatch:
-    """``prev``'s packed batch moved to the advanced ``meta`` with the new token ``ids``."""
-    top = max(meta.past_lens) + 1
-    if inputs is not None and len(ids) <= inputs.capacity:
-        ids_t, attention, position_ids = inputs.tokens(ids, 1, top)
-    else:
-        ids_t = int_tensor(ids, torch.int64, device)
-        attention = int_tensor((1, top, top), torch.int32, device)
-        position_ids = meta.positions.view(1, -1).expand(3, -1)
-    return prev._replace(input_ids=ids_t, position_ids=position_ids, past_seqlens=meta.past_t,
-                         attention_metadata=attention)
-
-
-def materialize(plan: StepPlan, cache: PagedHybridCache, device: str = "cpu",
-                prev: tuple[PackedBatch, StepMetadata] | None = None,
-                inputs: DecodeInputs | None = None
-                ) -> tuple[PackedBatch, StepMetadata, torch.Tensor | None]:
-    """The packed batch, metadata and logits rows of ``plan`` (a successor advances ``prev``,
-    the last step's batch and metadata, as rank 0 advanced its own)."""
-    if plan.write_slots is not None:
-        if prev is None:
-            raise ContractViolation("pagedhybrid.engine.StepPlan", "write_slots",
-                                    "a decode successor needs the last step", None)
-        meta = prev[1].advance(plan.write_slots, inputs)
-        if meta is None:
-            raise ContractViolation("pagedhybrid.engine.StepPlan", "write_slots",
-                                    "must continue the last step's decodes", plan.write_slots)
-        return _advanced_batch(prev[0], meta, plan.token_ids, inputs, device), meta, None
-    meta = StepMetadata.build(plan.q_lens, plan.starts, plan.tables, plan.slots,
-                              block_size=cache.block_size, num_pages=cache.num_pages,
-                              num_slots=cache.num_slots, device=device,
-                              checkpoints=plan.checkpoints,
-                              num_checkpoints=cache.num_checkpoints, verify=plan.verify)
-    rows = None if plan.rows is None else int_tensor(plan.rows, torch.int64, device)
-    return PackedBatch.from_metadata(meta, plan.token_ids, device), meta, rows
-
-
-def build_batch(output: SchedulerOutput, cache: PagedHybridCache, device: str = "cpu",
-                prev: StepBatch | None = None, inputs: DecodeInputs | None = None
-                ) -> StepBatch:
-    """The step object of a scheduled step (``StepPlan``), its packed ABI batch, step metadata
-    and logits rows. When the step is ``prev``'s decode successor, its metadata is ``prev``'s
-    advanced one token (vLLM's persistent batch: no lists are walked and nothing is validated
-    again), its new tensors written into ``inputs`` when given (CPU)."""
-    seqs = output.sequences
-    reqs = tuple(s.request for s in seqs)
-    write = _successor_writes(output, prev)
-    meta = None if write is None or prev is None else prev.meta.advance(write, inputs)
-    if meta is not None:
-        assert prev is not None and write is not None
-        ids = [r.token_ids[p] for r, p in zip(reqs, meta.past_lens, strict=True)]
-        return StepBatch(_advanced_batch(prev.batch, meta, ids, inputs, device), meta, None,
-                         prev.sampling, prev.sample_rows, [], reqs, (), StepPlan(ids, write))
-    rows: list[int] = []
-    sampling, sample_rows, spans, verify = [], [], [], []
-    offset = 0
-    for i, s in enumerate(seqs):
-        req = s.request
-        if s.drafts:  # every row of a verify chunk
-            verify.append((i, len(rows)))
-            rows.extend(range(offset, offset + s.num_new_tokens))
-            offset += s.num_new_tokens
-            continue
-        if req.params.prompt_logprobs is not None and not req.prompt_logprobs_done:
-            hi = min(s.start + s.num_new_tokens, req.num_prompt_tokens - 1)  # last scored + 1
-            if hi > s.start:
-                spans.append(PromptSpan(i, s.start, len(rows), hi - s.start))
-                rows.extend(range(offset, offset + hi - s.start))
-        if s.samples:
-            sampling.append(i)
-            sample_rows.append(len(rows))
-            rows.append(offset + s.num_new_tokens - 1)
-        offset += s.num_new_tokens
-    every = len(rows) == offset and rows == list(range(offset))  # a decode step: all rows
-    # the step's metadata is built (and validated) once from the scheduler's lists; the packed
-    # ABI batch is a view of its tensors plus the token ids
-    plan = StepPlan(
-        [t for s in seqs for t in (
-            *s.request.token_ids[s.start:s.start + s.num_new_tokens - len(s.drafts)],
-            *s.drafts)],
-        None, [s.num_new_tokens for s in seqs], [s.start for s in seqs],
-        [s.block_table for s in seqs], [s.slot for s in seqs],
-        [(i, off, row) for i, s in enumerate(seqs) for off, row in s.checkpoints],
-        [i for i, s in enumerate(seqs) if s.drafts], None if every else rows,
-        [(s.restore, s.slot) for s in seqs if s.restore is not None])
-    batch, meta, rows_t = materialize(plan, cache, device)
-    return StepBatch(batch, meta, rows_t, sampling, sample_rows, spans, reqs, tuple(verify),
-                     plan)
 
 
 class ModelRunner:
@@ -262,7 +106,9 @@ class ModelRunner:
     from ``allocate(sizes)`` on, the cache of KV pages, state slots and state checkpoints;
     ``run`` one step, ``score`` whole sequences."""
 
-    cache: PagedHybridCache
+    cache: PagedHybridCache  # (allocate, as the two below)
+    executors: Executors
+    input_batch: InputBatch
 
     def __init__(self, model: Qwen35ForCausalLM, config: EngineConfig, stats: EngineStats,
                  eos_token_ids: Sequence[int] = (), peers: Peers | None = None
@@ -272,15 +118,12 @@ class ModelRunner:
         self.eos_token_ids = tuple(eos_token_ids)
         # the EOS ids inside the logits' vocabulary (the grammars' and min_tokens' EOS)
         self._eos = [t for t in self.eos_token_ids if 0 <= t < model.config.vocab_size]
-        self._last: StepBatch | None = None  # the last step (its successor reuses its tensors)
         spec = config.speculative
         self._mtp = spec is not None and proposer_spec(spec).model_head
         # the last step's metadata and requests, and its final-norm hidden [N, hidden]: the
         # MTP drafter's input (``forward_mtp``)
         self._hidden: tuple[StepMetadata, tuple[Request, ...]] | None = None
         self._head_in: torch.Tensor | None = None
-        self._inputs = (DecodeInputs(config.max_num_seqs)
-                        if torch.device(config.device).type == "cpu" else None)
         mc = model.config
         kvd = config.page_dtype(model.dtype)
         # what the engine needs goes into the choice: auto never picks a bundle that cannot
@@ -319,6 +162,8 @@ class ModelRunner:
             capsule_capacity=config.speculative.capacity if config.speculative else 0,
             mtp=self._mtp)
         model.check_cache(self.cache)  # once: steps pass their validated metadata
+        self.executors = Executors(model, self.cache)  # the graph one where it binds
+        self.input_batch = InputBatch(self.cache, config.device, config.max_num_seqs)
         if self.peers is not None:  # every rank's pools have the same sizes
             self.peers.allocate(sizes)
 
@@ -347,6 +192,7 @@ class ModelRunner:
         if fmt is not None and qm is not None:
             parts.append(f"{fmt.name} weights: {qm.__module__.rsplit('.', 1)[-1]}.{qm.__name__}"
                          + (f" ({native_quant.int_dot()})" if self._native else ""))
+        parts.append(self.executors.describe())
         parts.append(residence(self.model.arenas, self.config.huge_pages))
         if self._native:
             parts.append(openmp.summary())
@@ -394,43 +240,43 @@ class ModelRunner:
         t0 = time.perf_counter()
         if self.governor is not None:
             self.governor.tick()
-        step = self._last = build_batch(scheduled, self.cache, self.config.device, self._last,
-                                        self._inputs)
-        assert step.plan is not None
-        if self.peers is not None:  # the step object, once, to the other ranks
-            self.peers.send("step", step.plan)
-        for row, slot in step.plan.restores:  # prefix hits start from their checkpointed state
+        step = self.input_batch
+        plan = step.update(scheduled)
+        if self.peers is not None:  # the step's plan, once, to the other ranks
+            self.peers.send("step", plan)
+        for row, slot in plan.restores:  # prefix hits start from their checkpointed state
             self.cache.restore_checkpoint(row, slot)
         t1 = time.perf_counter()
         hidden: list[torch.Tensor] | None = [] if self._mtp else None
         self._hidden = None
+        execute = self.executors.choose(
+            step.meta, step.meta.num_tokens if step.rows is None else step.rows.shape[0])
         with self._collective():
-            logits = self.model.forward_packed(step.batch, self.cache, step.rows,
-                                               step.meta, hidden)  # [R, V]
+            logits = execute(step.batch, self.cache, step.rows, step.meta, hidden)  # [R, V]
         if hidden:
             self._hidden, self._head_in = (step.meta, step.requests), hidden[0]
         t2 = time.perf_counter()
-        for span in step.prompt_spans:
-            req = scheduled.sequences[span.seq].request
-            targets = req.token_ids[span.first + 1:span.first + 1 + span.count]
-            req.record_prompt_logprobs(span.first, logprob_dicts(
-                logits[span.row:span.row + span.count], targets, req.params.prompt_logprobs or 0))
+        for seq, first, row, count in plan.prompt_spans:
+            req = scheduled.sequences[seq].request
+            targets = req.token_ids[first + 1:first + 1 + count]
+            req.record_prompt_logprobs(first, logprob_dicts(
+                logits[row:row + count], targets, req.params.prompt_logprobs or 0))
         sampled: dict[str, list[SampledToken]] = {}
         failed: list[tuple[Request, str]] = []
-        if step.sampling:
-            reqs = [scheduled.sequences[i].request for i in step.sampling]
+        if plan.sampling:
+            reqs = [scheduled.sequences[i].request for i in plan.sampling]
             rows = logits
-            if len(step.sample_rows) != logits.shape[0]:  # (distinct rows, ascending)
-                rows = logits[step.sample_rows]  # [S, V] (rows of prompt logprobs left out)
+            if len(plan.sample_rows) != logits.shape[0]:  # (distinct rows, ascending)
+                rows = logits[list(plan.sample_rows)]  # [S, V] (prompt logprobs' rows left out)
             sampled, failed = sample_requests(rows, reqs, self._eos, st)
-        if step.verify:
-            seqs = [scheduled.sequences[i] for i, _ in step.verify]
+        if plan.verify_rows:
+            seqs = [scheduled.sequences[i] for i, _ in plan.verify_rows]
             eos = self._eos
             masks = [None if s.request.matcher is None else draft_masks(
                 s.request.matcher, s.drafts, logits.shape[1], eos) for s in seqs]
             for s, kept in zip(seqs, verify(logits, [s.request for s in seqs],
                                             [s.drafts for s in seqs],
-                                            [r for _, r in step.verify], masks),
+                                            [r for _, r in plan.verify_rows], masks),
                                strict=True):
                 if not isinstance(kept, str) and s.request.matcher is not None:
                     kept = advance(s.request.matcher, kept, eos)
@@ -452,15 +298,14 @@ class ModelRunner:
     @torch.no_grad()
     def replay(self, plan: StepPlan) -> None:
         """A step on a tensor-parallel rank other than 0 (``distributed.py``): the same batch
-        and metadata as rank 0's (``materialize``), the forward over this rank's shard of the
-        pages and state slots, no logits (rank 0 samples)."""
-        prev = None if self._last is None else (self._last.batch, self._last.meta)
-        batch, meta, _ = materialize(plan, self.cache, self.config.device, prev, self._inputs)
-        self._last = StepBatch(batch, meta, None, [], [], [], ())
+        and metadata as rank 0's (``InputBatch.replay``), the forward over this rank's shard of
+        the pages and state slots, no logits (rank 0 samples)."""
+        step = self.input_batch
+        step.replay(plan)
         for row, slot in plan.restores:
             self.cache.restore_checkpoint(row, slot)
         hidden: list[torch.Tensor] | None = [] if self._mtp else None
-        self.model.forward_packed(batch, self.cache, _NO_ROWS, meta, hidden)
+        self.model.forward_packed(step.batch, self.cache, _NO_ROWS, step.meta, hidden)
         if hidden:
             self._head_in = hidden[0]
 
@@ -495,10 +340,11 @@ class ModelRunner:
     def rank_state(self) -> dict[str, Any]:
         """This rank's cache geometry and last step's lengths (the group's invariants: every
         rank has the same pools and ran the same steps)."""
-        c, last = self.cache, self._last
+        c, step = self.cache, self.input_batch
+        meta = step.meta if step.built else None
         return {"num_pages": c.num_pages, "num_slots": c.num_slots,
                 "num_checkpoints": c.num_checkpoints,
-                "last_step": None if last is None else (last.meta.q_lens, last.meta.past_lens)}
+                "last_step": None if meta is None else (meta.q_lens, meta.past_lens)}
 
     def take_step(self) -> tuple[StepMetadata, tuple[Request, ...]] | None:
         """The last step's metadata and requests, once (the MTP drafter's input; None when

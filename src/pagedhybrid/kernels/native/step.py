@@ -18,9 +18,10 @@ Mixed steps split by sequence; rows of the two groups are disjoint, so they neve
 * gdn_decode_layer -- a whole Gated DeltaNet decoder layer (norms, projections, the mixer, the
   residuals and the MLP) of a decode-only step in one native call (``csrc/decode_layer.cpp``),
   bit for bit the layer's modules when the bundle's products at this batch are the native
-  ``linear`` kernel or torch's GEMM (``dense.product_form``); None otherwise.
+  ``linear`` kernel or torch's GEMM (``dense.product_form``), for a step ``layers_why_not``
+  accepts (the runner's layers executor asks it first).
 * attention_decode_layer -- the same for a full-attention layer over pages in the model dtype
-  (quantized pages: None).
+  (quantized pages are never given to it).
 * mtp_head_input / mtp_head_output -- the MTP head's input before its decoder layer (embedding,
   its two norms, ``fc``) and, for the drafter, what comes after it (the final norm, the LM head
   of the rows it drafts from and their greedy pick), one call each; mtp_chain -- the drafter's
@@ -28,6 +29,7 @@ Mixed steps split by sequence; rows of the two groups are disjoint, so they neve
 * DecodeStack -- a whole decode-only step of the model in one call: the embedding, every
   layer's fused call, the final norm and the LM head, bound once to the layers' tensors and
   the cache's pools (``models/qwen35/stack.py`` binds it).
+``FUSED`` / ``MTP`` are the native bundle's ``FusedDecode`` / ``MtpKernels``.
 * CAPTURE -- a speculative verify step's recurrent state (``kernels/capsule.py``): the verify
   sequences' tokens through the per-token kernel on copies of their rows, capturing decay, key
   and delta (``gated_delta_capture``), and the accepted tokens replayed into the rows
@@ -45,6 +47,7 @@ from pagedhybrid.kernels.capsule import Capsule, StateCapture
 from pagedhybrid.kernels.cpu import step as torch_step
 from pagedhybrid.kernels.native import KV_SPLIT, classes, dense, library
 from pagedhybrid.kernels.native import quant as native_quant
+from pagedhybrid.kernels.registry import FusedDecode, MtpKernels
 from pagedhybrid.kernels.step import (
     AttentionLayerWeights,
     GdnLayerWeights,
@@ -131,16 +134,28 @@ def conv_varlen(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, meta:
 FUSED_DTYPES = (torch.float32, torch.bfloat16)
 
 
+def layers_why_not(meta: StepMetadata, rows: int, dtype: torch.dtype,
+                   matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+                   quantized: bool) -> str | None:
+    """Why the fused decoder layers do not take a step of ``rows`` token rows whose products
+    are ``matmul``'s (int8 / int4 weights: ``quant.linear``'s) in ``dtype``; None: they do."""
+    if not meta.decode_or_verify:
+        return "prefill chunks in the step"
+    if dtype not in FUSED_DTYPES:
+        return f"{dtype} is not a fused dtype"
+    if _product_flag(rows, dtype, matmul, quantized) is None:
+        return f"the products at {rows} rows are in a form the layers do not fuse"
+    return None
+
+
 def _native_product(h: torch.Tensor, meta: StepMetadata,
                     matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
-                    quantized: bool = False) -> bool | None:
+                    quantized: bool = False) -> bool:
     """Whether a fused decode layer multiplies with the native kernel (True) or torch's GEMM
-    (False), as ``matmul`` does at this batch (int8 / int4 weights: as ``quant.linear`` does);
-    None when it cannot fuse the step (not decodes and verify chunks only, a dtype it does not
-    fuse, another product form)."""
-    if not meta.decode_or_verify:
-        return None
-    return _product_flag(h.shape[0], h.dtype, matmul, quantized)
+    (False), as ``matmul`` does at this batch, on a step ``layers_why_not`` accepts."""
+    flag = _product_flag(h.shape[0], h.dtype, matmul, quantized)
+    assert meta.decode_or_verify and flag is not None, "layers_why_not"
+    return flag
 
 
 def _product_flag(rows: int, dtype: torch.dtype,
@@ -200,15 +215,14 @@ def gdn_decode_layer(h: torch.Tensor, w: GdnLayerWeights, conv_pool: torch.Tenso
                      pool: torch.Tensor, meta: StepMetadata,
                      matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
                      checkpoints: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
-                     capsule: Capsule | None = None) -> torch.Tensor | None:
+                     capsule: Capsule | None = None) -> torch.Tensor:
     """The residual stream ``[N, hidden]`` after the whole layer for a step of decodes (and
     verify chunks, captured into ``capsule``; their rows unchanged) -- the pools advanced in
-    place, chunk-end checkpoints written -- computed as the layer's modules do with ``matmul``;
-    None when the step, the dtype or ``matmul``'s form at this batch is not one it fuses."""
+    place, chunk-end checkpoints written -- computed as the layer's modules do with ``matmul``,
+    for a step ``layers_why_not`` accepts."""
     native = _native_product(h, meta, matmul, bool(w.quant))
     chunks = _chunks(meta, capsule)
-    if native is None or chunks is None:
-        return None
+    assert chunks is not None, "verify chunks need the layer's capsule"
     out = library().gdn_decode_layer(  # type: ignore[attr-defined]
         h, w.input_norm, w.in_proj_qkv, w.in_proj_z, w.in_proj_b, w.in_proj_a,
         w.conv.view(w.conv.shape[0], -1), conv_pool, w.a_log, w.dt_bias, pool, meta.state_slots,
@@ -223,15 +237,13 @@ def attention_decode_layer(h: torch.Tensor, w: AttentionLayerWeights, cos: torch
                            sin: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            meta: StepMetadata,
                            matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
-                           scales: KVScales | None = None) -> torch.Tensor | None:
+                           scales: KVScales | None = None) -> torch.Tensor:
     """The residual stream ``[N, hidden]`` after the whole layer for a step of decodes and
     verify chunks (the step's K/V written to their pages), computed as the layer's modules do
-    with ``matmul``;
-    None when the step, the dtype, the pages (quantized) or ``matmul``'s form at this batch is
-    not one it fuses."""
+    with ``matmul``, for a step ``layers_why_not`` accepts over pages in the model dtype (not
+    quantized)."""
     native = _native_product(h, meta, matmul, bool(w.quant))
-    if native is None or scales is not None or key_cache.dtype != h.dtype:
-        return None
+    assert scales is None and key_cache.dtype == h.dtype, "pages in the model dtype"
     assert meta.write_slots is not None
     return library().attention_decode_layer(  # type: ignore[attr-defined]
         h, w.input_norm, w.q_proj, w.k_proj, w.v_proj, w.q_norm, w.k_norm, cos, sin, key_cache,
@@ -414,23 +426,33 @@ class DecodeStack:
         return cls(native, gdn_pools, matmul, lm_matmul, bool(bits), lm_quant is not None,
                    embed.dtype)
 
+    def why_not(self, meta: StepMetadata, num_logits: int) -> str | None:
+        """Why a step does not run in this one call (None: it does): it is not decodes only, or
+        its products (the layers' at the step's rows, the LM head's at ``num_logits`` rows)
+        take a form the stack does not fuse (an int kernel past its rows, a dtype outside
+        ``FUSED_DTYPES``)."""
+        if not meta.all_decode:
+            return "not a decode-only step"
+        matmul, lm_matmul, quantized, lm_quantized, dtype = self._forms
+        if _product_flag(meta.num_tokens, dtype, matmul, quantized) is None:
+            return f"the layers' products at {meta.num_tokens} rows are not in a fused form"
+        if _product_flag(num_logits, dtype, lm_matmul, lm_quantized) is None:
+            return f"the LM head's product at {num_logits} rows is not in a fused form"
+        return None
+
     def __call__(self, ids: torch.Tensor, meta: StepMetadata,
                  rope: tuple[torch.Tensor, torch.Tensor], logits_rows: torch.Tensor | None,
-                 want_hidden: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+                 want_hidden: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(float32 logits of ``logits_rows`` (every row when None), the final-norm hidden
-        ``[N, hidden]`` when ``want_hidden``) of a decode-only step, its pages and state rows
-        advanced and its chunk-end checkpoints written; None where the step does not fuse (not
-        decodes only, a product form the layers do not fuse at its rows). ``rope``: cos, sin
-        tables ``[P, rotary_dim]`` past every position of the step."""
-        if not meta.all_decode:
-            return None
+        ``[N, hidden]`` when ``want_hidden``) of a step ``why_not`` accepts, its pages and state
+        rows advanced and its chunk-end checkpoints written. ``rope``: cos, sin tables
+        ``[P, rotary_dim]`` past every position of the step."""
         matmul, lm_matmul, quantized, lm_quantized, dtype = self._forms
         n = ids.shape[0]
         native = _product_flag(n, dtype, matmul, quantized)
         lm_native = _product_flag(n if logits_rows is None else logits_rows.shape[0], dtype,
                                   lm_matmul, lm_quantized)
-        if native is None or lm_native is None:
-            return None
+        assert meta.all_decode and native is not None and lm_native is not None, "why_not"
         assert meta.write_slots is not None
         out = self._native.run(ids, meta.positions, *rope, meta.state_slots, meta.fresh_t,
                                meta.write_slots, meta.block_table, meta.cu_seqlens_t, meta.past_t,
@@ -504,3 +526,7 @@ def _replay_layers(conv_pools: list[torch.Tensor], pools: list[torch.Tensor],
 
 
 CAPTURE = StateCapture(_capture, _replay, _replay_layers)
+
+FUSED = FusedDecode(gdn_decode, gdn_decode_layer, attention_decode_layer, layers_why_not,
+                    DecodeStack.bind)
+MTP = MtpKernels(mtp_head_input, mtp_head_output, mtp_chain, mtp_draft)

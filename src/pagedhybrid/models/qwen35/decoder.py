@@ -1,14 +1,16 @@
 """The decoder stack's modules (HF ``Qwen3_5ForCausalLM``'s ``model``): ``DecoderLayer`` -- a
-pre-norm residual layer whose mixer is ``FullAttention`` or ``GatedDeltaNet`` by
-``layer_types``, with its tensors gathered for a bundle's fused decode layer
-(``decode_weights``, ``fused_decode``) -- ``Qwen35TextModel`` (embedding, layers, final norm) and
-the checkpoint's ``MtpHead``; ``model.Qwen35ForCausalLM`` runs them.
+pre-norm residual layer whose mixer is ``FullAttention`` or ``GatedDeltaNet`` by ``layer_types``,
+with its tensors gathered for a bundle's fused decode layer (``decode_weights``, ``fused_why_not``,
+``fused_forward``) -- ``Qwen35TextModel`` (embedding, layers, final norm) and the checkpoint's
+``MtpHead``; ``model.Qwen35ForCausalLM`` runs them.
 
 ``PARAMETER_EPOCH`` counts parameter registrations: what is gathered from the modules for the
 native calls (a layer's weights, ``stack.bind_stack``'s binding) is reused while it is unchanged.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
@@ -100,24 +102,57 @@ class DecoderLayer(nn.Module):
         self._weights = (PARAMETER_EPOCH[0], w)
         return w
 
-    def fused_decode(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     cache: PagedHybridCache, meta: StepMetadata, backend: Backend
-                     ) -> torch.Tensor | None:
-        """``h`` after this layer by the bundle's fused decode layer, or None where the bundle
-        has none, does not fuse this step, or the layer's feed-forward is a mixture of experts
-        (the caller runs the layer's modules)."""
+    def fused_why_not(self, backend: Backend, cache: PagedHybridCache) -> str | None:
+        """Why this layer has no fused call (``Backend.fused``) over ``cache`` -- the bundle has
+        none, its feed-forward is a mixture of experts, its pages are quantized or in another
+        dtype than the model; None: it has one (each step is then asked ``fused.why_not``)."""
+        if backend.fused is None:
+            return f"the {backend.name} bundle has no fused layers"
         if isinstance(self.mlp, SparseMoE):
-            return None
+            return "a mixture of experts"
+        if self.is_full and cache.kv_scales.get(self.index) is not None:
+            return "quantized KV pages"
+        if self.is_full and cache.key_cache[self.index].dtype != self.input_layernorm.weight.dtype:
+            return "KV pages in another dtype than the model"
+        return None
+
+    def product(self) -> tuple[Any, bool]:
+        """How the fused call multiplies: the layer's product (``matmul``) and whether its
+        weights are int8 / int4 -- what ``fused.why_not`` asks about at a step's rows."""
+        return self.mlp.down_proj.matmul, bool(self.decode_weights().quant)
+
+    def fused_forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      cache: PagedHybridCache, meta: StepMetadata, backend: Backend
+                      ) -> torch.Tensor:
+        """``h`` after this layer in one call of the bundle's fused layer, for a layer with one
+        (``fused_why_not``) and a step the bundle takes (``fused.why_not``): the runner's layers
+        executor asks both before it runs a step this way."""
+        fused = backend.fused
+        assert fused is not None
         i, matmul = self.index, self.mlp.down_proj.matmul
         if self.is_full:
-            fn = backend.attention_decode_layer
-            return None if fn is None else fn(
+            return fused.attention_layer(
                 h, self.decode_weights(), cos, sin, cache.key_cache[i], cache.value_cache[i],
                 meta, matmul, cache.kv_scales.get(i))
-        fn = backend.gdn_decode_layer
-        return None if fn is None else fn(
+        return fused.gdn_layer(
             h, self.decode_weights(), cache.conv_state[i], cache.recurrent_state[i], meta,
             matmul, cache.checkpoint_pools(i) or (None, None), cache.capsules.get(i))
+
+    def head_forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     cache: PagedHybridCache, meta: StepMetadata, backend: Backend,
+                     fuse: bool = True) -> torch.Tensor:
+        """The MTP head's layer (full attention) over a head step: one fused call where
+        ``fuse`` (one rank), the layer has one and the bundle takes the step, else its
+        modules."""
+        fused = backend.fused
+        if (not fuse or fused is None or self.fused_why_not(backend, cache) is not None
+                or fused.why_not(meta, h.shape[0], h.dtype, *self.product()) is not None):
+            a = self.self_attn.forward_packed(self.input_layernorm(h), cos, sin, meta,
+                                              cache.key_cache[self.index],
+                                              cache.value_cache[self.index], backend,
+                                              cache.kv_scales.get(self.index))
+            return self.feed_forward(h + a)
+        return self.fused_forward(h, cos, sin, cache, meta, backend)
 
 
 class Qwen35TextModel(nn.Module):

@@ -30,7 +30,7 @@ layer's conv channels and recurrent heads, hence its state pools, are the rank's
 
 Both operators run through the backend's step seam (``kernels.backend.Backend``: ``causal_conv``
 and ``gated_delta`` on the step's ``StepMetadata``), which read and write this layer's rows of
-the conv and recurrent state pools in place. A bundle with ``gdn_decode`` (the native one) runs
+the conv and recurrent state pools in place. A bundle with ``fused.mixer`` (the native one) runs
 steps 2-6 up to ``out_proj`` of a decode-only step in one call, computing every bit as the
 seam's kernels and its norms do one after the other (tests/kernels/test_native_cpu_forms.py,
 ``test_fused_gdn_decode_mixer_equals_the_separate_ops``).
@@ -116,11 +116,11 @@ class GatedDeltaNet(nn.Module):
         qkv = self.in_proj_qkv(x)  # [T, conv_dim]
         z = self.in_proj_z(x)  # [T, Hv*Dv]
         b, a = self.in_proj_b(x), self.in_proj_a(x)  # [T, Hv]
-        if backend.gdn_decode is not None:
-            y = backend.gdn_decode(qkv, z, a, b, self.conv1d.weight, conv_pool, self.A_log,
-                                   self.dt_bias, recurrent_pool, self.norm.weight, meta,
-                                   self.num_k_heads, self.head_k_dim ** -0.5, QK_L2_NORM_EPS,
-                                   self.norm.eps, (ck_conv, ck_rec), capsule)  # [T, Hv*Dv] / None
+        if backend.fused is not None:  # the mixer in one call, for a step of decodes
+            y = backend.fused.mixer(qkv, z, a, b, self.conv1d.weight, conv_pool, self.A_log,
+                                    self.dt_bias, recurrent_pool, self.norm.weight, meta,
+                                    self.num_k_heads, self.head_k_dim ** -0.5, QK_L2_NORM_EPS,
+                                    self.norm.eps, (ck_conv, ck_rec), capsule)  # [T, Hv*Dv] / None
             if y is not None:
                 return self.out_proj(y)
         z = z.view(t, self.num_v_heads, self.head_v_dim)  # [T, Hv, Dv]

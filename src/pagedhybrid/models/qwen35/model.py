@@ -15,15 +15,14 @@ Two forwards share every weight and every layer's math:
   (row b = sequence b). Linear layers run through the same step seam as the packed path on
   copies of ``past``'s states (``past`` itself is never modified).
 * ``forward_packed(batch, cache, logits_rows, meta)`` -- the serving path over a ``PackedBatch``
-  and a ``PagedHybridCache``: the step's ``StepMetadata`` (built and validated once, by the
-  runner's ``build_batch`` or here from the batch) is read by every layer; pages and state slots
-  are updated in place. In a decode-only step a bundle with fused decode layers (the native one:
-  ``gdn_decode_layer`` / ``attention_decode_layer``) runs each whole layer -- norms,
-  projections, mixer, residuals, MLP -- in one native call, bit for bit what the layer's modules
-  compute (a step of ~25 python-level ops per layer becomes one), and where the runner built the
-  step, the whole stack -- embedding, layers, final norm, LM head -- is one call
-  (``stack.py``); any other step, a TP rank, quantized pages or a product form it does not
-  mirror run the modules.
+  and a ``PagedHybridCache``: the step's ``StepMetadata`` (built and validated once, by the runner's
+  ``InputBatch`` or here from the batch) is read by every layer; pages and state slots are updated
+  in place. In a decode-only step a bundle with fused decode layers (the native one:
+  ``gdn_decode_layer`` / ``attention_decode_layer``) runs each whole layer -- norms, projections,
+  mixer, residuals, MLP -- in one native call, bit for bit what the layer's modules compute (a step
+  of ~25 python-level ops per layer becomes one); the runner's graph executor runs the whole stack
+  -- embedding, layers, final norm, LM head -- in one call instead (``decode_graph``, ``stack.py``);
+  any other step, a TP rank, quantized pages or a product form it does not mirror run the modules.
 
 Kernels come from the one kernel registry (``pagedhybrid.kernels.backend.REGISTRY``;
 ``select(needs=Needs(...))``): ``auto`` gives the native kernels when the prebuilt extension is
@@ -49,7 +48,6 @@ Logits are returned as float32 (as the exported graph does).
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,7 +133,6 @@ class Qwen35ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.mtp: MtpHead | None = None
         self.rope = RopeTable(config)  # text positions' cos, sin
-        self._stack: tuple[tuple[Any, ...], Any] = ((), None)  # (_decode_stack)
         if mtp:
             if config.mtp_num_hidden_layers != 1:
                 raise UnsupportedConfiguration(
@@ -332,8 +329,8 @@ class Qwen35ForCausalLM(nn.Module):
     @torch.no_grad()
     def forward_packed(self, batch: PackedBatch, cache: PagedHybridCache,
                        logits_rows: torch.Tensor | None = None,
-                       meta: StepMetadata | None = None, hidden: list[torch.Tensor] | None = None
-                       ) -> torch.Tensor:
+                       meta: StepMetadata | None = None, hidden: list[torch.Tensor] | None = None,
+                       fused: Sequence[bool] = ()) -> torch.Tensor:
         """One packed step; returns float32 logits ``[N, V]`` (or ``[len(logits_rows), V]``);
         ``hidden``, when given, receives the final-norm hidden of every row ``[N, hidden]``
         (what the MTP head reads).
@@ -343,7 +340,8 @@ class Qwen35ForCausalLM(nn.Module):
         LM head, e.g. ``batch.last_token_rows()`` for pruned prefill. ``meta`` is the step's
         validated metadata (the runner builds it with the batch, over a cache it checked once
         with ``check_cache``); without it the cache and the batch are validated and the
-        metadata is built here, once.
+        metadata is built here, once. ``fused`` (the runner's layers executor, for a step it
+        checked the bundle takes): per layer, whether it runs as one fused call.
         """
         given = meta is not None
         if meta is None:
@@ -360,26 +358,14 @@ class Qwen35ForCausalLM(nn.Module):
                                             f"must be int rows in [0, {n}) [R]",
                                             getattr(logits_rows, "shape", logits_rows))
         backend = self.backend
-        single = self.parallel.tp_world_size == 1
-        pos = batch.position_ids
         # the runner's meta ends each sequence past its positions; a caller's batch is measured
         reach = max(meta.total_lens) if given else None
-        if (reach is not None and single and pos.stride(0) == 0
-                and pos.data_ptr() == meta.positions.data_ptr()):
-            stack = self._decode_stack(cache)  # the whole step in one call, where it fuses
-            out = None if stack is None else stack(batch.input_ids, meta, self.rope.upto(reach),
-                                                   logits_rows, hidden is not None)
-            if out is not None:
-                if hidden is not None:
-                    hidden.append(out[1])
-                return out[0]
-        cos, sin = self.rope.step(pos, reach)  # [N, rd] x2
+        cos, sin = self.rope.step(batch.position_ids, reach)  # [N, rd] x2
         h = self.model.embed_tokens(batch.input_ids)  # [N, hidden]
-        for layer in self.model.layers:
+        for n, layer in enumerate(self.model.layers):
             i = layer.index
-            out = layer.fused_decode(h, cos, sin, cache, meta, backend) if single else None
-            if out is not None:  # the whole layer in one native call
-                h = out
+            if fused and fused[n]:  # the whole layer in one native call
+                h = layer.fused_forward(h, cos, sin, cache, meta, backend)
                 continue
             x = layer.input_layernorm(h)
             if layer.is_full:
@@ -412,23 +398,18 @@ class Qwen35ForCausalLM(nn.Module):
         backend = self.backend
         cos, sin = self.rope.rows(meta.positions, max(meta.total_lens))
         single = self.parallel.tp_world_size == 1
-        h = None if not single or backend.mtp_head_input is None else backend.mtp_head_input(
+        h = None if not single or backend.mtp is None else backend.mtp.head_input(
             token_ids, hidden, head.input_weights(self.model.embed_tokens.weight), meta,
             head.fc.matmul)
         if h is None:
             x = torch.cat([head.pre_fc_norm_embedding(self.model.embed_tokens(token_ids)),
                            head.pre_fc_norm_hidden(hidden)], dim=-1)
             h = head.fc(x)  # [N, hidden]
-        layer, i = head.layer, head.layer.index
-        out = layer.fused_decode(h, cos, sin, cache, meta, backend) if single else None
-        if out is None:
-            a = layer.self_attn.forward_packed(layer.input_layernorm(h), cos, sin, meta,
-                                               cache.key_cache[i], cache.value_cache[i],
-                                               backend, cache.kv_scales.get(i))
-            out = layer.feed_forward(h + a)
+        layer = head.layer
+        out = layer.head_forward(h, cos, sin, cache, meta, backend, fuse=single)
         lm = self.lm_head
-        fused = None if not greedy or backend.mtp_head_output is None else \
-            backend.mtp_head_output(out, head.norm.weight, head.norm.eps, logits_rows, lm.weight,
+        fused = None if not greedy or backend.mtp is None else \
+            backend.mtp.head_output(out, head.norm.weight, head.norm.eps, logits_rows, lm.weight,
                                     lm.quant, lm.matmul)
         if fused is not None:
             return fused[1], fused[0]
@@ -455,7 +436,9 @@ class Qwen35ForCausalLM(nn.Module):
         ids = token_ids.tolist()
         steps = [n if t >= 0 else 0 for t, n in zip(ids, steps, strict=True)]
         b, most = len(steps), max(steps, default=0)
-        fused = self.backend.mtp_chain if self.parallel.tp_world_size == 1 else None
+        kernels = self.backend.mtp
+        fused = kernels.chain if kernels is not None and self.parallel.tp_world_size == 1 \
+            else None
         if fused is not None and most:
             out = fused(token_ids, hidden, int_tensor(positions, torch.int64),
                         int_tensor(steps, torch.int64), _table(tables), cache.block_size,
@@ -497,7 +480,9 @@ class Qwen35ForCausalLM(nn.Module):
         ``[D, 1 + max(steps)]``, -1 past each one's end; the head's hidden after each chain),
         or None where the bundle has no such call or would not fuse the step (the caller then
         runs ``forward_mtp`` and ``mtp_chain``)."""
-        fused = self.backend.mtp_draft if self.parallel.tp_world_size == 1 else None
+        kernels = self.backend.mtp
+        fused = kernels.draft if kernels is not None and self.parallel.tp_world_size == 1 \
+            else None
         if fused is None or self.mtp is None:
             return None
         reach = max([p + q for p, q in zip(past_lens, q_lens, strict=True)]
@@ -508,23 +493,13 @@ class Qwen35ForCausalLM(nn.Module):
                      int_tensor(steps, torch.int64), _table(chain_tables), cache.block_size,
                      self.rope.upto(reach), *self._head_kernel_args(cache))
 
-    def _decode_stack(self, cache: PagedHybridCache) -> Any:
-        """``stack.bind_stack`` of this model over ``cache``, bound again when a parameter,
-        the bundle or the cache changes; the binding (which holds the cache's pools) goes when
-        the cache does."""
-        key = self._stack[0]
-        if not (key and key[0] == PARAMETER_EPOCH[0] and key[1] is self.backend
-                and key[2]() is cache):
-            model = weakref.ref(self)
-
-            def gone(ref: weakref.ref[PagedHybridCache]) -> None:
-                m = model()
-                if m is not None and m._stack[0] and m._stack[0][2] is ref:
-                    m._stack = ((), None)
-
-            self._stack = ((PARAMETER_EPOCH[0], self.backend, weakref.ref(cache, gone)),
-                           bind_stack(self.backend, self.model, self.lm_head, cache))
-        return self._stack[1]
+    def decode_graph(self, cache: PagedHybridCache) -> tuple[Any | None, str]:
+        """The whole decode step of this model over ``cache`` bound as one native call
+        (``stack.bind_stack``: a ``DecodeStack``), or None and why not -- for the runner's
+        graph executor, which calls it with ``rope_upto(reach)``'s tables."""
+        if self.parallel.tp_world_size != 1:
+            return None, "tensor parallelism"
+        return bind_stack(self.backend, self.model, self.lm_head, cache)
 
     def _head(self) -> MtpHead:
         """The MTP head, or ``UnsupportedConfiguration`` naming how to load it."""
