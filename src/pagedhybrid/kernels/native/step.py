@@ -13,7 +13,7 @@ Mixed steps split by sequence; rows of the two groups are disjoint, so they neve
   DeltaNet mixer between the
   input projections and ``out_proj`` (conv + SiLU, q / k L2 norms, the recurrent step, the gated
   RMS norm) in one native call, bit for bit what the separate kernels above and the native
-  norms compute in turn (``csrc/state_updates.cpp`` ``gdn_decode_mixer``; the projections may
+  norms compute in turn (``csrc/gdn_mixer.cpp`` ``gdn_decode_mixer``; the projections may
   be row views); other steps return None and the layer runs them op by op.
 * gdn_decode_layer -- a whole Gated DeltaNet decoder layer (norms, projections, the mixer, the
   residuals and the MLP) of a decode-only step in one native call (``csrc/decode_layer.cpp``),
@@ -271,8 +271,8 @@ def mtp_head_input(token_ids: torch.Tensor, hidden: torch.Tensor, w: MtpHeadInpu
     """The MTP head's decoder-layer input ``fc([norm(embed[token_ids]) | norm(hidden)])``
     ``[N, hidden]`` in one call (``model.MtpHead``), as the modules compute it with ``matmul``;
     None where the head's layer would not fuse the step either (``attention_decode_layer``)."""
-    native = _native_product(hidden, meta, matmul, w.fc_quant is not None)
-    if native is None or w.embed.dtype != hidden.dtype:
+    native = _product_flag(hidden.shape[0], hidden.dtype, matmul, w.fc_quant is not None)
+    if not meta.decode_or_verify or native is None or w.embed.dtype != hidden.dtype:
         return None
     fc, quant, bits = _held(w.fc, w.fc_quant)
     return library().mtp_head_input(  # type: ignore[attr-defined]
@@ -329,7 +329,7 @@ def mtp_chain(token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Te
               final_norm: torch.Tensor, lm_head: torch.Tensor, lm_quant: QuantizedWeight | None,
               matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
               ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The MTP drafter's chain in one call (``csrc/decode_layer.cpp`` ``mtp_chain``: each
+    """The MTP drafter's chain in one call (``csrc/mtp_head.cpp`` ``mtp_chain``: each
     step ``mtp_head_input``, the head's ``attention_decode_layer`` and ``mtp_head_output``):
     (drafts int64 ``[B, max(steps)]``, -1 past each chain's end; the head's hidden after each
     chain ``[B, hidden]``); None where a step would not fuse (quantized pages, a product form it
@@ -368,7 +368,7 @@ def mtp_draft(token_ids: torch.Tensor, hidden: torch.Tensor, q_lens: torch.Tenso
 
 
 class DecodeStack:
-    """A model's decode step in one native call (``csrc/decode_layer.cpp`` ``DecodeStack``):
+    """A model's decode step in one native call (``csrc/decode_stack.cpp`` ``DecodeStack``):
     the embedding, every layer's ``gdn_decode_layer`` / ``attention_decode_layer``, the final
     norm and the LM head, bit for bit the calls ``forward_packed`` makes one by one. Bound once
     to the layers' tensors (``GdnLayerWeights`` / ``AttentionLayerWeights``, each with its
