@@ -14,7 +14,7 @@ The baseline is a git worktree of ``--baseline-rev`` (``latency.ensure_baseline`
 native sources equal this checkout's, this checkout's built kernels are copied in instead of
 built again.
 
-    python benchmarks/house_ab.py --baseline-rev 07f3fe4 [--reps 5]
+    python benchmarks/house_ab.py --baseline-rev 07f3fe4 [--reps 5] [--models builtin:bfloat16]
 """
 
 from __future__ import annotations
@@ -108,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--gate", type=float, default=0.03)
+    ap.add_argument("--models", nargs="+", default=[f"{m}:{d}" for m, d in MODELS],
+                    help="model:dtype pairs (default: all three)")
     ap.add_argument("--out", default=str(HERE / "results" / "house_ab.json"))
     a = ap.parse_args(argv)
     sys.path.insert(0, str(HERE))
@@ -125,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         small = Path(tmp) / "small"
         latency.write_small_model(small, default_model_dir(), seed=0)
         dirs = {"small": (small, 32000), "builtin": (default_model_dir(), 4096)}
-        for name, dtype in MODELS:
+        for name, dtype in (m.split(":") for m in a.models):
             folder, vocab = dirs[name]
             runs: dict[str, list[dict[str, float]]] = {"baseline": [], "current": []}
             for _ in range(a.reps):  # alternating, one process at a time

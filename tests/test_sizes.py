@@ -19,11 +19,7 @@ MAX_FUNCTION_LINES = 80
 SOURCE = (".py", ".cpp", ".h")
 
 # today's offenders (path under src/pagedhybrid -> lines): shrink them, never add one
-FILES = {
-    "kernels/native/csrc/decode_layer.cpp": 971,
-    "kernels/native/csrc/quant.cpp": 950,
-    "kernels/native/csrc/state_updates.cpp": 934,
-}
+FILES: dict[str, int] = {}
 FUNCTIONS: dict[str, int] = {}
 
 

@@ -22,7 +22,7 @@ The engine holds a weight whose N is a multiple of ``GROUP`` = 16 in groups of 1
 ``[N / 16, n_blocks, L, 64]``, ``scales`` float16 and ``zeros`` uint8 ``[N / 16, n_blocks, 16]``
 (row ``i`` of the group at index ``i``). Each 64-byte line holds the group's 16 rows' four bytes
 (row ``i`` at bytes ``4i ..``), the order in which one vector instruction multiplies 16 rows by
-four activation codes (``kernels/native/csrc/quant.cpp`` ``group_rows``): 8-bit line ``j`` of a
+four activation codes (``kernels/native/csrc/quant_gemm.cpp`` ``group_rows``): 8-bit line ``j`` of a
 block = its elements ``4j .. 4j + 3`` (``L = block / 4``); 4-bit line ``j`` = its elements
 ``8j .. 8j + 7``, byte ``t`` holding element ``8j + t`` in the low nibble and ``8j + 4 + t`` in
 the high one (``L = block / 8``).

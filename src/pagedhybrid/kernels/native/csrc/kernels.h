@@ -1,5 +1,6 @@
-// The checked entry points one op file calls in another (decode_layer.cpp composes them), with
-// hidden visibility: every CPU form's library has its own, never another's.
+// The checked entry points one op file calls in another (decode_layer.cpp, mtp_head.cpp and
+// decode_stack.cpp compose them), with hidden visibility: every CPU form's library has its own,
+// never another's.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -64,7 +65,7 @@ PH_LOCAL void check_paged_attention(const at::Tensor& q, const at::Tensor& key_c
                                     const at::Tensor& seqs, const at::Tensor& out,
                                     int64_t split);
 
-// state_updates.cpp: the Gated DeltaNet mixer of a decode step (or of decodes and verify chunks)
+// gdn_mixer.cpp: the Gated DeltaNet mixer of a decode step (or of decodes and verify chunks)
 PH_LOCAL void gdn_decode_mixer(const at::Tensor& qkv, const at::Tensor& z, const at::Tensor& a,
                                const at::Tensor& b, const at::Tensor& conv_weight,
                                at::Tensor conv_pool, const at::Tensor& a_log,
@@ -78,5 +79,31 @@ PH_LOCAL void gdn_decode_mixer(const at::Tensor& qkv, const at::Tensor& z, const
                                const c10::optional<at::Tensor>& decay,
                                const c10::optional<at::Tensor>& key,
                                const c10::optional<at::Tensor>& delta);
+
+// decode_layer.cpp: a whole decoder layer of a decode step (or of decodes and verify chunks) in
+// one call, h [B, hidden] -> the layer's output (mtp_head.cpp's head and decode_stack.cpp's
+// DecodeStack run them)
+PH_LOCAL at::Tensor attention_decode_layer(
+    const at::Tensor& h, const at::Tensor& input_norm, const at::Tensor& q_proj,
+    const at::Tensor& k_proj, const at::Tensor& v_proj, const at::Tensor& q_norm,
+    const at::Tensor& k_norm, const at::Tensor& cos, const at::Tensor& sin, at::Tensor key_cache,
+    at::Tensor value_cache, const at::Tensor& write_slots, const at::Tensor& block_table,
+    const at::Tensor& cu_seqlens, const at::Tensor& past_lens, const at::Tensor& seqs,
+    const at::Tensor& o_proj, const at::Tensor& post_norm, const at::Tensor& gate_proj,
+    const at::Tensor& up_proj, const at::Tensor& down_proj, int64_t heads, int64_t kv_heads,
+    double scale, double rms_eps, int64_t split, bool native_linear, at::TensorList quant,
+    int64_t quant_bits);
+PH_LOCAL at::Tensor gdn_decode_layer(
+    const at::Tensor& h, const at::Tensor& input_norm, const at::Tensor& in_proj_qkv,
+    const at::Tensor& in_proj_z, const at::Tensor& in_proj_b, const at::Tensor& in_proj_a,
+    const at::Tensor& conv_weight, at::Tensor conv_pool, const at::Tensor& a_log,
+    const at::Tensor& dt_bias, at::Tensor pool, const at::Tensor& slots, const at::Tensor& fresh,
+    const at::Tensor& gated_norm, const at::Tensor& out_proj, const at::Tensor& post_norm,
+    const at::Tensor& gate_proj, const at::Tensor& up_proj, const at::Tensor& down_proj,
+    int64_t key_heads, double scale, double l2_eps, double gated_eps, double rms_eps,
+    bool native_linear, at::TensorList quant, int64_t quant_bits,
+    const c10::optional<at::Tensor>& cu_seqlens, const c10::optional<at::Tensor>& verify,
+    const c10::optional<at::Tensor>& capsule_conv, const c10::optional<at::Tensor>& decay,
+    const c10::optional<at::Tensor>& key, const c10::optional<at::Tensor>& delta);
 
 }  // namespace pagedhybrid

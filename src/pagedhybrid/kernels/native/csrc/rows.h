@@ -1,5 +1,5 @@
 // One row of the decoder's row-wise norms (norms.cpp), shared with the fused Gated DeltaNet
-// decode (state_updates.cpp) so both compute every bit alike:
+// decode (gdn_mixer.cpp) so both compute every bit alike:
 //
 //   Kind::kRms    out = x * rsqrt(mean(x^2) + eps) * (offset ? 1 + w : w)
 //   Kind::kGated  out = x * rsqrt(mean(x^2) + eps) * w * silu(gate)
