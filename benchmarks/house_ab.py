@@ -20,6 +20,7 @@ built again.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -65,7 +66,7 @@ def child(model_dir: str, dtype: str, vocab: int) -> dict[str, float]:
 
     run([prompt(16, 1)], 8)  # warm-up
     (st,) = run([prompt(16, 2)], 128)
-    gaps = [b - a for a, b in zip(st, st[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(st)]
     sts = run([prompt(128, 3 + i) for i in range(16)], 128)
     start, end = max(s[0] for s in sts), max(s[-1] for s in sts)
     return {"startup_s": startup, "tg128": (len(st) - 1) / (st[-1] - st[0]),
@@ -114,7 +115,6 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     sys.path.insert(0, str(HERE))
     import latency
-
     from pagedhybrid.kernels.native import cpu_form
     from pagedhybrid.models.qwen35 import default_model_dir
 
