@@ -18,8 +18,10 @@ $(STAMP): pyproject.toml
 	touch $@
 
 # The native CPU kernels (torch C++ extension, g++ + ninja) are built ahead of time, here,
-# never on a first request; the build is skipped when it is current.
-$(NATIVE): $(STAMP) $(wildcard src/pagedhybrid/kernels/native/csrc/*)
+# never on a first request; the build is skipped when it is current. It writes csrc/layer_spec.h
+# from kernels/layer_spec.py (the fused layers' fields) first.
+$(NATIVE): $(STAMP) $(wildcard src/pagedhybrid/kernels/native/csrc/*) \
+           src/pagedhybrid/kernels/layer_spec.py
 	$(PY) -m pagedhybrid.kernels.native.build
 
 native: $(NATIVE)

@@ -201,13 +201,13 @@ def bench_batch_invariant(model: torch.nn.Module, w: Workload, args: argparse.Na
     default = model.backend  # the last engine left the invariant bundle: take the default one
     from pagedhybrid.kernels.backend import select
 
-    model.backend = select(args.backend, model.config, model.dtype).backend  # type: ignore[union-attr]
+    model.use_backend(select(args.backend, model.config, model.dtype).backend)  # type: ignore[union-attr]
     seqs = [p + t for p, t in zip(w.prompts, toks, strict=True)]
     start = time.perf_counter()
     for s in seqs:
         model.forward_dense(torch.tensor([s]))  # type: ignore[operator]
     dense_s = time.perf_counter() - start
-    model.backend = default  # type: ignore[union-attr]
+    model.use_backend(default)  # type: ignore[union-attr]
     dense_tps = sum(len(s) for s in seqs) / dense_s
     inv, base = rows["batch_invariant"], rows["default"]
     out = {"rows": rows, "throughput_ratio": inv["generated_tok_s"] / base["generated_tok_s"],

@@ -198,7 +198,7 @@ def test_the_fused_head_equals_its_steps_bit_for_bit(mtp_dir: Path, dtype: torch
     tables = [[4, 1, 6], [2]]
     ids, results = torch.tensor([9, 4, 1, 6]), []
     for bundle in (native, stepwise, native):
-        model.backend = bundle
+        model.use_backend(bundle)
         c = cache.clone()
         if len(results) < 2:  # the catch-up (forward_mtp), then the chains (mtp_chain)
             meta = StepMetadata.build([3, 1], [12, 4], tables, [0, 1], block_size=16,
@@ -218,7 +218,7 @@ def test_the_fused_head_equals_its_steps_bit_for_bit(mtp_dir: Path, dtype: torch
     drafts = results[0][0]
     assert drafts.shape == (2, 5) and bool((drafts[0] >= 0).all())
     assert bool((drafts[1, :2] >= 0).all()) and bool((drafts[1, 2:] == -1).all())
-    model.backend = native  # a catch-up with nothing to draft from picks nothing
+    model.use_backend(native)  # a catch-up with nothing to draft from picks nothing
     picks, out = model.forward_mtp(ids, hidden, meta, cache.clone(),
                                    torch.zeros(0, dtype=torch.int64), greedy=True)
     assert picks.shape == (0,) and out.shape == hidden.shape

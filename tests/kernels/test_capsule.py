@@ -22,7 +22,7 @@ from pagedhybrid.kernels.capsule import (
     torch_replay,
 )
 from pagedhybrid.kernels.native import library, status
-from pagedhybrid.kernels.native.step import CAPTURE
+from pagedhybrid.kernels.native.seam import CAPTURE
 from pagedhybrid.kernels.step import StepMetadata
 from pagedhybrid.models.qwen35.config import Qwen35Config
 from pagedhybrid.models.qwen35.synthetic import tiny_byte_config

@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from pagedhybrid.kernels import native
-from pagedhybrid.kernels import step_reference as ref_step
+from pagedhybrid.kernels import reference as ref_step
 from pagedhybrid.kernels.native import dense
-from pagedhybrid.kernels.native import step as native_step
+from pagedhybrid.kernels.native import seam as native_seam
 from pagedhybrid.kernels.native.sampling import (
     apply_token_bitmask_,
     greedy_rows,
@@ -549,7 +549,7 @@ def test_the_step_seam_agrees_with_the_reference_in_every_form(dtype: torch.dtyp
     tol = 2e-5 if dtype == torch.float32 else 3e-2
     for form in HERE:
         with forced(form):
-            got = run(native_step)
+            got = run(native_seam)
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g.float(), w.float(), rtol=tol, atol=tol)
 

@@ -46,8 +46,8 @@ def _both(name: str, fn_name: str, *args: torch.Tensor | float | str | StepMetad
     (positional indices ``pools``)."""
     ref_args = [a.clone() if i in pools else a for i, a in enumerate(args)]
     got_args = [a.clone() if i in pools else a for i, a in enumerate(args)]
-    ref = getattr(backend("reference"), fn_name)(*ref_args)
-    got = getattr(backend(name), fn_name)(*got_args)
+    ref = getattr(backend("reference").step, fn_name)(*ref_args)
+    got = getattr(backend(name).step, fn_name)(*got_args)
     return [ref, *[ref_args[i] for i in pools]], [got, *[got_args[i] for i in pools]]
 
 

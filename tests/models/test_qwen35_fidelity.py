@@ -107,7 +107,7 @@ def test_packed_within_hf_fp32_error(case, backend):
     mixed with a prefill chunk, pages handed out in reverse order, garbage-filled pools; on
     every kernel backend (the q/k norm sits outside the op seam)."""
     name, model, ids, hf64, budget = case
-    model.backend = select(backend, model.config).backend
+    model.use_backend(select(backend, model.config).backend)
     cfg = model.config
     pages_per_seq = -(-SEQ // BLOCK)
     cache = PagedHybridCache.allocate(cfg, num_pages=2 * pages_per_seq, block_size=BLOCK,
@@ -133,5 +133,5 @@ def test_packed_within_hf_fp32_error(case, backend):
             lo, hi = int(batch.cu_seqlens[j]), int(batch.cu_seqlens[j + 1])
             out[b, done[b]:done[b] + step[b]] = logits[lo:hi]
             done[b] += step[b]
-    model.backend = select("auto", model.config).backend
+    model.use_backend(select("auto", model.config).backend)
     _check(name, f"packed/{backend}", out, hf64, budget)

@@ -114,7 +114,7 @@ def test_fidelity_within_hf_fp32_noise_of_float64(router: str, tmp_path) -> None
         hf64 = m.double()(input_ids=ids).logits
     budget = (hf32 - hf64).abs().max().item()
     ours = load(tmp_path)
-    assert ours.backend.moe is not None  # the native kernel runs the experts
+    assert ours.backend.modules.moe is not None  # the native kernel runs the experts
     dense = ours.forward_dense(ids)[0].double()
     cfg = ours.config
     cache = PagedHybridCache.allocate(cfg, num_pages=8, block_size=16, num_slots=2)

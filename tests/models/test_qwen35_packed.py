@@ -22,6 +22,7 @@ from pagedhybrid.engine.worker.executors import EagerExecutor, GraphExecutor, La
 from pagedhybrid.errors import ContractViolation
 from pagedhybrid.kernels.backend import backend
 from pagedhybrid.kernels.native import dense
+from pagedhybrid.kernels.registry import StepKernels
 from pagedhybrid.kernels.step import StepMetadata
 from pagedhybrid.models.qwen35 import PackedBatch, PagedHybridCache, load
 from pagedhybrid.weightquant import WeightFormat
@@ -254,10 +255,9 @@ def test_ops_are_called_through_the_backend_seam(tiny_checkpoint):
         return wrapper
 
     ref = backend("reference")
-    seam = dataclasses.replace(ref, name="counting",
-                               attention=counting("attention", ref.attention),
-                               causal_conv=counting("causal_conv", ref.causal_conv),
-                               gated_delta=counting("gated_delta", ref.gated_delta))
+    seam = dataclasses.replace(ref, name="counting", step=StepKernels(
+        counting("attention", ref.step.attention), counting("causal_conv", ref.step.causal_conv),
+        counting("gated_delta", ref.step.gated_delta)))
     model = load(tiny_checkpoint.path, backend=seam)
     cfg = model.config
     model.forward_dense(torch.zeros(2, 3, dtype=torch.int64))
@@ -310,7 +310,8 @@ def test_fused_decode_layers_equal_the_modules_bit_for_bit(tiny_checkpoint, dtyp
     both); the fused path is taken (not silently skipped) for every layer."""
     native = backend("native")
     if product == "native":
-        native = dataclasses.replace(native, linear_for=lambda dtype: dense.linear)
+        native = dataclasses.replace(native, modules=native.modules._replace(
+            linear_for=lambda dtype: dense.linear))
     unfused = dataclasses.replace(native, fused=None)
     fused_calls: list[str] = []
     counted = dataclasses.replace(native, fused=native.fused._replace(
@@ -336,7 +337,7 @@ def test_fused_decode_layers_equal_the_modules_bit_for_bit(tiny_checkpoint, dtyp
             lengths, pages, list(range(batch)))
         results = []
         for bundle in (counted, unfused):
-            model.backend = bundle
+            model.use_backend(bundle)
             c = cache.clone()
             results.append((layers_run(model, step, c) if bundle is counted
                             else model.forward_packed(step, c), c))
@@ -405,7 +406,7 @@ def test_fused_layers_verify_drafts_as_the_modules_do(tiny_checkpoint, dtype):
 
     results = []
     for bundle in (counted, unfused):
-        model.backend = bundle
+        model.use_backend(bundle)
         c = cache.clone()
         results.append((layers_run(model, step, c, meta) if bundle is counted
                         else model.forward_packed(step, c, None, meta), c))
@@ -437,7 +438,7 @@ def test_fused_decode_layers_follow_a_replaced_parameter(tiny_checkpoint):
         mlp = model.model.layers[i].mlp
         mlp.down_proj.weight = torch.nn.Parameter(mlp.down_proj.weight * 2, requires_grad=False)
     got = layers_run(model, step, cache.clone())
-    model.backend = unfused
+    model.use_backend(unfused)
     want = model.forward_packed(step, cache.clone())
     assert torch.equal(got, want) and not torch.equal(got, before)
 
@@ -459,7 +460,7 @@ def test_fused_decode_layers_write_the_same_state_checkpoints(tiny_checkpoint, d
     step = PackedBatch.from_metadata(meta, [7, 8, 9])
     runs = []
     for bundle in (native, unfused):
-        model.backend = bundle
+        model.use_backend(bundle)
         c = cache.clone()
         runs.append((layers_run(model, step, c, meta) if bundle is native
                      else model.forward_packed(step, c, None, meta), c))
@@ -505,7 +506,7 @@ def test_the_graph_executor_equals_the_layers_bit_for_bit(tiny_checkpoint, dtype
     rows = torch.tensor([batch - 1, 0])
     runs = []
     for kind in (GraphExecutor, LayersExecutor, EagerExecutor):
-        model.backend = unfused if kind is EagerExecutor else native
+        model.use_backend(unfused if kind is EagerExecutor else native)
         c = cache.clone()
         execute = EagerExecutor(model) if kind is EagerExecutor else kind.bind(model, c)[0]
         assert execute is not None and execute.why_not(meta, 2) is None  # taken, not skipped
@@ -522,7 +523,7 @@ def test_the_graph_executor_equals_the_layers_bit_for_bit(tiny_checkpoint, dtype
                 assert torch.equal(getattr(got[2], pools)[i], t), (pools, i)
     for i, t in got[2].checkpoint_recurrent.items():  # the checkpoint was written
         assert not torch.equal(t[1], cache.checkpoint_recurrent[i][1]), i
-    model.backend = native  # a prefill step is not the graph's: the runner runs it eagerly
+    model.use_backend(native)  # a prefill step is not the graph's: the runner runs it eagerly
     graph, _ = GraphExecutor.bind(model, cache.clone())
     assert graph is not None
     prefill = StepMetadata.build([2] * batch, lengths, pages, slots, block_size=BLOCK,

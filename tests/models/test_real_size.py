@@ -41,7 +41,7 @@ weights = sum(p.numel() * p.element_size() for p in model.parameters())
 # the native bundle multiplies the weights as they are mapped (kernels/native/dense.py): setting
 # it copies nothing, and the tied LM head stays the embedding table
 where = [p.data_ptr() for p in model.parameters()]
-model.backend = backend("native")
+model.use_backend(backend("native"))
 print(json.dumps({"before": before, "loaded": loaded, "read": read, "held": status(),
                   "weights": weights, "finite": total == total,
                   "tied": model.lm_head.weight is model.model.embed_tokens.weight,

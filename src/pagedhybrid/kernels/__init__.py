@@ -6,7 +6,7 @@
 * ``backend``  -- the four bundles (``native``, ``native_batch_invariant``, ``torch``,
   ``reference``) declared in the process's ``REGISTRY``; ``select(needs=...)``;
 * ``cpu`` (vectorised torch) · ``native`` (C++ extension) · ``webgpu`` (WGSL package + loader) ·
-  ``onnxruntime`` (checks against ORT's kernels); ``step`` / ``step_reference``: the model's
+  ``onnxruntime`` (checks against ORT's kernels); ``step`` / ``reference``: the model's
   step metadata and its reference step seam.
 
 Nothing here imports a later layer; the attention layer's contract dispatch queries

@@ -17,9 +17,10 @@ Bundles, in priority order (``REGISTRY``):
 
 The other three capture a verify step's compact state updates and replay the accepted ones
 (``Backend.capture``, ``kernels/capsule.py``): the native bundles in C++, torch in torch.
-The native bundles run a mixture-of-experts block's experts in one C++ call (``Backend.moe``,
-``kernels/native/moe.py``; the batch-invariant bundle its invariant form, so it declares
-``moe_batch_invariant``); torch and reference group tokens by expert in torch.
+The native bundles run a mixture-of-experts block's experts in one C++ call
+(``Backend.modules.moe``, ``kernels/native/moe.py``; the batch-invariant bundle its invariant
+form, so it declares ``moe_batch_invariant``); torch and reference group tokens by expert in
+torch.
 
 All of them update state rows in their pools and read / write KV pages of the activation dtype
 or quantized (int8 / fp8 e4m3). None exports attention-domain LSE; none runs context
@@ -47,15 +48,16 @@ import torch
 from pagedhybrid import ops, weightquant
 from pagedhybrid.dtypes import to_torch
 from pagedhybrid.errors import UnsupportedConfiguration
-from pagedhybrid.kernels import capsule, cpu, native, step_reference
-from pagedhybrid.kernels.cpu import step as cpu_step
+from pagedhybrid.kernels import capsule, cpu, native
+from pagedhybrid.kernels import reference as reference_seam
+from pagedhybrid.kernels.cpu import seam as cpu_seam
 from pagedhybrid.kernels.native import contract as native_contract
 from pagedhybrid.kernels.native import dense as native_dense
 from pagedhybrid.kernels.native import invariant as native_invariant
 from pagedhybrid.kernels.native import moe as native_moe
 from pagedhybrid.kernels.native import norms as native_norms
 from pagedhybrid.kernels.native import quant as native_quant
-from pagedhybrid.kernels.native import step as native_step
+from pagedhybrid.kernels.native import seam as native_seam
 from pagedhybrid.kernels.registry import (
     AUTO,
     TORCH_POINTWISE,
@@ -63,9 +65,11 @@ from pagedhybrid.kernels.registry import (
     BundleCapability,
     ContractOps,
     KernelRegistry,
+    ModuleKernels,
     Needs,
     Pointwise,
     Selection,
+    StepKernels,
 )
 from pagedhybrid.kvquant import KV_DTYPES
 
@@ -92,11 +96,11 @@ def _declare() -> KernelRegistry:
             BundleCapability(_DTYPES, native_pages, max_head_dim=NATIVE_MAX_HEAD_DIM,
                              in_place_state=True, paged_in_place=True, state_checkpoints=True,
                              state_capture=True, quantized_weights=True),
-            native_step.attention, native_step.causal_conv, native_step.gated_delta,
-            native_ops, _native_available, native_dense.preferred_linear,
-            norms=native_norms.NATIVE_NORMS, fused=native_step.FUSED, mtp=native_step.MTP,
-            capture=native_step.CAPTURE, moe=native_moe.experts,
-            quantized_linear=native_quant.linear),
+            StepKernels(native_seam.attention, native_seam.causal_conv, native_seam.gated_delta),
+            native_ops, _native_available,
+            ModuleKernels(native_dense.preferred_linear, native_quant.linear,
+                          norms=native_norms.NATIVE_NORMS, moe=native_moe.experts),
+            fused=native_seam.FUSED, mtp=native_seam.MTP, capture=native_seam.CAPTURE),
         Backend(
             "native_batch_invariant", "C++ kernels for every token and projection in "
             "batch-invariant forms (kernels/native/invariant.py)", "native_batch_invariant",
@@ -105,17 +109,17 @@ def _declare() -> KernelRegistry:
                              paged_in_place=True, state_checkpoints=True, state_capture=True,
                              batch_invariant=True, moe_batch_invariant=True,
                              quantized_weights=True),
-            native_invariant.attention, native_invariant.causal_conv,
-            native_invariant.gated_delta, native_ops, _native_available,
-            lambda dtype: native_invariant.linear,
-            pointwise=Pointwise(native_invariant.silu, native_invariant.sigmoid),
-            norms=native_norms.NATIVE_NORMS, capture=native_step.CAPTURE,
-            moe=native_moe.invariant_experts, quantized_linear=native_quant.invariant_linear),
+            StepKernels(native_invariant.attention, native_invariant.causal_conv,
+                        native_invariant.gated_delta), native_ops, _native_available,
+            ModuleKernels(lambda dtype: native_invariant.linear, native_quant.invariant_linear,
+                          Pointwise(native_invariant.silu, native_invariant.sigmoid),
+                          native_norms.NATIVE_NORMS, native_moe.invariant_experts),
+            capture=native_seam.CAPTURE),
         Backend(
             "torch", "vectorised torch kernels (kernels/cpu)", "cpu_paged_attention",
             BundleCapability(_TORCH_DTYPES, (*_TORCH_DTYPES, *_QUANT), in_place_state=True,
                              state_checkpoints=True, state_capture=True),
-            cpu_step.attention, cpu_step.causal_conv, cpu_step.gated_delta,
+            StepKernels(cpu_seam.attention, cpu_seam.causal_conv, cpu_seam.gated_delta),
             ContractOps(cpu.paged_attention, cpu.varlen_causal_conv, cpu.gated_delta_net,
                         cpu.COVERAGE), capture=capsule.StateCapture(capsule.torch_capture,
                                                                     capsule.torch_replay)),
@@ -124,9 +128,10 @@ def _declare() -> KernelRegistry:
             "paged_attention_reference",
             BundleCapability(_TORCH_DTYPES, (*_TORCH_DTYPES, *_QUANT), rope_in_op=True,
                              quantized_weights=True, implementation_kind="reference"),
-            step_reference.attention, step_reference.causal_conv, step_reference.gated_delta,
+            StepKernels(reference_seam.attention, reference_seam.causal_conv,
+                        reference_seam.gated_delta),
             ContractOps(ops.paged_attention, ops.varlen_causal_conv, ops.gated_delta_net),
-            quantized_linear=weightquant.reference_linear),
+            modules=ModuleKernels(quantized_linear=weightquant.reference_linear)),
     ))
 
 
@@ -200,5 +205,5 @@ def select_main(args: Any) -> int:
 
 
 __all__ = ["BACKENDS", "DEFAULT_BACKEND", "REGISTRY", "TORCH_POINTWISE", "Backend",
-           "BundleCapability", "ContractOps", "Needs", "Pointwise", "Selection", "backend",
-           "select", "select_main"]
+           "BundleCapability", "ContractOps", "ModuleKernels", "Needs", "Pointwise", "Selection",
+           "StepKernels", "backend", "select", "select_main"]

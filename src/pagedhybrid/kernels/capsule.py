@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-from pagedhybrid.kernels.cpu.step import qwen_gates
+from pagedhybrid.kernels.cpu.seam import qwen_gates
 from pagedhybrid.kernels.step import StepMetadata, int_tensor
 
 

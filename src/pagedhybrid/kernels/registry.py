@@ -2,24 +2,25 @@
 
 A ``Backend`` (a kernel bundle) holds, for one implementation family:
 
-* the model's step seam -- ``attention``, ``causal_conv``, ``gated_delta``: one layer's operator
-  on a validated ``StepMetadata``, with KV pages and conv / recurrent state pools updated in place
-  (signatures in ``kernels/cpu/step.py``), ``linear_for(dtype)`` (what every projection and the
-  LM head multiply with in a ``dtype`` model; None = ``torch.nn.functional.linear``),
-  ``pointwise`` (silu and sigmoid) and ``norms`` (RMS, gated RMS and L2 norms; torch's for both
-  by default); optionally ``fused`` (``FusedDecode``: the Gated DeltaNet mixer of a step of
-  decodes in one call, a whole decoder layer of either kind, the whole decode step, and
-  ``why_not``, the step test they share -- the runner's executors ask it before they run a
-  step through them) and ``mtp`` (``MtpKernels``: the MTP head around its layer, the drafter's
-  chain and its whole step; each returns None for a step it does not fuse, and the head then
-  runs its modules) -- signatures in ``kernels/native/step.py``; ``moe``, a
-  mixture-of-experts block's routed experts (and shared expert) in one call after its router
-  (signature in ``kernels/native/moe.py``; None: the layer groups tokens by expert in torch);
-  ``quantized_linear``, the product of an int8 / int4 projection weight (``x``, a
-  ``weightquant.QuantizedWeight``; ``kernels/native/quant.py``); ``capture``,
-  the speculative
-  verify step's kernels (``kernels.capsule.StateCapture``: the recurrent state's capture and
-  replay; None: the bundle cannot verify drafts);
+* ``step`` (``StepKernels``), the model's step seam -- ``attention``, ``causal_conv``,
+  ``gated_delta``: one layer's operator on a validated ``StepMetadata``, with KV pages and conv /
+  recurrent state pools updated in place (signatures in ``kernels/cpu/seam.py``);
+* ``modules`` (``ModuleKernels``), what the model's modules compute with: ``linear_for(dtype)``
+  (every projection's and the LM head's product in a ``dtype`` model; None =
+  ``torch.nn.functional.linear``), ``quantized_linear`` (the product of an int8 / int4
+  projection weight: ``x``, a ``weightquant.QuantizedWeight``; ``kernels/native/quant.py``),
+  ``pointwise`` (silu and sigmoid), ``norms`` (RMS, gated RMS and L2 norms) and ``moe`` (a
+  mixture-of-experts block's routed experts and shared expert in one call after its router;
+  ``kernels/native/moe.py``; None: the layer groups tokens by expert in torch) -- torch's by
+  default; each module that uses them is a ``UsesKernels`` and takes its own;
+* optionally ``fused`` (``FusedDecode``: the Gated DeltaNet mixer of a step of decodes in one
+  call, a whole decoder layer of either kind, the whole decode step, and ``why_not``, the step
+  test they share -- the runner's executors ask it before they run a step through them) and
+  ``mtp`` (``MtpKernels``: the MTP head around its layer, the drafter's chain and its whole
+  step; each returns None for a step it does not fuse, and the head then runs its modules) --
+  signatures in ``kernels/native/seam.py``; ``capture``, the speculative verify step's kernels
+  (``kernels.capsule.StateCapture``: the recurrent state's capture and replay; None: the bundle
+  cannot verify drafts);
 * the three operator contracts with the signatures of ``pagedhybrid.ops`` (``ops``), each
   validating its call fully (contract entry points), with ``ops.coverage``: per op type an
   ``OpCoverage`` -- the dtypes and contract features its fast path computes, and each feature it
@@ -36,9 +37,9 @@ context), ``state_checkpoints`` (the linear layers emit intermediate states, whi
 needs), ``state_capture`` (verify steps: compact state updates captured, accepted ones
 replayed -- speculative decoding needs it), ``batch_invariant`` (every row bitwise independent
 of the batch), ``exports_lse``,
-``moe_batch_invariant`` (its ``moe`` keeps each token's arithmetic independent of the tokens
+``moe_batch_invariant`` (its ``modules.moe`` keeps each token's arithmetic independent of the tokens
 that picked the same experts; needed with batch invariance on a mixture-of-experts model),
-``quantized_weights`` (its ``quantized_linear`` multiplies int8 / int4 weights held as
+``quantized_weights`` (its ``modules.quantized_linear`` multiplies int8 / int4 weights held as
 ``weightquant.QuantizedWeight``; needed by a model quantised with ``--quantization``),
 ``rope_in_op`` (its contract op rotates q/k itself), ``tp_world_sizes`` / ``cp_world_sizes``,
 ``implementation_kind`` and ``platform``. ``gaps(needs)`` lists every reason it falls short.
@@ -256,7 +257,7 @@ class BundleCapability:
     state_capture: bool = False
     batch_invariant: bool = False
     moe_batch_invariant: bool = False  # expert products independent of the other tokens
-    quantized_weights: bool = False  # products of int8 / int4 weights (Backend.quantized_linear)
+    quantized_weights: bool = False  # int8 / int4 products (its modules.quantized_linear)
     exports_lse: bool = False
     rope_in_op: bool = False
     tp_world_sizes: tuple[int, ...] | None = None  # None: any (the step runs on local heads)
@@ -346,6 +347,42 @@ def _torch_linear(dtype: torch.dtype) -> LinearFn | None:
     return None
 
 
+class StepKernels(NamedTuple):
+    """A bundle's step seam: one layer's operator on a validated ``StepMetadata``, KV pages and
+    conv / recurrent state pools updated in place (signatures in ``kernels/cpu/seam.py``)."""
+
+    attention: Callable[..., torch.Tensor]
+    causal_conv: Callable[..., torch.Tensor]
+    gated_delta: Callable[..., torch.Tensor]
+
+
+class ModuleKernels(NamedTuple):
+    """What a model's modules compute with (torch's by default): ``linear_for(dtype)`` -- the
+    product of every projection and the LM head in a ``dtype`` model (None:
+    ``torch.nn.functional.linear``); ``quantized_linear`` -- the product of an int8 / int4
+    weight (None: the bundle has none); ``pointwise`` (silu, sigmoid); ``norms``; ``moe`` -- a
+    mixture-of-experts block's experts in one call (None: grouped by expert in torch)."""
+
+    linear_for: Callable[[torch.dtype], LinearFn | None] = _torch_linear
+    quantized_linear: QLinearFn | None = None
+    pointwise: Pointwise = TORCH_POINTWISE
+    norms: Norms = TORCH_NORMS
+    moe: MoeFn | None = None
+
+
+TORCH_MODULES = ModuleKernels()
+
+
+class UsesKernels:
+    """A module that computes with its bundle's ``ModuleKernels`` (``kernels``: torch's until
+    the model hands it its bundle's with ``use_kernels``)."""
+
+    kernels: ModuleKernels = TORCH_MODULES
+
+    def use_kernels(self, kernels: ModuleKernels, dtype: torch.dtype) -> None:
+        self.kernels = kernels
+
+
 @dataclass(frozen=True)
 class Backend:
     """One kernel bundle (see the module docstring)."""
@@ -354,23 +391,17 @@ class Backend:
     description: str
     contract_id: str  # its PagedAttention's id in attention-contract dispatch
     capability: BundleCapability
-    attention: Callable[..., torch.Tensor]
-    causal_conv: Callable[..., torch.Tensor]
-    gated_delta: Callable[..., torch.Tensor]
+    step: StepKernels
     ops: ContractOps
     available: Callable[[], str | None] = field(default=_always)
-    linear_for: Callable[[torch.dtype], LinearFn | None] = field(default=_torch_linear)
-    pointwise: Pointwise = TORCH_POINTWISE
-    norms: Norms = TORCH_NORMS
+    modules: ModuleKernels = TORCH_MODULES
     fused: FusedDecode | None = None  # whole layers / the whole decode step in one call
     mtp: MtpKernels | None = None  # the MTP head's fused kernels
     capture: Any = None  # kernels.capsule.StateCapture (this module imports nothing above it)
-    moe: MoeFn | None = None  # a mixture-of-experts block's experts in one call
-    quantized_linear: QLinearFn | None = None  # x @ W^T of an int8 / int4 weight
 
     def __post_init__(self) -> None:
-        if self.capability.quantized_weights != (self.quantized_linear is not None):
-            raise ContractViolation("Backend", "quantized_linear",
+        if self.capability.quantized_weights != (self.modules.quantized_linear is not None):
+            raise ContractViolation("Backend", "modules.quantized_linear",
                                     "must be given exactly when the capability declares "
                                     "quantized_weights", self.name)
 
@@ -409,7 +440,7 @@ class Backend:
 
 
 class FusedDecode(NamedTuple):
-    """A bundle's fused decode path (``kernels/native/step.py``): ``mixer`` -- the Gated
+    """A bundle's fused decode path (``kernels/native/seam.py``): ``mixer`` -- the Gated
     DeltaNet mixer of a step of decodes (and verify chunks) in one call, None for any other step
     (the module then runs its ops); ``gdn_layer`` / ``attention_layer`` -- a whole decoder layer
     in one call; ``stack`` -- binds a model's whole decode step as one call (``DecodeStack``);
@@ -424,7 +455,7 @@ class FusedDecode(NamedTuple):
 
 
 class MtpKernels(NamedTuple):
-    """A bundle's MTP head kernels (``kernels/native/step.py``), each None for a step it does
+    """A bundle's MTP head kernels (``kernels/native/seam.py``), each None for a step it does
     not fuse: the head's input before its layer, its output after it (the drafter's greedy
     picks), the drafter's whole chain, and its catch-up and chain in one call."""
 

@@ -19,9 +19,9 @@ and as tensors (for the kernels), so no layer converts tensors to lists or re-va
   last sampled token and its drafts, never fresh, no checkpoints) whose state rows the step
   leaves unchanged, capturing their compact state updates instead (``kernels/capsule.py``).
 
-``GdnLayerWeights`` / ``AttentionLayerWeights`` are what a bundle's ``gdn_decode_layer`` /
-``attention_decode_layer`` read of one decoder layer (the model gathers them; the kernels never
-see a module).
+``layer_spec.LayerWeights`` is what a bundle's ``gdn_decode_layer`` / ``attention_decode_layer``
+read of one decoder layer (the model gathers it as ``kernels/layer_spec.py`` declares; the
+kernels never see a module).
 
 ``StepMetadata.build`` checks everything a kernel could trip over -- lengths, that every page a
 sequence touches is mapped and inside the pool, that state slots are in range and distinct --
@@ -316,56 +316,6 @@ class DecodeInputs:
         return ids_t, meta_t, position_ids
 
 
-class GdnLayerWeights(NamedTuple):
-    """A Gated DeltaNet decoder layer's tensors for ``gdn_decode_layer``: the model dtype's, but
-    ``a_log`` / ``dt_bias`` float32 (the module's parameters themselves, no copies)."""
-
-    input_norm: torch.Tensor
-    in_proj_qkv: torch.Tensor
-    in_proj_z: torch.Tensor
-    in_proj_b: torch.Tensor
-    in_proj_a: torch.Tensor
-    conv: torch.Tensor  # [C, 1, K]
-    a_log: torch.Tensor
-    dt_bias: torch.Tensor
-    gated_norm: torch.Tensor
-    out_proj: torch.Tensor
-    post_norm: torch.Tensor
-    gate_proj: torch.Tensor
-    up_proj: torch.Tensor
-    down_proj: torch.Tensor
-    key_heads: int
-    scale: float
-    l2_eps: float
-    gated_eps: float
-    rms_eps: float
-    quant: tuple[torch.Tensor, ...] = ()  # int8 / int4 projections (``quant_tensors``)
-    quant_bits: int = 0
-
-
-class AttentionLayerWeights(NamedTuple):
-    """A full-attention decoder layer's tensors for ``attention_decode_layer`` (model dtype, the
-    module's parameters themselves); one ``rms_eps`` for its four norms (the config's)."""
-
-    input_norm: torch.Tensor
-    q_proj: torch.Tensor
-    k_proj: torch.Tensor
-    v_proj: torch.Tensor
-    q_norm: torch.Tensor
-    k_norm: torch.Tensor
-    o_proj: torch.Tensor
-    post_norm: torch.Tensor
-    gate_proj: torch.Tensor
-    up_proj: torch.Tensor
-    down_proj: torch.Tensor
-    heads: int
-    kv_heads: int
-    scale: float
-    rms_eps: float
-    quant: tuple[torch.Tensor, ...] = ()  # int8 / int4 projections (``quant_tensors``)
-    quant_bits: int = 0
-
-
 class MtpHeadInput(NamedTuple):
     """What a bundle's ``mtp.head_input`` / ``mtp.chain`` read of the MTP head before its layer
     (model dtype, the modules' parameters): the embedding table, the two offset norms' weights
@@ -382,7 +332,7 @@ class MtpHeadInput(NamedTuple):
 def quant_tensors(projections: Sequence[Any]) -> tuple[tuple[torch.Tensor, ...], int]:
     """The fused decode layers' view of a layer's int8 / int4 projections (each a
     ``weightquant.QuantizedWeight``, in the layer's order): (codes, scales, zeros -- an empty
-    uint8 tensor when symmetric -- per projection, the bits). The layer tuples then hold each
+    uint8 tensor when symmetric -- per projection, the bits). A layer's fields then hold each
     projection's codes in its weight's place."""
     out: list[torch.Tensor] = []
     for q in projections:

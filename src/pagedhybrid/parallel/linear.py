@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedhybrid.errors import ContractViolation, UnsupportedConfiguration
+from pagedhybrid.kernels.registry import ModuleKernels, UsesKernels
 from pagedhybrid.weightquant import (
     QuantizedWeight,
     WeightFormat,
@@ -180,19 +181,24 @@ def shard_weight(param: nn.Parameter, dim: int, segments: Sequence[Segment],
     return param
 
 
-class ReplicatedLinear(nn.Module):
+class ReplicatedLinear(nn.Module, UsesKernels):
     """``y = x @ W^T``, the whole ``W`` on every rank (weights are loaded, never initialised).
 
     ``quantize(fmt)`` holds ``W`` (this rank's slice) in 8 or 4 bits instead
     (``pagedhybrid.weightquant``; in the engine's groups of 16 rows, ``group_rows``):
     ``quant`` then has the codes and scales, ``weight`` becomes a
     placeholder on the meta device (its shape and dtype, no memory) and the product is the
-    bundle's ``qmatmul`` (``Backend.quantized_linear``; ``weightquant.reference_linear`` when no
-    bundle was set)."""
+    bundle's ``qmatmul`` (``ModuleKernels.quantized_linear``; ``weightquant.reference_linear``
+    when the bundle has none)."""
 
-    matmul: Matmul | None = None  # the backend's product (None: F.linear)
-    qmatmul: QMatmul = staticmethod(reference_linear)  # the backend's product of ``quant``
+    matmul: Matmul | None = None  # the bundle's product (None: F.linear)
+    qmatmul: QMatmul = staticmethod(reference_linear)  # the bundle's product of ``quant``
     quant: QuantizedWeight | None = None
+
+    def use_kernels(self, kernels: ModuleKernels, dtype: torch.dtype) -> None:
+        self.matmul = kernels.linear_for(dtype)
+        if kernels.quantized_linear is not None:
+            self.qmatmul = kernels.quantized_linear
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype) -> None:
         super().__init__()

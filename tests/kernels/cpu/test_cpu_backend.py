@@ -84,7 +84,7 @@ def test_packed_model_steps_equal_on_every_backend() -> None:
         batch = PackedBatch.from_sequences(toks, past, pages, slots)
         logits = {}
         for name, cache in caches.items():
-            model.backend = backend(name)
+            model.use_backend(backend(name))
             logits[name] = model.forward_packed(batch, cache)
         for name in ("torch", "native"):
             torch.testing.assert_close(logits[name], logits["reference"], rtol=1e-4, atol=1e-4)

@@ -5,7 +5,7 @@
 * ``LayersExecutor`` -- each decoder layer that has one as one fused native call (the others
   their modules), for a step of decodes and verify chunks.
 * ``GraphExecutor`` -- the whole step in one native call (``Qwen35ForCausalLM.decode_graph``:
-  the embedding, every layer, the final norm and the LM head, ``kernels/native/step.py``
+  the embedding, every layer, the final norm and the LM head, ``kernels/native/seam.py``
   ``DecodeStack``), bit for bit the eager path; bound at allocation where the bundle declares a
   whole step and the model and cache fit it (else never offered, with the reason).
 

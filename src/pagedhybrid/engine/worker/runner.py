@@ -135,7 +135,7 @@ class ModelRunner:
             batch_invariant=config.batch_invariant,
             speculative=config.speculative is not None,
             weight_format=None if fmt is None else fmt.name))
-        model.backend = self.kernels.backend
+        model.use_backend(self.kernels.backend)
         huge = config.huge_pages and torch.device(config.device).type == "cpu"
         if config.weight_format is not None:
             model.quantize(config.weight_format, huge_pages=huge)
@@ -178,7 +178,7 @@ class ModelRunner:
     def kernel_summary(self) -> str:
         """What runs: the bundle and why, the native kernels' CPU form, the projections."""
         parts = [self.kernel_choice()]
-        mm = self.kernels.backend.linear_for(self.model.dtype)
+        mm = self.kernels.backend.modules.linear_for(self.model.dtype)
         parts.append("projections: " + ("torch" if mm is None else
                                         f"{mm.__module__.rsplit('.', 1)[-1]}.{mm.__name__}"))
         if self._native and self.model.dtype == torch.float32:
@@ -188,7 +188,7 @@ class ModelRunner:
         elif mm is not None and self._native and dense.bf16_dot():
             parts[-1] += (f" (timed at start: torch's bf16 GEMM {dense.bf16_gemm_timing():.2f}x"
                           " the widened fp32 GEMM's time at 256 rows)")
-        fmt, qm = self.model.weight_format, self.kernels.backend.quantized_linear
+        fmt, qm = self.model.weight_format, self.kernels.backend.modules.quantized_linear
         if fmt is not None and qm is not None:
             parts.append(f"{fmt.name} weights: {qm.__module__.rsplit('.', 1)[-1]}.{qm.__name__}"
                          + (f" ({native_quant.int_dot()})" if self._native else ""))

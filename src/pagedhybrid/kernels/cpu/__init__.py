@@ -10,7 +10,7 @@
 Each function is registered against its op's ``SPEC`` (``SPEC.implement("torch")``): it takes the
 spec's one signature, receives the ``BoundCall`` and validates it with that op's
 ``validate_call``; ``COVERAGE`` says what each fast path covers (nothing is delegated
-silently). ``step.py`` holds the model's step seam on these kernels (the ``torch`` backend of
+silently). ``seam.py`` holds the model's step seam on these kernels (the ``torch`` backend of
 ``pagedhybrid.kernels.backend``).
 """
 

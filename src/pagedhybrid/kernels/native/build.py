@@ -11,7 +11,8 @@ and AVX512-VNNI), ``avx512_vnni`` (AVX-512 and VNNI), ``avx512`` (AVX-512 alone)
   machine carries the form of each CPU it is installed on;
 * a comma-separated list of forms (``--isa FORM``: that form alone).
 
-Each form compiles ``csrc/*.cpp`` through ``torch.utils.cpp_extension`` (g++, ninja; the same
+First ``csrc/layer_spec.h`` is written from ``kernels/layer_spec.py`` where it differs. Each form
+compiles ``csrc/*.cpp`` through ``torch.utils.cpp_extension`` (g++, ninja; the same
 ninja file ``cpp_extension.load`` writes) with its ISA flags, ``-DPH_FORM_ID=<form>`` and
 ``-DPH_NS=pagedhybrid_<form>`` into ``_build/<form>/``; a form this CPU runs is then loaded
 once as a check (``cpu_form()`` must name it), one it cannot run is never loaded. Each form
@@ -171,11 +172,13 @@ def build(force: bool = False, isa: str | None = None, verbose: bool = False,
     path."""
     import torch
 
-    from pagedhybrid.kernels import native
+    from pagedhybrid.kernels import layer_spec, native
 
     if shutil.which(compiler()) is None:
         raise SystemExit(f"native kernels need g++ (no C++ compiler {compiler()!r} found)")
     chosen = select_forms(isa if isa is not None else forms)
+    if layer_spec.write_header():  # csrc/layer_spec.h, from the layers' declaration
+        print(f"wrote {layer_spec.HEADER}", flush=True)
     native.BUILD_DIR.mkdir(parents=True, exist_ok=True)
     _remove_old_layout()
     libs = [build_form(form, force, verbose) for form in chosen]

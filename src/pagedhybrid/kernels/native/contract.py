@@ -17,7 +17,7 @@ import importlib
 import torch
 
 from pagedhybrid.kernels.native import KV_SPLIT, library
-from pagedhybrid.kernels.native.step import MAX_NATIVE_QUERY
+from pagedhybrid.kernels.native.seam import MAX_NATIVE_QUERY
 from pagedhybrid.kernels.registry import OpCoverage
 from pagedhybrid.kvquant import is_quantized, quantize, query_scales, scatter_rows
 from pagedhybrid.ops.spec import BoundCall

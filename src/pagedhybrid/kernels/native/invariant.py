@@ -54,9 +54,9 @@ import functools
 
 import torch
 
-from pagedhybrid.kernels.cpu import step as torch_step
+from pagedhybrid.kernels.cpu import seam as torch_seam
 from pagedhybrid.kernels.native import dense, library
-from pagedhybrid.kernels.native import step as native_step
+from pagedhybrid.kernels.native import seam as native_seam
 from pagedhybrid.kernels.step import StepMetadata
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -101,10 +101,10 @@ def sigmoid(x: torch.Tensor) -> torch.Tensor:
 
 
 # every sequence on the native kernel, whatever its query length
-attention = functools.partial(native_step.attention, max_query=1 << 62)
+attention = functools.partial(native_seam.attention, max_query=1 << 62)
 
 
-causal_conv = native_step.conv_varlen  # the token-recurrent conv, prefill included
+causal_conv = native_seam.conv_varlen  # the token-recurrent conv, prefill included
 
 
 def _gdn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -122,11 +122,11 @@ def gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
                 b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, pool: torch.Tensor,
                 meta: StepMetadata, scale: float, checkpoints: torch.Tensor | None = None
                 ) -> torch.Tensor:
-    inner = torch_step.inner_checkpoints(meta) if checkpoints is not None else []
+    inner = torch_seam.inner_checkpoints(meta) if checkpoints is not None else []
     if not inner:
         out = _gdn(q, k, v, a, b, a_log, dt_bias, pool, meta.state_slots, meta.fresh_t,
                    meta.cu_seqlens_t, scale)
-        torch_step.save_chunk_ends(pool, checkpoints, meta)
+        torch_seam.save_chunk_ends(pool, checkpoints, meta)
         return out
     assert checkpoints is not None
     # Segments between a sequence's inner checkpoints, run phase by phase: phase p advances
@@ -153,5 +153,5 @@ def gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
             checkpoints.index_copy_(0, torch.tensor([r for _, r in done]), pool.index_select(
                 0, meta.state_slots[[s for s, _ in done]]))
         start = end
-    torch_step.save_chunk_ends(pool, checkpoints, meta)
+    torch_seam.save_chunk_ends(pool, checkpoints, meta)
     return out

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedhybrid.kernels.backend import TORCH_POINTWISE, Backend, Pointwise
+from pagedhybrid.kernels.registry import Backend, UsesKernels
 from pagedhybrid.kernels.step import StepMetadata
 from pagedhybrid.kvquant import KVScales
 from pagedhybrid.models.qwen35.config import Qwen35Config
@@ -43,8 +43,7 @@ from pagedhybrid.parallel.linear import (
 )
 
 
-class FullAttention(nn.Module):
-    pointwise: Pointwise = TORCH_POINTWISE  # the backend's sigmoid (set with the model's backend)
+class FullAttention(nn.Module, UsesKernels):
 
     def __init__(self, config: Qwen35Config, dtype: torch.dtype,
                  parallel: ParallelConfig) -> None:
@@ -77,7 +76,7 @@ class FullAttention(nn.Module):
         return q, k, v, gate
 
     def output(self, attn: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return self.o_proj(attn * self.pointwise.sigmoid(gate))  # [T, hidden]
+        return self.o_proj(attn * self.kernels.pointwise.sigmoid(gate))  # [T, hidden]
 
     def forward_dense(
         self,
@@ -125,6 +124,6 @@ class FullAttention(nn.Module):
         (quantized with ``scales`` when they are int8 / float8)."""
         n = x.shape[0]
         q, k, v, gate = self.project(x, cos, sin)
-        attn = backend.attention(q, k, v, key_cache, value_cache, meta,
+        attn = backend.step.attention(q, k, v, key_cache, value_cache, meta,
                                  self.head_dim ** -0.5, scales)  # [N, H, hd]
         return self.output(attn.reshape(n, -1), gate)  # [N, hidden]

@@ -16,13 +16,8 @@ import torch
 from torch import nn
 
 from pagedhybrid.kernels.backend import Backend
-from pagedhybrid.kernels.step import (
-    AttentionLayerWeights,
-    GdnLayerWeights,
-    MtpHeadInput,
-    StepMetadata,
-    quant_tensors,
-)
+from pagedhybrid.kernels.layer_spec import ATTENTION, GDN, LayerWeights, resolve
+from pagedhybrid.kernels.step import MtpHeadInput, StepMetadata
 from pagedhybrid.models.qwen35.attention import FullAttention
 from pagedhybrid.models.qwen35.config import FULL_ATTENTION, Qwen35Config
 from pagedhybrid.models.qwen35.layers import MLP, OffsetRMSNorm, SparseMoE
@@ -44,13 +39,15 @@ nn.modules.module.register_module_parameter_registration_hook(_parameter_registe
 
 
 class DecoderLayer(nn.Module):
+    l2_eps = QK_L2_NORM_EPS  # the Gated DeltaNet's q / k L2 norm (its fused op's ``l2_eps``)
+
     def __init__(self, config: Qwen35Config, index: int, dtype: torch.dtype,
                  parallel: ParallelConfig, full: bool | None = None) -> None:
         """Layer ``index`` of the stack (its kind from ``config.layer_types``), or, with
         ``full``, a layer of that kind whose cache pools are those of ``index`` (the MTP
         head's full-attention layer, past the stack)."""
         super().__init__()
-        self._weights: tuple[int, GdnLayerWeights | AttentionLayerWeights] | None = None
+        self._weights: tuple[int, LayerWeights] | None = None
         self.index = index
         self.is_full = config.layer_types[index] == FULL_ATTENTION if full is None else full
         if self.is_full:
@@ -69,36 +66,14 @@ class DecoderLayer(nn.Module):
     def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def decode_weights(self) -> GdnLayerWeights | AttentionLayerWeights:
-        """This layer's tensors for a bundle's ``gdn_decode_layer`` / ``attention_decode_layer``
-        (the parameters themselves; gathered once while no parameter is replaced)."""
+    def decode_weights(self) -> LayerWeights:
+        """This layer's fields for a bundle's ``gdn_decode_layer`` / ``attention_decode_layer``
+        (``kernels/layer_spec.py``: the parameters themselves; gathered once while no parameter
+        is replaced)."""
         cached = self._weights
         if cached is not None and cached[0] == PARAMETER_EPOCH[0]:
             return cached[1]
-        mlp = self.mlp
-        if self.is_full:
-            a = self.self_attn
-            projs = [a.q_proj, a.k_proj, a.v_proj, a.o_proj]
-        else:
-            g = self.linear_attn
-            projs = [g.in_proj_qkv, g.in_proj_z, g.in_proj_b, g.in_proj_a, g.out_proj]
-        projs += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-        # int8 / int4 projections: their codes in the weights' places, every tensor in `quant`
-        quant, bits = quant_tensors([p.quant for p in projs]) \
-            if projs[0].quant is not None else ((), 0)
-        held = [p.weight if p.quant is None else p.quant.codes for p in projs]
-        tail = (self.post_attention_layernorm.weight, *held[-3:])
-        w: GdnLayerWeights | AttentionLayerWeights
-        if self.is_full:
-            w = AttentionLayerWeights(
-                self.input_layernorm.weight, *held[:3], a.q_norm.weight, a.k_norm.weight,
-                held[3], *tail, a.num_heads, a.num_kv_heads, a.head_dim ** -0.5,
-                self.input_layernorm.eps, quant, bits)
-        else:
-            w = GdnLayerWeights(
-                self.input_layernorm.weight, *held[:4], g.conv1d.weight, g.A_log, g.dt_bias,
-                g.norm.weight, held[4], *tail, g.num_k_heads, g.head_k_dim ** -0.5,
-                QK_L2_NORM_EPS, g.norm.eps, self.input_layernorm.eps, quant, bits)
+        w = resolve(ATTENTION if self.is_full else GDN, self)
         self._weights = (PARAMETER_EPOCH[0], w)
         return w
 

@@ -14,20 +14,21 @@
   weighted and summed; plus the shared expert (an ``MLP``) times ``sigmoid(shared_expert_gate
   (x))``. Experts are stored fused as transformers 5 holds them (``experts.gate_up_proj
   [E, 2I, H]``, ``experts.down_proj [E, H, I]``; per-expert checkpoints are fused on load,
-  ``weights.fuse_experts``). Where the bundle has a fused MoE kernel (``moe``, from
-  ``Backend.moe``: the native bundles' ``kernels/native/moe.py``) the routed experts and the
-  shared expert run in it, one call per layer (the shared expert's module when its weights are
-  quantised); otherwise (torch, reference) ``Experts`` groups the tokens by expert with
+  ``weights.fuse_experts``). Where the bundle has a fused MoE kernel (``kernels.moe``,
+  ``Backend.modules.moe``: the native bundles' ``kernels/native/moe.py``) the routed experts and
+  the shared expert run in it, one call per layer (the shared expert's module when its weights
+  are quantised); otherwise (torch, reference) ``Experts`` groups the tokens by expert with
   one stable sort per layer, computes each expert's rows together and adds them back per token
   in expert order (HF's order).
 * Projections are ``pagedhybrid.parallel.linear``'s (``ReplicatedLinear``,
   ``ColumnParallelLinear``, ``RowParallelLinear``): bias-free, the product is the kernel
-  bundle's (``matmul``, set from ``Backend.linear`` when the model's backend is set; None =
+  bundle's (``Backend.modules.linear_for``, given to each with the model's bundle; None =
   ``F.linear``); at TP world size 1 they are plain projections.
-* SiLU and sigmoid are the kernel bundle's too (``pointwise``, set from ``Backend.pointwise``;
-  torch's by default): the batch-invariant bundle's compute every element alike. So are the two
-  norms' arithmetic (``norms``, from ``Backend.norms``: torch's formulas above by default, one
-  native call per norm in the native bundles).
+* SiLU and sigmoid are the kernel bundle's too (``kernels.pointwise``: every module here is a
+  ``UsesKernels`` and holds its bundle's ``ModuleKernels``; torch's by default): the
+  batch-invariant bundle's compute every element alike. So are the two norms' arithmetic
+  (``kernels.norms``: torch's formulas above by default, one native call per norm in the native
+  bundles).
 
 Parameter names equal HF's so ``state_dict()`` keys are the checkpoint keys.
 """
@@ -38,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedhybrid.kernels.registry import TORCH_NORMS, TORCH_POINTWISE, MoeFn, Norms, Pointwise
+from pagedhybrid.kernels.registry import UsesKernels
 from pagedhybrid.parallel.linear import (
     ColumnParallelLinear,
     ParallelConfig,
@@ -49,8 +50,7 @@ from pagedhybrid.parallel.linear import (
 )
 
 
-class OffsetRMSNorm(nn.Module):
-    norms: Norms = TORCH_NORMS  # the backend's (set with the model's backend)
+class OffsetRMSNorm(nn.Module, UsesKernels):
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
@@ -58,12 +58,10 @@ class OffsetRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norms.rms(x, self.weight, self.eps, True)
+        return self.kernels.norms.rms(x, self.weight, self.eps, True)
 
 
-class GatedRMSNorm(nn.Module):
-    pointwise: Pointwise = TORCH_POINTWISE  # the backend's silu (set with the model's backend)
-    norms: Norms = TORCH_NORMS
+class GatedRMSNorm(nn.Module, UsesKernels):
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
@@ -71,11 +69,11 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return self.norms.gated(x, gate, self.weight, self.eps, self.pointwise.silu)
+        k = self.kernels
+        return k.norms.gated(x, gate, self.weight, self.eps, k.pointwise.silu)
 
 
-class MLP(nn.Module):
-    pointwise: Pointwise = TORCH_POINTWISE  # the backend's silu (set with the model's backend)
+class MLP(nn.Module, UsesKernels):
 
     def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype,
                  parallel: ParallelConfig) -> None:
@@ -86,15 +84,13 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(channels, hidden, dtype, parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.pointwise.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.kernels.pointwise.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class Experts(nn.Module):
+class Experts(nn.Module, UsesKernels):
     """The routed experts' weights, fused (``SparseMoE``). Under tensor parallelism each rank
     holds ``I / W`` of every expert's channels (its gate rows and up rows of ``gate_up_proj``,
     its columns of ``down_proj``) and the block's output is all-reduced, as ``MLP``'s."""
-
-    pointwise: Pointwise = TORCH_POINTWISE
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int,
                  dtype: torch.dtype, parallel: ParallelConfig | None = None) -> None:
@@ -126,16 +122,13 @@ class Experts(nn.Module):
             t, j = tokens[start:start + n], slots[start:start + n]
             start += n
             gate, up = F.linear(x[t], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(self.pointwise.silu(gate) * up, self.down_proj[e])
+            y = F.linear(self.kernels.pointwise.silu(gate) * up, self.down_proj[e])
             out.index_add_(0, t, (y * weights[t, j, None]).to(out.dtype))
         return out
 
 
-class SparseMoE(nn.Module):
+class SparseMoE(nn.Module, UsesKernels):
     """Qwen3.5-MoE's feed-forward block (module docstring)."""
-
-    pointwise: Pointwise = TORCH_POINTWISE
-    moe: MoeFn | None = None  # the bundle's fused experts (set with the model's backend)
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, intermediate: int,
                  shared_intermediate: int, dtype: torch.dtype, parallel: ParallelConfig
@@ -155,7 +148,8 @@ class SparseMoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         index, weights = self.route(x)
-        if self.moe is None:
+        moe = self.kernels.moe
+        if moe is None:
             routed = self.experts(x, index, weights)
         else:
             s = self.shared_expert
@@ -164,12 +158,13 @@ class SparseMoE(nn.Module):
             # the shared expert in the same call, unless its weights are quantised (its modules
             # run it)
             shared = None if any(w.is_meta for w in held) else held
-            routed = self.moe(x, index, weights, self.experts.gate_up_proj,
+            routed = moe(x, index, weights, self.experts.gate_up_proj,
                               self.experts.down_proj, shared)
             if shared is not None:  # routed and shared: the ranks' partial sums reduced once
                 return self.parallel.all_reduce(routed).reshape(shape)
         routed = self.parallel.all_reduce(routed)  # the ranks' channels
-        shared_out = self.pointwise.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        gate = self.kernels.pointwise.sigmoid(self.shared_expert_gate(x))
+        shared_out = gate * self.shared_expert(x)
         return (routed + shared_out).reshape(shape)
 
 

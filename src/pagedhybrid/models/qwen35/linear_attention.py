@@ -44,7 +44,7 @@ from torch import nn
 from pagedhybrid.kernels import capsule as capsules
 from pagedhybrid.kernels.backend import Backend
 from pagedhybrid.kernels.capsule import Capsule
-from pagedhybrid.kernels.registry import TORCH_NORMS, Norms
+from pagedhybrid.kernels.registry import UsesKernels
 from pagedhybrid.kernels.step import StepMetadata
 from pagedhybrid.models.qwen35.config import Qwen35Config
 from pagedhybrid.models.qwen35.layers import GatedRMSNorm
@@ -59,8 +59,7 @@ from pagedhybrid.parallel.linear import (
 QK_L2_NORM_EPS = 1e-6  # HF ``l2norm`` / flash-linear-attention
 
 
-class GatedDeltaNet(nn.Module):
-    norms: Norms = TORCH_NORMS  # the backend's (set with the model's backend): q / k L2 norm
+class GatedDeltaNet(nn.Module, UsesKernels):  # its kernels' L2 norm of q / k
 
     def __init__(self, config: Qwen35Config, dtype: torch.dtype,
                  parallel: ParallelConfig) -> None:
@@ -125,15 +124,15 @@ class GatedDeltaNet(nn.Module):
                 return self.out_proj(y)
         z = z.view(t, self.num_v_heads, self.head_v_dim)  # [T, Hv, Dv]
         b, a = b.float(), a.float()
-        mixed = capsules.causal_conv(backend.causal_conv, qkv, self.conv1d.weight, conv_pool,
+        mixed = capsules.causal_conv(backend.step.causal_conv, qkv, self.conv1d.weight, conv_pool,
                                      meta, "silu", ck_conv, capsule)  # [T, conv_dim]
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = self.norms.l2(q.reshape(t, self.num_k_heads, self.head_k_dim),
+        q = self.kernels.norms.l2(q.reshape(t, self.num_k_heads, self.head_k_dim),
                           QK_L2_NORM_EPS)  # fp32 [T, Hk, Dk]
-        k = self.norms.l2(k.reshape(t, self.num_k_heads, self.head_k_dim),
+        k = self.kernels.norms.l2(k.reshape(t, self.num_k_heads, self.head_k_dim),
                           QK_L2_NORM_EPS)  # fp32 [T, Hk, Dk]
         v = v.reshape(t, self.num_v_heads, self.head_v_dim).float()  # fp32 [T, Hv, Dv]
-        core = capsules.gated_delta(backend.gated_delta, backend.capture, q, k, v, a, b,
+        core = capsules.gated_delta(backend.step.gated_delta, backend.capture, q, k, v, a, b,
                                     self.A_log, self.dt_bias, recurrent_pool, meta,
                                     self.head_k_dim ** -0.5, ck_rec, capsule)  # fp32 [T, Hv, Dv]
         y = self.norm(core.to(x.dtype), z).reshape(t, self.value_dim)  # [T, Hv*Dv]

@@ -27,9 +27,11 @@ Two forwards share every weight and every layer's math:
 Kernels come from the one kernel registry (``pagedhybrid.kernels.backend.REGISTRY``;
 ``select(needs=Needs(...))``): ``auto`` gives the native kernels when the prebuilt extension is
 present and the model's needs fit (prefix caching, KV page dtype, batch invariance), else the
-next bundle that fits, with every rejection's reason. Setting ``model.backend`` gives
-every layer its step seam and every projection (``parallel.linear``'s layers) its ``linear``;
-the weights stay as loaded (a tied LM head is the embedding table itself).
+next bundle that fits, with every rejection's reason. The model is given its bundle when it is
+built (``backend``; a model built without one takes ``auto``'s for its dtype; the engine's
+runner gives it the bundle its needs chose, ``use_backend``): every layer its step seam, every
+module that uses kernels (``UsesKernels``) the bundle's ``ModuleKernels``; the weights stay as
+loaded (a tied LM head is the embedding table itself).
 
 Tensor parallelism is built in: ``build`` / ``load`` take a ``ParallelConfig`` (``tp_rank``,
 ``tp_world_size``, process group) and every layer is made of the rank's column- / row-parallel
@@ -58,6 +60,7 @@ from torch import nn
 
 from pagedhybrid.errors import ContractViolation, UnsupportedConfiguration
 from pagedhybrid.kernels.backend import Backend, select
+from pagedhybrid.kernels.registry import UsesKernels
 from pagedhybrid.kernels.step import StepMetadata, int_tensor
 from pagedhybrid.kvquant import is_quantized
 from pagedhybrid.models.qwen35.config import Qwen35Config
@@ -124,7 +127,6 @@ class Qwen35ForCausalLM(nn.Module):
         self.checkpoint_config = config  # the full model: checkpoint tensor shapes
         self.config = config.rank_local(self.parallel)  # this rank's heads: caches, kernels
         self.dtype = dtype
-        self._backend = backend
         self.source_dir: Path | None = None  # the checkpoint folder (set by ``load``)
         self.arenas: list[HugePageArena] = []  # where quantize / hold_projections put weights
         self.model = Qwen35TextModel(config, dtype, self.parallel)
@@ -140,39 +142,27 @@ class Qwen35ForCausalLM(nn.Module):
                     f"tensors; this one has mtp_num_hidden_layers="
                     f"{config.mtp_num_hidden_layers}")
             self.mtp = MtpHead(config, dtype, self.parallel)
-        if backend is not None:
-            self.backend = backend  # every projection takes the bundle's product
+        self.use_backend(backend if backend is not None else
+                         select("auto", self.config, self.dtype).backend)
 
     # -- ops seam ---------------------------------------------------------------------------------
     @property
     def backend(self) -> Backend:
-        if self._backend is None:
-            self.backend = select("auto", self.config, self.dtype).backend
-        assert self._backend is not None
+        """The kernel bundle every layer computes with (``use_backend``)."""
         return self._backend
 
-    @backend.setter
-    def backend(self, value: Backend) -> None:
-        """The kernel bundle of every layer: its step seam, its ``linear_for(dtype)`` for
-        every projection and the LM head, its ``pointwise`` silu / sigmoid, its ``norms`` and
-        its ``moe`` (the experts of a mixture-of-experts block)."""
-        self._backend = value
-        matmul = value.linear_for(self.dtype)
-        if self.weight_format is not None and value.quantized_linear is None:
+    def use_backend(self, backend: Backend) -> None:
+        """Compute with ``backend``: its step seam in every layer, its ``ModuleKernels`` in
+        every module that uses them (``UsesKernels``: each projection's product for the model's
+        dtype, silu / sigmoid, the norms, a mixture of experts' kernel)."""
+        if self.weight_format is not None and backend.modules.quantized_linear is None:
             raise UnsupportedConfiguration(
-                f"the {value.name} kernels have no product for {self.weight_format.name} "
+                f"the {backend.name} kernels have no product for {self.weight_format.name} "
                 "weights; use a bundle whose capability has quantized_weights")
+        self._backend = backend
         for m in self.modules():
-            if hasattr(m, "matmul"):
-                m.matmul = matmul
-                if value.quantized_linear is not None:
-                    m.qmatmul = value.quantized_linear
-            if hasattr(m, "pointwise"):
-                m.pointwise = value.pointwise
-            if hasattr(m, "norms"):
-                m.norms = value.norms
-            if hasattr(m, "moe"):
-                m.moe = value.moe
+            if isinstance(m, UsesKernels):
+                m.use_kernels(backend.modules, self.dtype)
 
     # -- weights ----------------------------------------------------------------------------------
     @property
@@ -207,8 +197,7 @@ class Qwen35ForCausalLM(nn.Module):
                                          zeros=None if q.zeros is None else arena.hold(q.zeros))
                 if plain is not table:  # (the embedding reads the table)
                     release_pages(plain)
-        if self._backend is not None:
-            self.backend = self._backend  # the bundle's quantised product
+        self.use_backend(self._backend)  # the bundle's quantised product
 
     def hold_projections(self) -> None:
         """Copy every plain projection weight -- the ``ReplicatedLinear`` ones not held in 8 / 4
@@ -311,7 +300,7 @@ class Qwen35ForCausalLM(nn.Module):
         keys, values = {}, {}
         conv = {i: t.clone() for i, t in past.conv.items()}  # advanced in place below
         recurrent = {i: t.clone() for i, t in past.recurrent.items()}
-        backend = self.backend  # chosen before the first op (it sets the layers' norms)
+        backend = self.backend
         for layer in self.model.layers:
             i = layer.index
             x = layer.input_layernorm(h)

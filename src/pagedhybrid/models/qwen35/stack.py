@@ -1,5 +1,5 @@
 """The model's whole decode step as one native call, where the bundle has one
-(``Backend.fused.stack``, ``kernels/native/step.py`` ``DecodeStack``): the embedding, every
+(``Backend.fused.stack``, ``kernels/native/seam.py`` ``DecodeStack``): the embedding, every
 decoder layer's fused call, the final norm and the LM head, bit for bit what
 ``forward_packed`` runs one call at a time (``tests/models/test_qwen35_packed.py``).
 

@@ -29,7 +29,8 @@
 // h [B, hidden] and every weight in the model dtype (float32 or bfloat16), the modules' own
 // parameters (no stacked copies: a memory-mapped checkpoint stays the only copy); the pools,
 // slots and fresh as gdn_decode_mixer takes them. Every shape is checked before a pool or a page
-// is written, so a refused call changes nothing.
+// is written, so a refused call changes nothing. `quant`: the projections' tensors in the order of
+// kernels/layer_spec.py (layer_spec.h's projection indices).
 //
 // The MTP head's ops (mtp_head.cpp) and DecodeStack (decode_stack.cpp) run these layers;
 // decode_layer.h: what they share.
@@ -40,6 +41,7 @@
 #include "common.h"
 #include "decode_layer.h"
 #include "kernels.h"
+#include "layer_spec.h"
 #include "rows.h"
 
 namespace pagedhybrid {
@@ -237,12 +239,15 @@ at::Tensor attention_decode_layer(const at::Tensor& h, const at::Tensor& input_n
                                   bool native_linear, at::TensorList quant, int64_t quant_bits) {
   return naming("attention_decode_layer", [&](const char* op) {
     check_h(op, h);
-    check_quant(op, quant, 7);
-    const Proj q_p = proj(q_proj, quant, quant_bits, 0), k_p = proj(k_proj, quant, quant_bits, 1),
-               v_p = proj(v_proj, quant, quant_bits, 2), o_p = proj(o_proj, quant, quant_bits, 3),
-               gate_p = proj(gate_proj, quant, quant_bits, 4),
-               up_p = proj(up_proj, quant, quant_bits, 5),
-               down_p = proj(down_proj, quant, quant_bits, 6);
+    namespace p = attention::projection;
+    check_quant(op, quant, attention::kProjections);
+    const Proj q_p = proj(q_proj, quant, quant_bits, p::q_proj),
+               k_p = proj(k_proj, quant, quant_bits, p::k_proj),
+               v_p = proj(v_proj, quant, quant_bits, p::v_proj),
+               o_p = proj(o_proj, quant, quant_bits, p::o_proj),
+               gate_p = proj(gate_proj, quant, quant_bits, p::gate_proj),
+               up_p = proj(up_proj, quant, quant_bits, p::up_proj),
+               down_p = proj(down_proj, quant, quant_bits, p::down_proj);
     const int64_t n = h.size(0), hidden = h.size(1);
     const auto dt = h.scalar_type();
     PH_CHECK(key_cache.dim() == 4 && key_cache.scalar_type() == dt, op, "key_cache",
@@ -328,15 +333,16 @@ at::Tensor gdn_decode_layer(const at::Tensor& h, const at::Tensor& input_norm,
                             const c10::optional<at::Tensor>& delta) {
   return naming("gdn_decode_layer", [&](const char* op) {
     check_h(op, h);
-    check_quant(op, quant, 8);
-    const Proj qkv_p = proj(in_proj_qkv, quant, quant_bits, 0),
-               z_p = proj(in_proj_z, quant, quant_bits, 1),
-               b_p = proj(in_proj_b, quant, quant_bits, 2),
-               a_p = proj(in_proj_a, quant, quant_bits, 3),
-               out_p = proj(out_proj, quant, quant_bits, 4),
-               gate_p = proj(gate_proj, quant, quant_bits, 5),
-               up_p = proj(up_proj, quant, quant_bits, 6),
-               down_p = proj(down_proj, quant, quant_bits, 7);
+    namespace p = gdn::projection;
+    check_quant(op, quant, gdn::kProjections);
+    const Proj qkv_p = proj(in_proj_qkv, quant, quant_bits, p::in_proj_qkv),
+               z_p = proj(in_proj_z, quant, quant_bits, p::in_proj_z),
+               b_p = proj(in_proj_b, quant, quant_bits, p::in_proj_b),
+               a_p = proj(in_proj_a, quant, quant_bits, p::in_proj_a),
+               out_p = proj(out_proj, quant, quant_bits, p::out_proj),
+               gate_p = proj(gate_proj, quant, quant_bits, p::gate_proj),
+               up_p = proj(up_proj, quant, quant_bits, p::up_proj),
+               down_p = proj(down_proj, quant, quant_bits, p::down_proj);
     const int64_t hidden = h.size(1);
     const auto dt = h.scalar_type();
     check_tensor(op, "pool", pool, 4, at::kFloat);

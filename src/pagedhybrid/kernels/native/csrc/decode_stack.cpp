@@ -11,6 +11,7 @@
 #include "common.h"
 #include "decode_layer.h"
 #include "kernels.h"
+#include "layer_spec.h"
 
 namespace pagedhybrid {
 namespace {
@@ -25,14 +26,10 @@ namespace {
 // spends between the layers -- ~25-70 us a layer on a 2-core server, its frames and the ops'
 // argument parsing on caches the weight stream has just evicted -- is gone.
 //
-// Bound per layer (kinds[l]: 0 Gated DeltaNet, 1 full attention), in `tensors`:
-//   0: input_norm, in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, conv_weight [C, K],
-//      conv_pool, a_log, dt_bias, pool, gated_norm, out_proj, post_norm, gate, up, down (16)
-//   1: input_norm, q_proj, k_proj, v_proj, q_norm, k_norm, key_cache, value_cache, o_proj,
-//      post_norm, gate, up, down (13)
-// `quant`: each layer's codes / scales / zeros (3 per projection: 8 for a GDN layer, 7 for an
-// attention layer) when `quant_bits` is 8 or 4, none otherwise; `ints`: key_heads | heads,
-// kv_heads, split; `floats`: scale, l2_eps, gated_eps, rms_eps | scale, rms_eps.
+// Bound per layer (kinds[l]: gdn::kKind or attention::kKind), in `tensors`, `ints` and `floats`:
+// its fields of each type in the order of kernels/layer_spec.py (layer_spec.h, generated from
+// it, names their places and counts); `quant`: each projection's codes / scales / zeros in the
+// layer's order when `quant_bits` is 8 or 4, none otherwise.
 class DecodeStack : public torch::CustomClassHolder {
  public:
   DecodeStack(std::vector<int64_t> kinds, std::vector<at::Tensor> tensors,
@@ -46,14 +43,18 @@ class DecodeStack : public torch::CustomClassHolder {
     const char* op = "DecodeStack";
     size_t t = 0, q = 0, i = 0, f = 0;
     for (const int64_t kind : kinds) {
-      PH_CHECK(kind == 0 || kind == 1, op, "kinds", "must be 0 (Gated DeltaNet) or 1 (full "
-               "attention) per layer (got ", kind, ")");
-      const size_t nt = kind ? 13 : 16, nq = quant_bits ? 3 * (kind ? 7 : 8) : 0;
-      const size_t ni = kind ? 3 : 1, nf = kind ? 2 : 4;
+      PH_CHECK(kind == gdn::kKind || kind == attention::kKind, op, "kinds", "must be ",
+               gdn::kKind, " (Gated DeltaNet) or ", attention::kKind, " (full attention) per "
+               "layer (got ", kind, ")");
+      const bool full = kind == attention::kKind;
+      const size_t nt = full ? attention::kTensors : gdn::kTensors;
+      const size_t nq = quant_bits ? 3 * (full ? attention::kProjections : gdn::kProjections) : 0;
+      const size_t ni = full ? attention::kInts : gdn::kInts;
+      const size_t nf = full ? attention::kFloats : gdn::kFloats;
       PH_CHECK(t + nt <= tensors.size() && q + nq <= quant.size() && i + ni <= ints.size() &&
                    f + nf <= floats.size(), op, "tensors",
                "too few tensors, quantised tensors, ints or floats for layer ", layers_.size());
-      layers_.push_back(Layer{kind == 1,
+      layers_.push_back(Layer{full,
                               {tensors.begin() + t, tensors.begin() + t + nt},
                               {quant.begin() + q, quant.begin() + q + nq},
                               {ints.begin() + i, ints.begin() + i + ni},
@@ -97,17 +98,25 @@ class DecodeStack : public torch::CustomClassHolder {
       at::Tensor h = embed_.index_select(0, ids);
       for (const Layer& l : layers_) {
         const std::vector<at::Tensor>& w = l.t;
+        const std::vector<int64_t>& n = l.ints;
+        const std::vector<double>& x = l.floats;
         if (l.full) {
-          h = attention_decode_layer(h, w[0], w[1], w[2], w[3], w[4], w[5], cos, sin, w[6], w[7],
-                                     write_slots, block_table, cu_seqlens, past_lens, seqs, w[8],
-                                     w[9], w[10], w[11], w[12], l.ints[0], l.ints[1], l.floats[0],
-                                     l.floats[1], l.ints[2], native, l.quant, quant_bits_);
+          namespace a = attention;
+          h = attention_decode_layer(
+              h, w[a::input_norm], w[a::q_proj], w[a::k_proj], w[a::v_proj], w[a::q_norm],
+              w[a::k_norm], cos, sin, w[a::key_cache], w[a::value_cache], write_slots,
+              block_table, cu_seqlens, past_lens, seqs, w[a::o_proj], w[a::post_norm],
+              w[a::gate_proj], w[a::up_proj], w[a::down_proj], n[a::heads], n[a::kv_heads],
+              x[a::scale], x[a::rms_eps], n[a::split], native, l.quant, quant_bits_);
         } else {
-          h = gdn_decode_layer(h, w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7], w[8], w[9],
-                               slots, fresh, w[10], w[11], w[12], w[13], w[14], w[15], l.ints[0],
-                               l.floats[0], l.floats[1], l.floats[2], l.floats[3], native, l.quant,
-                               quant_bits_, c10::nullopt, c10::nullopt, c10::nullopt,
-                               c10::nullopt, c10::nullopt, c10::nullopt);
+          h = gdn_decode_layer(
+              h, w[gdn::input_norm], w[gdn::in_proj_qkv], w[gdn::in_proj_z], w[gdn::in_proj_b],
+              w[gdn::in_proj_a], w[gdn::conv_weight], w[gdn::conv_pool], w[gdn::a_log],
+              w[gdn::dt_bias], w[gdn::pool], slots, fresh, w[gdn::gated_norm], w[gdn::out_proj],
+              w[gdn::post_norm], w[gdn::gate_proj], w[gdn::up_proj], w[gdn::down_proj],
+              n[gdn::key_heads], x[gdn::scale], x[gdn::l2_eps], x[gdn::gated_eps],
+              x[gdn::rms_eps], native, l.quant, quant_bits_, c10::nullopt, c10::nullopt,
+              c10::nullopt, c10::nullopt, c10::nullopt, c10::nullopt);
         }
       }
       check_quant(op, lm_quant_, 1);

@@ -44,17 +44,12 @@ from typing import Any
 import torch
 
 from pagedhybrid.kernels.capsule import Capsule, StateCapture
-from pagedhybrid.kernels.cpu import step as torch_step
+from pagedhybrid.kernels.cpu import seam as torch_seam
+from pagedhybrid.kernels.layer_spec import GDN, POOL, LayerWeights
 from pagedhybrid.kernels.native import KV_SPLIT, classes, dense, library
 from pagedhybrid.kernels.native import quant as native_quant
 from pagedhybrid.kernels.registry import FusedDecode, MtpKernels
-from pagedhybrid.kernels.step import (
-    AttentionLayerWeights,
-    GdnLayerWeights,
-    MtpHeadInput,
-    StepMetadata,
-    quant_tensors,
-)
+from pagedhybrid.kernels.step import MtpHeadInput, StepMetadata, quant_tensors
 from pagedhybrid.kvquant import KVScales
 from pagedhybrid.weightquant import QuantizedWeight
 
@@ -67,14 +62,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torc
               ) -> torch.Tensor:
     """Sequences with at most ``max_query`` new tokens on the native kernel, longer ones on the
     torch SDPA path."""
-    torch_step.write_kv(k, v, key_cache, value_cache, meta, scales)
+    torch_seam.write_kv(k, v, key_cache, value_cache, meta, scales)
     short = meta.memo(f"native_short{max_query}", lambda: tuple(
         b for b in range(meta.batch) if 0 < meta.q_lens[b] <= max_query))
     long_ = tuple(b for b in range(meta.batch) if meta.q_lens[b] > max_query)
     n, hq, d = q.shape
-    qf, vs, adt = torch_step.folded_query(q, key_cache, scales)  # int8 / fp8: scales folded
+    qf, vs, adt = torch_seam.folded_query(q, key_cache, scales)  # int8 / fp8: scales folded
     out = (torch.empty(n, hq, d, dtype=torch.float32) if not long_ else
-           torch_step.attend(qf.to(adt), key_cache, value_cache, meta, scale, long_, adt))
+           torch_seam.attend(qf.to(adt), key_cache, value_cache, meta, scale, long_, adt))
     if short:
         library().paged_attention(qf.contiguous(), key_cache, value_cache,  # type: ignore[attr-defined]
                               meta.block_table, meta.cu_seqlens_t, meta.past_t,
@@ -92,7 +87,7 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, meta:
         y = torch.empty_like(x)
         library().causal_conv_decode(x.contiguous(), w, None, pool, meta.state_slots,  # type: ignore[attr-defined]
                                      meta.fresh_t, y, silu)
-        torch_step.save_chunk_ends(pool, checkpoints, meta)
+        torch_seam.save_chunk_ends(pool, checkpoints, meta)
         return y
     y = torch.empty_like(x)
     if meta.decode:
@@ -100,12 +95,12 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, meta:
         yd = torch.empty(rows.numel(), x.shape[1], dtype=x.dtype)
         library().causal_conv_decode(x.index_select(0, rows), w, None, pool, sub.state_slots,  # type: ignore[attr-defined]
                                      sub.fresh_t, yd, silu)
-        torch_step.save_chunk_ends(pool, checkpoints, sub)
+        torch_seam.save_chunk_ends(pool, checkpoints, sub)
         y.index_copy_(0, rows, yd)
     short = meta.memo("conv_short", lambda: tuple(
         b for b in meta.multi if meta.q_lens[b] <= MAX_NATIVE_QUERY))
     for group, conv in ((short, conv_varlen), (tuple(b for b in meta.multi if b not in short),
-                                               torch_step.conv_sequences)):
+                                               torch_seam.conv_sequences)):
         if group:
             rows, sub = meta.subset(group)
             y.index_copy_(0, rows, conv(x.index_select(0, rows), weight, pool, sub, activation,
@@ -120,14 +115,14 @@ def conv_varlen(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, meta:
     silu = activation in ("silu", "swish")
     w = weight.view(weight.shape[0], weight.shape[-1])  # [C, K]
     x = x.contiguous()
-    init = (torch_step.initial_conv_rows(pool, meta)
-            if checkpoints is not None and torch_step.inner_checkpoints(meta) else None)
+    init = (torch_seam.initial_conv_rows(pool, meta)
+            if checkpoints is not None and torch_seam.inner_checkpoints(meta) else None)
     y = torch.empty_like(x)
     library().causal_conv_varlen(x, w, None, pool, meta.state_slots, meta.fresh_t,  # type: ignore[attr-defined]
                                  meta.cu_seqlens_t, y, silu)
     if init is not None:
-        torch_step.save_inner_conv_checkpoints(x, init, meta, checkpoints)
-    torch_step.save_chunk_ends(pool, checkpoints, meta)
+        torch_seam.save_inner_conv_checkpoints(x, init, meta, checkpoints)
+    torch_seam.save_chunk_ends(pool, checkpoints, meta)
     return y
 
 
@@ -173,8 +168,8 @@ def _product_flag(rows: int, dtype: torch.dtype,
 def _save_chunk_ends(conv_pool: torch.Tensor, pool: torch.Tensor,
                      checkpoints: tuple[torch.Tensor | None, torch.Tensor | None],
                      meta: StepMetadata) -> None:
-    torch_step.save_chunk_ends(conv_pool, checkpoints[0], meta)
-    torch_step.save_chunk_ends(pool, checkpoints[1], meta)
+    torch_seam.save_chunk_ends(conv_pool, checkpoints[0], meta)
+    torch_seam.save_chunk_ends(pool, checkpoints[1], meta)
 
 
 def _chunks(meta: StepMetadata, capsule: Capsule | None) -> dict[str, torch.Tensor] | None:
@@ -211,7 +206,7 @@ def gdn_decode(qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Ten
     return out
 
 
-def gdn_decode_layer(h: torch.Tensor, w: GdnLayerWeights, conv_pool: torch.Tensor,
+def gdn_decode_layer(h: torch.Tensor, w: LayerWeights, conv_pool: torch.Tensor,
                      pool: torch.Tensor, meta: StepMetadata,
                      matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
                      checkpoints: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
@@ -224,16 +219,13 @@ def gdn_decode_layer(h: torch.Tensor, w: GdnLayerWeights, conv_pool: torch.Tenso
     chunks = _chunks(meta, capsule)
     assert chunks is not None, "verify chunks need the layer's capsule"
     out = library().gdn_decode_layer(  # type: ignore[attr-defined]
-        h, w.input_norm, w.in_proj_qkv, w.in_proj_z, w.in_proj_b, w.in_proj_a,
-        w.conv.view(w.conv.shape[0], -1), conv_pool, w.a_log, w.dt_bias, pool, meta.state_slots,
-        meta.fresh_t, w.gated_norm, w.out_proj, w.post_norm, w.gate_proj, w.up_proj,
-        w.down_proj, w.key_heads, w.scale, w.l2_eps, w.gated_eps, w.rms_eps, native, w.quant,
-        w.quant_bits, **chunks)
+        h, **w.args, conv_pool=conv_pool, pool=pool, slots=meta.state_slots, fresh=meta.fresh_t,
+        native_linear=native, quant=w.quant, quant_bits=w.quant_bits, **chunks)
     _save_chunk_ends(conv_pool, pool, checkpoints, meta)
     return out
 
 
-def attention_decode_layer(h: torch.Tensor, w: AttentionLayerWeights, cos: torch.Tensor,
+def attention_decode_layer(h: torch.Tensor, w: LayerWeights, cos: torch.Tensor,
                            sin: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            meta: StepMetadata,
                            matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
@@ -246,11 +238,11 @@ def attention_decode_layer(h: torch.Tensor, w: AttentionLayerWeights, cos: torch
     assert scales is None and key_cache.dtype == h.dtype, "pages in the model dtype"
     assert meta.write_slots is not None
     return library().attention_decode_layer(  # type: ignore[attr-defined]
-        h, w.input_norm, w.q_proj, w.k_proj, w.v_proj, w.q_norm, w.k_norm, cos, sin, key_cache,
-        value_cache, meta.write_slots, meta.block_table, meta.cu_seqlens_t, meta.past_t,
-        meta.seq_index(tuple(range(meta.batch))), w.o_proj, w.post_norm, w.gate_proj, w.up_proj,
-        w.down_proj, w.heads, w.kv_heads, w.scale, w.rms_eps, KV_SPLIT, native, w.quant,
-        w.quant_bits)
+        h, **w.args, cos=cos, sin=sin, key_cache=key_cache, value_cache=value_cache,
+        write_slots=meta.write_slots, block_table=meta.block_table,
+        cu_seqlens=meta.cu_seqlens_t, past_lens=meta.past_t,
+        seqs=meta.seq_index(tuple(range(meta.batch))), split=KV_SPLIT, native_linear=native,
+        quant=w.quant, quant_bits=w.quant_bits)
 
 
 def _held(weight: torch.Tensor, quant: QuantizedWeight | None
@@ -299,21 +291,20 @@ def mtp_head_output(h: torch.Tensor, norm: torch.Tensor, eps: float,
         h, norm, eps, picks, lm, native, quant, bits)
 
 
-def _head_args(head_input: MtpHeadInput, layer: AttentionLayerWeights, key_cache: torch.Tensor,
+def _head_args(head_input: MtpHeadInput, layer: LayerWeights, key_cache: torch.Tensor,
                value_cache: torch.Tensor, final_norm: torch.Tensor, lm_head: torch.Tensor,
-               lm_quant: QuantizedWeight | None, native: bool) -> list[object]:
-    """The head's part of ``mtp_chain`` / ``mtp_draft``'s arguments."""
+               lm_quant: QuantizedWeight | None, native: bool) -> dict[str, object]:
+    """The head's part of ``mtp_chain`` / ``mtp_draft``'s arguments, by name."""
     fc, fc_quant, _ = _held(head_input.fc, head_input.fc_quant)
     lm, lm_tensors, _ = _held(lm_head, lm_quant)
-    return [head_input.embed, head_input.norm_embedding, head_input.norm_hidden, fc, fc_quant,
-            layer.input_norm, layer.q_proj, layer.k_proj, layer.v_proj, layer.q_norm,
-            layer.k_norm, key_cache, value_cache, layer.o_proj, layer.post_norm, layer.gate_proj,
-            layer.up_proj, layer.down_proj, layer.heads, layer.kv_heads, layer.scale,
-            layer.rms_eps, KV_SPLIT, layer.quant, final_norm, lm, lm_tensors, layer.quant_bits,
-            native]
+    return dict(layer.args, embed=head_input.embed, norm_embedding=head_input.norm_embedding,
+                norm_hidden=head_input.norm_hidden, fc=fc, fc_quant=fc_quant,
+                key_cache=key_cache, value_cache=value_cache, split=KV_SPLIT, quant=layer.quant,
+                final_norm=final_norm, lm_head=lm, lm_quant=lm_tensors,
+                quant_bits=layer.quant_bits, native_linear=native)
 
 
-def _head_flag(rows: int, hidden: torch.Tensor, layer: AttentionLayerWeights,
+def _head_flag(rows: int, hidden: torch.Tensor, layer: LayerWeights,
                key_cache: torch.Tensor,
                matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
                ) -> bool | None:
@@ -325,7 +316,7 @@ def _head_flag(rows: int, hidden: torch.Tensor, layer: AttentionLayerWeights,
 def mtp_chain(token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
               steps: torch.Tensor, block_table: torch.Tensor, block_size: int,
               rope: tuple[torch.Tensor, torch.Tensor], head_input: MtpHeadInput,
-              layer: AttentionLayerWeights, key_cache: torch.Tensor, value_cache: torch.Tensor,
+              layer: LayerWeights, key_cache: torch.Tensor, value_cache: torch.Tensor,
               final_norm: torch.Tensor, lm_head: torch.Tensor, lm_quant: QuantizedWeight | None,
               matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
               ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -339,15 +330,15 @@ def mtp_chain(token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Te
         return None
     return library().mtp_chain(  # type: ignore[attr-defined,no-any-return]
         token_ids, hidden, positions, steps, block_table, block_size, *rope,
-        *_head_args(head_input, layer, key_cache, value_cache, final_norm, lm_head, lm_quant,
-                    native))
+        **_head_args(head_input, layer, key_cache, value_cache, final_norm, lm_head, lm_quant,
+                     native))
 
 
 def mtp_draft(token_ids: torch.Tensor, hidden: torch.Tensor, q_lens: torch.Tensor,
               past_lens: torch.Tensor, catch_table: torch.Tensor, picks: torch.Tensor,
               positions: torch.Tensor, steps: torch.Tensor, block_table: torch.Tensor,
               block_size: int, rope: tuple[torch.Tensor, torch.Tensor],
-              head_input: MtpHeadInput, layer: AttentionLayerWeights, key_cache: torch.Tensor,
+              head_input: MtpHeadInput, layer: LayerWeights, key_cache: torch.Tensor,
               value_cache: torch.Tensor, final_norm: torch.Tensor, lm_head: torch.Tensor,
               lm_quant: QuantizedWeight | None,
               matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
@@ -363,16 +354,16 @@ def mtp_draft(token_ids: torch.Tensor, hidden: torch.Tensor, q_lens: torch.Tenso
         return None
     return library().mtp_draft(  # type: ignore[attr-defined,no-any-return]
         token_ids, hidden, q_lens, past_lens, catch_table, picks, positions, steps, block_table,
-        block_size, *rope, *_head_args(head_input, layer, key_cache, value_cache, final_norm,
-                                       lm_head, lm_quant, native))
+        block_size, *rope, **_head_args(head_input, layer, key_cache, value_cache, final_norm,
+                                        lm_head, lm_quant, native))
 
 
 class DecodeStack:
     """A model's decode step in one native call (``csrc/decode_stack.cpp`` ``DecodeStack``):
     the embedding, every layer's ``gdn_decode_layer`` / ``attention_decode_layer``, the final
     norm and the LM head, bit for bit the calls ``forward_packed`` makes one by one. Bound once
-    to the layers' tensors (``GdnLayerWeights`` / ``AttentionLayerWeights``, each with its
-    cache pools: conv and recurrent, or key and value pages, and a GDN layer's checkpoint pools)
+    to the layers' fields (``layer_spec.LayerWeights``, each with its cache pools in the spec's
+    order: conv and recurrent, or key and value pages, and a GDN layer's checkpoint pools)
     -- the caller binds again when a parameter or a pool is replaced; a step passes its own
     tensors. ``bind`` returns None where the layers' weights are not all in one format."""
 
@@ -386,7 +377,7 @@ class DecodeStack:
         self._forms = (matmul, lm_matmul, quantized, lm_quantized, dtype)
 
     @classmethod
-    def bind(cls, layers: list[tuple[GdnLayerWeights | AttentionLayerWeights,
+    def bind(cls, layers: list[tuple[LayerWeights,
                                      tuple[torch.Tensor, torch.Tensor],
                                      tuple[torch.Tensor | None, torch.Tensor | None]]],
              embed: torch.Tensor, final_norm: torch.Tensor, eps: float, lm_head: torch.Tensor,
@@ -403,22 +394,15 @@ class DecodeStack:
         if len({w.quant_bits for w, _, _ in layers}) != 1:
             return None
         for w, (a, b), checkpoints in layers:
-            if isinstance(w, AttentionLayerWeights):
-                kinds.append(1)
-                tensors += [w.input_norm, w.q_proj, w.k_proj, w.v_proj, w.q_norm, w.k_norm, a, b,
-                            w.o_proj, w.post_norm, w.gate_proj, w.up_proj, w.down_proj]
-                ints += [w.heads, w.kv_heads, KV_SPLIT]
-                floats += [w.scale, w.rms_eps]
-            else:
-                kinds.append(0)
-                tensors += [w.input_norm, w.in_proj_qkv, w.in_proj_z, w.in_proj_b, w.in_proj_a,
-                            w.conv.view(w.conv.shape[0], -1), a, w.a_log, w.dt_bias, b,
-                            w.gated_norm, w.out_proj, w.post_norm, w.gate_proj, w.up_proj,
-                            w.down_proj]
-                ints.append(w.key_heads)
-                floats += [w.scale, w.l2_eps, w.gated_eps, w.rms_eps]
-                gdn_pools.append((a, b, checkpoints))
+            pools = dict(zip((f.name for f in w.spec.of(POOL)), (a, b), strict=True))
+            layer_tensors, layer_ints, layer_floats = w.bound({**pools, "split": KV_SPLIT})
+            kinds.append(w.spec.kind)
+            tensors += layer_tensors
+            ints += layer_ints
+            floats += layer_floats
             quant += w.quant
+            if w.spec is GDN:
+                gdn_pools.append((a, b, checkpoints))
         bits = layers[0][0].quant_bits
         lm, lm_tensors, lm_bits = _held(lm_head, lm_quant)
         native = classes().DecodeStack(kinds, tensors, quant, ints, floats, bits, embed,
@@ -483,7 +467,7 @@ def gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
     if meta.all_decode:
         o = _gdn_decode(q, k, v, a, b, a_log, dt_bias, pool, meta.state_slots, meta.fresh_t,
                         scale)
-        torch_step.save_chunk_ends(pool, checkpoints, meta)
+        torch_seam.save_chunk_ends(pool, checkpoints, meta)
         return o
     out = torch.empty(v.shape, dtype=torch.float32)
     if meta.decode:
@@ -491,9 +475,9 @@ def gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
         out.index_copy_(0, rows, _gdn_decode(
             q[rows], k[rows], v[rows], a[rows], b[rows], a_log, dt_bias, pool, sub.state_slots,
             sub.fresh_t, scale))
-        torch_step.save_chunk_ends(pool, checkpoints, sub)
+        torch_seam.save_chunk_ends(pool, checkpoints, sub)
     rows, sub = meta.subset(meta.multi)
-    out.index_copy_(0, rows, torch_step.gated_delta(
+    out.index_copy_(0, rows, torch_seam.gated_delta(
         q[rows], k[rows], v[rows], a[rows], b[rows], a_log, dt_bias, pool, sub, scale,
         checkpoints))
     return out
