@@ -64,3 +64,43 @@ def test_engine_text_is_the_decode_of_its_tokens() -> None:
                         use_progress=False)
     for o in outs:
         assert o.text == TOK.decode(o.token_ids)
+
+
+def test_the_engines_deltas_add_up_to_its_outputs() -> None:
+    """``SequenceOutput.delta()`` -- what the server carries to HTTP -- adds up, report after
+    report, to the engine's whole output: the new text (stop strings held back and cut), the
+    new tokens and their logprobs; the prompt's ids come with the first delta only and its
+    logprobs exactly once."""
+    llm = LLM(None, max_num_seqs=4)
+    engine = llm.engine
+    cases = {"a": SamplingParams(temperature=1.0, seed=5, max_tokens=30, logprobs=2,
+                                 prompt_logprobs=1),
+             "b": SamplingParams(temperature=0.0, max_tokens=40, stop=[" the", "."]),
+             "c": SamplingParams(temperature=1.0, seed=9, max_tokens=25, logprobs=0,
+                                 include_stop_str_in_output=True, stop=["e"])}
+    for rid, params in cases.items():
+        engine.add_request(rid, "And God said", params)
+    got: dict[str, list] = {rid: [] for rid in cases}
+    final = {}
+    for out in engine.stream():
+        got[out.request_id].append(out.delta())
+        if out.finished:
+            final[out.request_id] = out
+    for rid, deltas in got.items():
+        whole = final[rid]
+        assert [d.prompt_token_ids is not None for d in deltas] == \
+            [True] + [False] * (len(deltas) - 1)
+        assert deltas[0].prompt_token_ids == whole.prompt_token_ids
+        assert all(d.num_prompt_tokens == len(whole.prompt_token_ids) for d in deltas)
+        assert "".join(d.new_text for d in deltas) == whole.text
+        assert sum((d.new_token_ids for d in deltas), ()) == whole.token_ids
+        assert deltas[-1].finished and not any(d.finished for d in deltas[:-1])
+        assert deltas[-1].finish_reason == whole.finish_reason
+        assert deltas[-1].stop_reason == whole.stop_reason
+        if cases[rid].logprobs is None:
+            assert all(d.new_logprobs is None for d in deltas)
+        else:
+            assert sum((d.new_logprobs for d in deltas), ()) == whole.logprobs
+        sent = [d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None]
+        assert sent == ([whole.prompt_logprobs] if cases[rid].prompt_logprobs else [])
+    assert final["b"].stop_reason in (" the", ".")  # the stop string cut the text

@@ -42,9 +42,9 @@ def install() -> None:
               else f(logits, params, gens, history, *rest)))
     patch(Request, "append", lambda f: lambda self, tok, eos, n: (
         _raise("finishing") if FINISH in self.prompt_token_ids else f(self, tok, eos, n)))
-    patch(ServerMetrics, "on_step", lambda f: lambda self, engine, outs: (
-        _raise("hook") if any(HOOK in o.prompt_token_ids for o in outs) else f(self, engine,
-                                                                               outs)))
+    patch(ServerMetrics, "on_step", lambda f: lambda self, engine, outs: (  # first deltas
+        _raise("hook") if any(HOOK in (o.prompt_token_ids or ()) for o in outs)
+        else f(self, engine, outs)))
     patch(TokenizersTokenizer, "decode", lambda f: lambda self, ids, *a, **k: (
         _raise("detokenisation") if DETOK in list(ids) else f(self, ids, *a, **k)))
 

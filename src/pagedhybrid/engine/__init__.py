@@ -24,7 +24,13 @@ from __future__ import annotations
 from pagedhybrid.engine.core.config import EngineConfig
 from pagedhybrid.engine.core.outputs import CompletionOutput, RequestOutput
 from pagedhybrid.engine.core.pages import BlockPool
-from pagedhybrid.engine.core.request import FinishReason, InvalidRequest, Request, SequenceOutput
+from pagedhybrid.engine.core.request import (
+    FinishReason,
+    InvalidRequest,
+    Request,
+    SequenceDelta,
+    SequenceOutput,
+)
 from pagedhybrid.engine.core.scheduler import (
     HybridAllocator,
     ScheduledSequence,
@@ -61,6 +67,7 @@ __all__ = [
     "Scheduler",
     "SchedulerConfig",
     "SchedulerOutput",
+    "SequenceDelta",
     "SequenceOutput",
     "StatePool",
     "StepPlan",

@@ -500,11 +500,12 @@ class Engine:
         n = req.num_output_tokens
         new = req.token_ids[req.num_prompt_tokens + req.num_emitted:]
         req.num_emitted = n
-        text = None
+        text = new_text = None
         detok = req.detokenizer
         if detok is not None:
             try:
                 text = self._text(req, detok, new)
+                new_text, req.text_emitted = text[req.text_emitted:], len(text)
             except Exception as exc:  # this request fails alone
                 why = f"detokenisation failed: {type(exc).__name__}: {exc}"
                 if not req.finished:
@@ -512,6 +513,11 @@ class Engine:
                 else:
                     req.finish_reason, req.error = "error", why
                 req.detokenizer = None
+        plp = (req.prompt_logprobs if req.params.prompt_logprobs is not None
+               and req.prompt_logprobs_done else None)
+        plp_new = plp is not None and not req.prompt_logprobs_emitted
+        req.prompt_logprobs_emitted |= plp_new
+        req.num_reports += 1
         return SequenceOutput(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
@@ -522,12 +528,14 @@ class Engine:
             num_generated=n,
             sequence=req.token_ids,
             generated_logprobs=req.logprobs if req.params.logprobs is not None else None,
-            prompt_logprob_list=(req.prompt_logprobs if req.params.prompt_logprobs is not None
-                                 and req.prompt_logprobs_done else None),
+            prompt_logprob_list=plp,
             error=req.error,
             num_preemptions=req.num_preemptions,
             num_cached_tokens=req.num_cached_tokens,
             stop_reason=req.stop_reason,
+            new_text=new_text,
+            first=req.num_reports == 1,
+            prompt_logprobs_new=plp_new,
         )
 
     def _text(self, req: Request, detok: IncrementalDetokenizer, new: Sequence[int]) -> str:

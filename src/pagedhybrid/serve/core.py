@@ -6,21 +6,21 @@ and socket work held the GIL the engine needed between its kernels, so each step
 event loop and online inter-token latency was 1.3-1.7x the offline figure. Here the two run on
 their own cores and share nothing but two pipes.
 
-``EngineClient.launch(factory)`` forks the core process, which builds its engine with
-``factory()`` (a refusal -- a config that does not fit, a missing checkpoint -- comes back as a
-``PagedHybridError`` from ``launch``) and reports ``CoreInfo``. In the server process
-``submit`` / ``abort`` / ``close`` are called on the event loop (``close`` from any thread) and
-return at once: a sender thread writes the messages, so a long step never blocks the event loop
-on a full pipe. The core reads them between steps, runs ``engine.step()`` while there is work
-(blocking on its pipe otherwise) and sends each step's outputs as deltas -- the new tokens, the
-new text, the new logprobs, the prompt once -- with a ``Snapshot`` of the engine for the
-metrics. Neither end ever waits on the other: the core pickles a message on the engine's thread
-and a writer thread puts it on the pipe (``_Outbox``); in the server a reader thread takes whole
-messages off the pipe in blocking reads -- a message of any size, in as many reads as it takes
--- and hands each to the event loop, which rebuilds each request's ``SequenceOutput`` (the same
-object the engine made) and puts it on the request's asyncio queue (a slow client's queue grows;
-nothing else waits for it); ``on_step(snapshot, outputs)`` runs there too (metrics). An
-``add_request`` refusal comes back on the request's queue as an ``EngineRefusal``.
+``EngineClient.launch(factory)`` forks the core process, which builds its engine with ``factory()``
+(a refusal -- a config that does not fit, a missing checkpoint -- comes back as a
+``PagedHybridError`` from ``launch``) and reports ``CoreInfo``. In the server process ``submit`` /
+``abort`` / ``close`` are called on the event loop (``close`` from any thread) and return at once: a
+sender thread writes the messages, so a long step never blocks the event loop on a full pipe. The
+core reads them between steps, runs ``engine.step()`` while there is work (blocking on its pipe
+otherwise) and sends each step's outputs as the engine's deltas (``SequenceDelta``: the new tokens,
+the new text, the new logprobs, the prompt once) with a ``Snapshot`` of the engine for the metrics.
+Neither end ever waits on the other: the core pickles a message on the engine's thread and a writer
+thread puts it on the pipe (``_Outbox``); in the server a reader thread takes whole messages off the
+pipe in blocking reads -- a message of any size, in as many reads as it takes -- and hands each to
+the event loop, which puts each delta on its request's asyncio queue as it came (a slow client's
+queue grows; nothing else waits for it): the server applies deltas and streams deltas, never a
+rebuilt whole output; ``on_step(snapshot, deltas)`` runs there too (metrics). An ``add_request``
+refusal comes back on the request's queue as an ``EngineRefusal``.
 
 Nothing one request does stops the core: any exception at intake refuses that request alone; a
 step that raises fails that step's requests inside ``Engine.step``; an exception anywhere else
@@ -53,9 +53,8 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, NamedTuple
 
-from pagedhybrid.engine import Engine, SamplingParams, SequenceOutput
+from pagedhybrid.engine import Engine, SamplingParams, SequenceDelta, SequenceOutput
 from pagedhybrid.engine.core.stats import SpecStats
-from pagedhybrid.engine.sample.sampler import Logprob
 from pagedhybrid.errors import EngineDead, PagedHybridError
 
 LIVENESS_S = 1.0  # how often the server checks the engine process while it sends nothing
@@ -115,46 +114,6 @@ class Snapshot:
                                        accepted_per_pos=list(engine.stats.spec.accepted_per_pos)))
 
 
-@dataclass(slots=True)
-class _Delta:
-    """One ``SequenceOutput`` as sent: what it adds to what its request sent before."""
-
-    request_id: str
-    prompt_token_ids: tuple[int, ...] | None  # with the request's first output only
-    new_token_ids: tuple[int, ...]
-    text: str | None  # the new text (None: no detokeniser)
-    finished: bool
-    finish_reason: Any
-    error: str | None
-    num_preemptions: int
-    num_cached_tokens: int
-    logprobs: list[dict[int, Logprob]] | None  # the new tokens' entries
-    prompt_logprobs: list[dict[int, Logprob] | None] | None  # once, when complete
-    stop_reason: int | str | None
-
-
-@dataclass
-class _Sent:
-    """Core side: how much of a request's output has been sent."""
-
-    prompt: bool = False
-    text: int = 0
-    logprobs: int = 0
-    prompt_logprobs: bool = False
-
-
-@dataclass
-class _Mirror:
-    """Server side: a request's output so far, rebuilt from its deltas."""
-
-    sink: asyncio.Queue[Any]
-    prompt: tuple[int, ...] = ()
-    sequence: list[int] = field(default_factory=list)  # prompt + generated
-    text: str | None = None
-    logprobs: list[dict[int, Logprob]] | None = None
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-
-
 # -- the core process ---------------------------------------------------------------------------
 class _Outbox:
     """The core's end of the pipe to the server: ``send`` pickles the message on the engine's
@@ -196,7 +155,6 @@ class _Core:
         self.engine = engine
         self.inbox = inbox
         self.outbox = _Outbox(outbox)
-        self.sent: dict[str, _Sent] = {}
         self.closing: str | None = None
         self.stopping = False
         self.degraded = False
@@ -269,32 +227,13 @@ class _Core:
                               f"{type(exc).__name__}: {exc}" if kind == "internal"
                               else str(exc), self.taken, len(self.engine.scheduler.waiting)))
 
-    def _delta(self, o: SequenceOutput) -> _Delta:
-        s = self.sent.setdefault(o.request_id, _Sent())
-        first, s.prompt = not s.prompt, True
-        text = None
-        if o.text is not None:
-            text, s.text = o.text[s.text:], len(o.text)
-        lps = None
-        if o.generated_logprobs is not None:
-            lps = list(o.generated_logprobs[s.logprobs:o.num_generated])
-            s.logprobs = o.num_generated
-        plp = None
-        if o.prompt_logprob_list is not None and not s.prompt_logprobs:
-            plp, s.prompt_logprobs = list(o.prompt_logprob_list), True
-        if o.finished:
-            self.sent.pop(o.request_id, None)
-        return _Delta(o.request_id, o.prompt_token_ids if first else None, o.new_token_ids,
-                      text, o.finished, o.finish_reason, o.error, o.num_preemptions,
-                      o.num_cached_tokens, lps, plp, o.stop_reason)
-
     def _send(self, outputs: Sequence[SequenceOutput]) -> None:
         try:  # the metrics' view; a failure here never loses the step's outputs
             self.snapshot = Snapshot.of(self.engine)
         except Exception as exc:
             print(f"pagedhybrid: engine snapshot failed: {type(exc).__name__}: {exc}",
                   file=sys.stderr)
-        self.outbox.send(("out", [self._delta(o) for o in outputs], self.snapshot,
+        self.outbox.send(("out", [o.delta() for o in outputs], self.snapshot,
                           self.degraded, self.taken))
 
     def _recover(self, exc: Exception) -> None:
@@ -346,12 +285,12 @@ class EngineClient:
         self._reader = threading.Thread(target=self._read_loop, name="pagedhybrid-from-core",
                                         daemon=True)
         self._stopping = False
-        self._mirrors: dict[str, _Mirror] = {}
+        self._sinks: dict[str, asyncio.Queue[Any]] = {}  # each request's, until it finishes
         self._loop: asyncio.AbstractEventLoop | None = None
         self._submitted = 0
         self._taken = 0
         self._snapshot = Snapshot()
-        self.on_step: Callable[[Snapshot, Sequence[SequenceOutput]], None] | None = None
+        self.on_step: Callable[[Snapshot, Sequence[SequenceDelta]], None] | None = None
         self.error: str | None = None  # why the core is gone
         self._dead: str | None = None  # why the engine stopped serving (it said so)
         self.closing: str | None = None  # why the server is shutting down (``close``)
@@ -399,7 +338,7 @@ class EngineClient:
         if self.error is not None:
             sink.put_nowait(EngineRefusal(request_id, Closing(self.error)))
             return sink
-        self._mirrors[request_id] = _Mirror(sink)
+        self._sinks[request_id] = sink
         self._submitted += 1
         self._outgoing.put(("submit", request_id, list(prompt), params))
         return sink
@@ -453,9 +392,9 @@ class EngineClient:
 
     def _unsent(self, request_id: str, exc: Exception) -> None:
         self._submitted -= 1
-        mirror = self._mirrors.pop(request_id, None)
-        if mirror is not None:
-            mirror.sink.put_nowait(EngineRefusal(request_id, EngineInternalError(
+        sink = self._sinks.pop(request_id, None)
+        if sink is not None:
+            sink.put_nowait(EngineRefusal(request_id, EngineInternalError(
                 f"the request could not be sent to the engine: {type(exc).__name__}: {exc}")))
 
     def _read_loop(self) -> None:
@@ -497,47 +436,25 @@ class EngineClient:
         if msg[0] == "refused":
             _, rid, kind, what, message, self._taken, waiting = msg
             self._snapshot = dataclasses.replace(self._snapshot, waiting=waiting)
-            mirror = self._mirrors.pop(rid, None)
-            if mirror is not None:
+            sink = self._sinks.pop(rid, None)
+            if sink is not None:
                 exc: Exception = Closing(message) if kind == "closing" else \
                     Refused(message, what) if kind == "invalid" else EngineInternalError(message)
-                mirror.sink.put_nowait(EngineRefusal(rid, exc))
+                sink.put_nowait(EngineRefusal(rid, exc))
             return
         _, deltas, self._snapshot, self.degraded, self._taken = msg
-        outputs = [o for o in map(self._output, deltas) if o is not None]
+        for d in deltas:
+            sink = self._sinks.get(d.request_id)
+            if sink is not None:
+                if d.finished:
+                    del self._sinks[d.request_id]
+                sink.put_nowait(d)
         if self.on_step is not None:
             try:
-                self.on_step(self._snapshot, outputs)
+                self.on_step(self._snapshot, deltas)
             except Exception as exc:  # a hook (metrics) never fails requests
                 print(f"pagedhybrid: on_step hook failed: {type(exc).__name__}: {exc}",
                       file=sys.stderr)
-
-    def _output(self, d: _Delta) -> SequenceOutput | None:
-        m = self._mirrors.get(d.request_id)
-        if m is None:
-            return None
-        if d.prompt_token_ids is not None:
-            m.prompt = d.prompt_token_ids
-            m.sequence = list(d.prompt_token_ids)
-        m.sequence.extend(d.new_token_ids)
-        if d.text is not None:
-            m.text = (m.text or "") + d.text
-        if d.logprobs is not None:
-            if m.logprobs is None:
-                m.logprobs = []
-            m.logprobs.extend(d.logprobs)
-        if d.prompt_logprobs is not None:
-            m.prompt_logprobs = d.prompt_logprobs
-        out = SequenceOutput(
-            d.request_id, m.prompt, d.new_token_ids, d.finished, d.finish_reason, text=m.text,
-            error=d.error, num_preemptions=d.num_preemptions,
-            num_cached_tokens=d.num_cached_tokens, num_generated=len(m.sequence) - len(m.prompt),
-            sequence=m.sequence, generated_logprobs=m.logprobs,
-            prompt_logprob_list=m.prompt_logprobs, stop_reason=d.stop_reason)
-        if d.finished:
-            del self._mirrors[d.request_id]
-        m.sink.put_nowait(out)
-        return out
 
     def _core_died(self) -> None:
         if self.error is not None or self._stopping:
@@ -550,9 +467,7 @@ class EngineClient:
             self.error = f"the engine stopped: {self._dead}"
         self._submitted = self._taken  # nothing is waiting any more
         print(f"pagedhybrid: {self.error}", file=sys.stderr)
-        for rid, m in self._mirrors.items():
-            m.sink.put_nowait(SequenceOutput(
-                rid, m.prompt, (), True, "error", m.text, self.error,
-                num_generated=len(m.sequence) - len(m.prompt), sequence=m.sequence,
-                generated_logprobs=m.logprobs, prompt_logprob_list=m.prompt_logprobs))
-        self._mirrors.clear()
+        for rid, sink in self._sinks.items():
+            sink.put_nowait(SequenceDelta(rid, 0, (), None, None, True, "error", None,
+                                          self.error, 0, 0, None, None))
+        self._sinks.clear()

@@ -32,7 +32,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from pagedhybrid.engine import SequenceOutput
+from pagedhybrid.engine import SequenceDelta
 from pagedhybrid.serve.core import Snapshot
 
 P = "pagedhybrid:"
@@ -101,7 +101,7 @@ class ServerMetrics:
             metric.labels(model_name=self.model_name, **labels).inc(delta)
         self._seen[key] = now
 
-    def on_step(self, snap: Snapshot, outputs: Sequence[SequenceOutput]) -> None:
+    def on_step(self, snap: Snapshot, outputs: Sequence[SequenceDelta]) -> None:
         """After each engine step (the core's ``Snapshot`` and the step's outputs): gauges and
         step counters."""
         m = self.model_name
@@ -115,7 +115,7 @@ class ServerMetrics:
         for o in outputs:
             if o.finished:
                 self.success.labels(model_name=m, finished_reason=str(o.finish_reason)).inc()
-                self.prompt_tokens.labels(model_name=m).inc(len(o.prompt_token_ids))
+                self.prompt_tokens.labels(model_name=m).inc(o.num_prompt_tokens)
         self._inc(self.preemptions, "preemptions", snap.preemptions)
         pc = snap.prefix
         self._inc(self.prefix_queries, "queries", int(pc["query_tokens"]))

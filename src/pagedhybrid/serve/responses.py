@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedhybrid.engine import SequenceOutput
+from pagedhybrid.engine import SequenceDelta
 from pagedhybrid.engine.sample.sampler import Logprob
 from pagedhybrid.engine.sample.structured import StructuredOutputs
 from pagedhybrid.serve.chat.format import Tools
@@ -69,7 +69,7 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
-    logprobs: tuple[dict[int, Logprob], ...] = ()
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     prompt_logprobs: tuple[dict[int, Logprob] | None, ...] | None = None
     prompt_ids: tuple[int, ...] = ()
     arrival: float = field(default_factory=time.perf_counter)
@@ -86,30 +86,32 @@ class Choice:
         lps = [d[t].logprob for t, d in zip(self.token_ids, self.logprobs, strict=False)]
         return sum(lps) / len(lps) if lps else 0.0
 
-    def update(self, out: SequenceOutput) -> tuple[str, bool]:
-        """New output -> (text that is safe to return now, whether the choice ended before its
-        engine request did: its one tool call is complete)."""
-        self.prompt_ids = out.prompt_token_ids
-        if self.prompt_logprobs is None and out.prompt_logprob_list is not None:
-            self.prompt_logprobs = out.prompt_logprobs  # once: it is complete when present
-        if out.finished and out.finish_reason == "error":
-            self.error = out.error or "the computation failed"
+    def update(self, d: SequenceDelta) -> tuple[str, bool]:
+        """Apply one of the engine's deltas -> (text that is safe to return now, whether the
+        choice ended before its engine request did: its one tool call is complete)."""
+        if d.prompt_token_ids is not None:
+            self.prompt_ids = d.prompt_token_ids  # the first delta's
+        if d.prompt_logprobs is not None:
+            self.prompt_logprobs = d.prompt_logprobs  # once: it is complete when present
+        if d.finished and d.finish_reason == "error":
+            self.error = d.error or "the computation failed"
             self.finish_reason = "error"
             return "", False
         if self.echo_only:
-            if out.finished:
+            if d.finished:
                 self.finish_reason = "length"
             return "", False
-        self.token_ids.extend(out.new_token_ids)  # O(new tokens) a step
-        if out.generated_logprobs is not None:
-            self.logprobs = out.logprobs or ()
-        # the engine's incremental detokeniser already holds the text (O(new tokens) a step)
-        text = out.text if out.text is not None else self.tokenizer.decode(self.token_ids)
+        self.token_ids.extend(d.new_token_ids)  # O(new tokens) a step
+        if d.new_logprobs is not None:
+            self.logprobs.extend(d.new_logprobs)
+        # the engine's incremental detokeniser made the new text (O(new tokens) a step)
+        text = self.text + d.new_text if d.new_text is not None else \
+            self.tokenizer.decode(self.token_ids)
         stopped = False
-        if out.finished:
-            self.finish_reason = "stop" if out.finish_reason in ("stop", "abort") else \
-                str(out.finish_reason)
-            self.stop_reason = out.stop_reason
+        if d.finished:
+            self.finish_reason = "stop" if d.finish_reason in ("stop", "abort") else \
+                str(d.finish_reason)
+            self.stop_reason = d.stop_reason
         self.text = text
         safe = len(text)
         if not self.done:

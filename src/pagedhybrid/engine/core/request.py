@@ -65,6 +65,9 @@ class Request:
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     prompt_logprobs: list[dict[int, Logprob] | None] = field(default_factory=lambda: [None])
     num_emitted: int = 0  # output tokens already reported by step()
+    num_reports: int = 0  # outputs reported by step() (the first carries the prompt)
+    text_emitted: int = 0  # characters of the output's text already reported
+    prompt_logprobs_emitted: bool = False  # reported with an output already
     page_hashes: list[int] = field(default_factory=list)  # chain hashes of the full pages
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     admitted: bool = False  # admitted at least once (num_cached_tokens is then final)
@@ -146,6 +149,29 @@ class Request:
         return None
 
 
+@dataclass(frozen=True, slots=True)
+class SequenceDelta:
+    """What one report of a request adds to the ones before it -- the engine's output as the
+    server carries it to the HTTP client (the core process pickles it, ``Choice.update`` applies
+    it, a stream sends it on): the new token ids, the new text (None without a detokeniser),
+    the new tokens' logprobs (when asked), the prompt's ids with the first report only and its
+    logprobs once (when asked, once computed), and the request's state."""
+
+    request_id: str
+    num_prompt_tokens: int
+    new_token_ids: tuple[int, ...]
+    new_text: str | None
+    new_logprobs: tuple[dict[int, Logprob], ...] | None
+    finished: bool
+    finish_reason: FinishReason | None
+    stop_reason: int | str | None
+    error: str | None
+    num_preemptions: int
+    num_cached_tokens: int
+    prompt_token_ids: tuple[int, ...] | None  # the first report's only
+    prompt_logprobs: tuple[dict[int, Logprob] | None, ...] | None  # once
+
+
 @dataclass(frozen=True)
 class SequenceOutput:
     """What ``Engine.step`` reports for one request (one sequence: ``LLM`` and the server
@@ -161,7 +187,8 @@ class SequenceOutput:
     prefix cache at admission (not recomputed). ``token_ids``, ``logprobs`` and
     ``prompt_logprobs`` are copied out of the request on first read (a step's report costs
     O(new tokens), not O(all tokens)); the request's lists only grow, so each output keeps
-    the first ``num_generated`` entries it was made with.
+    the first ``num_generated`` entries it was made with. ``delta()``: what this report adds
+    to the request's earlier ones (``SequenceDelta``, what the server streams).
     """
 
     request_id: str
@@ -180,6 +207,19 @@ class SequenceOutput:
                                                                     compare=False)
     prompt_logprob_list: Sequence[dict[int, Logprob] | None] | None = field(
         default=None, repr=False, compare=False)
+    new_text: str | None = field(default=None, repr=False, compare=False)  # text's new end
+    first: bool = field(default=False, repr=False, compare=False)  # the request's first report
+    prompt_logprobs_new: bool = field(default=False, repr=False, compare=False)  # first with them
+
+    def delta(self) -> SequenceDelta:
+        """What this report adds to the request's earlier ones (O(new tokens))."""
+        n, lp = self.num_generated, self.generated_logprobs
+        return SequenceDelta(
+            self.request_id, len(self.prompt_token_ids), self.new_token_ids, self.new_text,
+            None if lp is None else tuple(lp[n - len(self.new_token_ids):n]), self.finished,
+            self.finish_reason, self.stop_reason, self.error, self.num_preemptions,
+            self.num_cached_tokens, self.prompt_token_ids if self.first else None,
+            self.prompt_logprobs if self.prompt_logprobs_new else None)
 
     @cached_property
     def token_ids(self) -> tuple[int, ...]:
