@@ -8,6 +8,7 @@ the engine, so garbage must not change any output.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,11 +21,12 @@ from pagedhybrid.engine import (
     InvalidRequest,
     SamplingParams,
     SequenceOutput,
+    load_engine,
 )
 from pagedhybrid.engine.core.scheduler import SchedulerOutput
 from pagedhybrid.engine.worker.input_batch import StepPlan
 from pagedhybrid.errors import CapacityError, ContractViolation
-from pagedhybrid.models.qwen35 import ABI_INPUT_NAMES, PackedBatch, load
+from pagedhybrid.models.qwen35 import ABI_INPUT_NAMES, PackedBatch, Qwen35ForCausalLM, load
 from pagedhybrid.serve.llm import LLM
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -418,3 +420,17 @@ def test_the_runner_chooses_the_executor_by_the_step(make_engine: Callable[..., 
     # decodes, prefill
     assert steps["native"] == {"graph": GREEDY.max_tokens - 1, "layers": 0, "eager": 1}
     assert steps["torch"] == {"graph": 0, "layers": 0, "eager": GREEDY.max_tokens}
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+def test_the_model_is_built_with_the_engines_bundle(monkeypatch: pytest.MonkeyPatch,
+                                                    tiny_dir: Path, backend: str) -> None:
+    """``load_engine`` builds the model with the bundle the engine's needs choose: the model
+    is given a bundle once (when it is built), not ``auto``'s first and the engine's after."""
+    given: list[str] = []
+    real = Qwen35ForCausalLM.use_backend
+    monkeypatch.setattr(Qwen35ForCausalLM, "use_backend",
+                        lambda self, b: (given.append(b.name), real(self, b))[1])
+    engine = load_engine(tiny_dir, dtype="float32", backend=backend, enable_prefix_caching=False)
+    assert given == [backend]
+    assert engine.runner.model.backend is engine.runner.kernels.backend

@@ -12,6 +12,7 @@ from pagedhybrid import dtypes
 from pagedhybrid.engine.core.config import EngineConfig
 from pagedhybrid.engine.engine import Engine
 from pagedhybrid.engine.spec_decode.proposer import proposer_spec
+from pagedhybrid.engine.worker.runner import load_model
 from pagedhybrid.errors import ContractViolation, UnsupportedConfiguration
 
 MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what a model may be loaded in
@@ -37,7 +38,7 @@ def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: str | None = None)
 def load_engine(model: str | Path | None = None, *, dtype: str | torch.dtype = "auto",
                 **config: object) -> Engine:
     """An ``Engine`` over a checkpoint folder (None = the built-in default model)."""
-    from pagedhybrid.models.qwen35 import Qwen35Config, default_model_dir, load, load_tokenizer
+    from pagedhybrid.models.qwen35 import Qwen35Config, default_model_dir, load_tokenizer
 
     model_dir = default_model_dir() if model is None else Path(model)
     cfg = EngineConfig(**config)  # type: ignore[arg-type]
@@ -56,8 +57,7 @@ def load_engine(model: str | Path | None = None, *, dtype: str | torch.dtype = "
 
         peers = start_ranks(cfg, model_dir, torch_dtype)
     try:
-        net = load(model_dir, dtype=torch_dtype, mtp=mtp,
-                   parallel=None if peers is None else peers.parallel)
+        net = load_model(model_dir, torch_dtype, cfg, None if peers is None else peers.parallel)
         try:
             tokenizer = load_tokenizer(model_dir, net.config.vocab_size)
         except UnsupportedConfiguration:

@@ -11,6 +11,7 @@ import torch
 
 from pagedhybrid.engine.core.kv_events import KVEventsConfig
 from pagedhybrid.errors import ContractViolation, from_mapping
+from pagedhybrid.kernels.registry import Needs
 from pagedhybrid.kvquant import QUANTS, kv_dtype
 from pagedhybrid.models.qwen35.config import Qwen35Config
 from pagedhybrid.weightquant import WeightFormat
@@ -241,6 +242,19 @@ class EngineConfig:
     def page_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The KV pages' element type."""
         return model_dtype if self.kv_cache_dtype == "auto" else kv_dtype(self.kv_cache_dtype)
+
+    def kernel_needs(self, model_config: Qwen35Config, dtype: torch.dtype,
+                     weight_format: WeightFormat | None = None) -> Needs:
+        """What this engine needs of the model's kernel bundle (a rank's ``model_config``, the
+        model ``dtype``, the weights' format when already quantised): ``auto`` never picks a
+        bundle that cannot serve prefix caching, the KV page dtype, batch invariance,
+        speculative decoding or the weights' format, and says why."""
+        fmt = self.weight_format or weight_format
+        return Needs(backend=self.backend, dtype=dtype, config=model_config,
+                     prefix_caching=self.enable_prefix_caching,
+                     kv_page_dtype=self.page_dtype(dtype), batch_invariant=self.batch_invariant,
+                     speculative=self.speculative is not None,
+                     weight_format=None if fmt is None else fmt.name)
 
 
 def page_bytes(config: Qwen35Config, block_size: int, dtype: torch.dtype,

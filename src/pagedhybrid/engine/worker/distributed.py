@@ -57,7 +57,6 @@ import torch
 import torch.distributed as dist
 
 from pagedhybrid.engine.core.config import EngineConfig, PoolSizes
-from pagedhybrid.engine.spec_decode.proposer import proposer_spec
 from pagedhybrid.errors import ContractViolation, EngineDead, PagedHybridError
 from pagedhybrid.parallel import ParallelConfig
 from pagedhybrid.parallel.shm import ShmAllReduce
@@ -400,9 +399,8 @@ class RayRank:
 def worker_main(host: str, port: int, rank: int, world: int) -> int:
     """Join rank 0's group as ``rank`` and serve its steps until it stops or goes away."""
     from pagedhybrid.engine.core.stats import EngineStats
-    from pagedhybrid.engine.worker.runner import ModelRunner
+    from pagedhybrid.engine.worker.runner import ModelRunner, load_model
     from pagedhybrid.kernels.native import set_pool_threads
-    from pagedhybrid.models.qwen35 import load
 
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID`: where a stuck rank is
     store = dist.TCPStore(host, port, world, is_master=False,
@@ -420,10 +418,8 @@ def worker_main(host: str, port: int, rank: int, world: int) -> int:
         comm = None if shm_name is None else ShmAllReduce(
             shm_name, rank, world, alive=lambda: os.getppid() == parent)
         try:
-            spec = config.speculative
-            model = load(model_dir, dtype=dtype,
-                         mtp=spec is not None and proposer_spec(spec).model_head,
-                         parallel=ParallelConfig(rank, world, communicator=comm))
+            model = load_model(model_dir, dtype, config,
+                               ParallelConfig(rank, world, communicator=comm))
             runner = ModelRunner(model, config, EngineStats())
         except Exception as exc:
             conn.send(("failed", f"{type(exc).__name__}: {exc}"))

@@ -43,6 +43,7 @@ import contextlib
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -62,7 +63,7 @@ from pagedhybrid.engine.worker.executors import Executors
 from pagedhybrid.engine.worker.input_batch import InputBatch, StepPlan
 from pagedhybrid.engine.worker.sampling import advance, sample_requests
 from pagedhybrid.errors import ContractViolation
-from pagedhybrid.kernels.backend import Needs, Selection, select
+from pagedhybrid.kernels.backend import Selection, select
 from pagedhybrid.kernels.native import cpu_form, dense, set_pool_threads
 from pagedhybrid.kernels.native import quant as native_quant
 from pagedhybrid.kernels.step import StepMetadata, int_tensor
@@ -73,8 +74,15 @@ from pagedhybrid.kvquant import (
     is_quantized,
     load_scales,
 )
-from pagedhybrid.models.qwen35 import PackedBatch, PagedHybridCache, Qwen35ForCausalLM
+from pagedhybrid.models.qwen35 import (
+    PackedBatch,
+    PagedHybridCache,
+    Qwen35Config,
+    Qwen35ForCausalLM,
+    load,
+)
 from pagedhybrid.models.qwen35.weights import residence
+from pagedhybrid.parallel import ParallelConfig
 
 _NO_ROWS = torch.empty(0, dtype=torch.int64)  # a rank other than 0 computes no logits
 SCORE_TOKENS = 8192  # tokens per scoring forward (whole sequences; a longer one goes alone)
@@ -93,6 +101,20 @@ class Peers(Protocol):
     def collective(self) -> contextlib.AbstractContextManager[None]: ...
 
     def close(self, timeout: float = ...) -> None: ...
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype, config: EngineConfig,
+               parallel: ParallelConfig | None = None) -> Qwen35ForCausalLM:
+    """This rank's model of the checkpoint in ``model_dir``, built with the kernel bundle the
+    engine's needs choose (``EngineConfig.kernel_needs``: selected before a weight is read, a
+    refusal names every bundle's reasons) and with its MTP head when the proposer drafts with
+    it."""
+    checkpoint = Qwen35Config.from_model_dir(model_dir)
+    bundle = select(needs=config.kernel_needs(
+        checkpoint.rank_local(parallel or ParallelConfig()), dtype)).backend
+    spec = config.speculative
+    return load(model_dir, dtype=dtype, backend=bundle, parallel=parallel,
+                mtp=spec is not None and proposer_spec(spec).model_head)
 
 
 class StepResult(NamedTuple):
@@ -124,18 +146,11 @@ class ModelRunner:
         # MTP drafter's input (``forward_mtp``)
         self._hidden: tuple[StepMetadata, tuple[Request, ...]] | None = None
         self._head_in: torch.Tensor | None = None
-        mc = model.config
-        kvd = config.page_dtype(model.dtype)
-        # what the engine needs goes into the choice: auto never picks a bundle that cannot
-        # serve prefix caching, the KV page dtype or batch invariance, and says why
-        fmt = config.weight_format or model.weight_format
-        self.kernels: Selection = select(needs=Needs(
-            backend=config.backend, dtype=model.dtype, config=mc,
-            prefix_caching=config.enable_prefix_caching, kv_page_dtype=kvd,
-            batch_invariant=config.batch_invariant,
-            speculative=config.speculative is not None,
-            weight_format=None if fmt is None else fmt.name))
-        model.use_backend(self.kernels.backend)
+        # what the engine needs goes into the choice (load_engine built the model with it)
+        self.kernels: Selection = select(needs=config.kernel_needs(
+            model.config, model.dtype, model.weight_format))
+        if model.backend is not self.kernels.backend:  # a model built with another bundle
+            model.use_backend(self.kernels.backend)
         huge = config.huge_pages and torch.device(config.device).type == "cpu"
         if config.weight_format is not None:
             model.quantize(config.weight_format, huge_pages=huge)

@@ -26,10 +26,10 @@ Two forwards share every weight and every layer's math:
 
 Kernels come from the one kernel registry (``pagedhybrid.kernels.backend.REGISTRY``;
 ``select(needs=Needs(...))``): ``auto`` gives the native kernels when the prebuilt extension is
-present and the model's needs fit (prefix caching, KV page dtype, batch invariance), else the
-next bundle that fits, with every rejection's reason. The model is given its bundle when it is
-built (``backend``; a model built without one takes ``auto``'s for its dtype; the engine's
-runner gives it the bundle its needs chose, ``use_backend``): every layer its step seam, every
+present and the model's needs fit (prefix caching, KV page dtype, batch invariance), else the next
+bundle that fits, with every rejection's reason. The model is given its bundle when it is built
+(``backend``: ``load_engine`` passes the one the engine's needs chose; a model built without one
+takes ``auto``'s for its dtype; ``use_backend`` gives it another): every layer its step seam, every
 module that uses kernels (``UsesKernels``) the bundle's ``ModuleKernels``; the weights stay as
 loaded (a tied LM head is the embedding table itself).
 
