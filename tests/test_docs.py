@@ -26,15 +26,14 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
+
+from server_process import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]
@@ -143,12 +142,6 @@ def test_readme_opens_with_make_run_and_make_test() -> None:
 
 
 # -- servers ------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _env() -> dict[str, str]:
     return {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
             "PYTHONUNBUFFERED": "1", "NO_COLOR": "1"}
@@ -167,25 +160,15 @@ class Servers:
         if self.key == (page, cmd) and self.proc is not None and self.proc.poll() is None:
             return self.port
         self.stop()
-        port = _free_port()
+        port = free_port()
         line = cmd.rstrip().removesuffix("&").rstrip()
         line = line.replace(f"--port {PORT}", f"--host 127.0.0.1 --port {port}")
         log = self.tmp / f"serve-{port}.log"
         proc = subprocess.Popen(["bash", "-c", f"exec {line}"], cwd=ROOT, env=_env(),
                                 stdout=log.open("wb"), stderr=subprocess.STDOUT)
-        deadline = time.time() + 180
-        while time.time() < deadline:
-            if proc.poll() is not None:
-                raise AssertionError(f"{cmd!r} exited {proc.returncode}: {log.read_text()}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    self.key, self.proc, self.port = (page, cmd), proc, port
-                    return port
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        proc.kill()
-        raise AssertionError(f"{cmd!r} did not come up: {log.read_text()}")
+        wait_healthy(proc, f"http://127.0.0.1:{port}", log, repr(cmd))
+        self.key, self.proc, self.port = (page, cmd), proc, port
+        return port
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -43,6 +43,7 @@ from pagedhybrid.engine.core.pages import (
     page_hash,
 )
 from pagedhybrid.errors import ContractViolation
+from server_process import free_port
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 BS = 16
@@ -122,12 +123,6 @@ class LegacyBatch(VllmEventBatch):
 
 
 # -- a subscriber, as a router runs one ------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def local(endpoint: str) -> str:
     """A bound wildcard address as a client dials it."""
     return endpoint.replace("0.0.0.0", "127.0.0.1").replace("*", "127.0.0.1")

@@ -6,10 +6,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,14 +17,9 @@ import pytest
 
 from pagedhybrid.engine import SamplingParams
 from pagedhybrid.serve.llm import LLM
+from server_process import free_port, wait_healthy
 
 PROMPT = "And it came to pass, when the king heard"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -87,18 +80,8 @@ def start_server(tmp: Path, *args: str, name: str = "default-model",
          "--served-model-name", name, *args],
         stdout=log.open("w"), stderr=subprocess.STDOUT, text=True, env=env)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited: {log.read_text()}")
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                return Server(proc, base, name, log)
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    proc.kill()
-    raise AssertionError(f"server did not come up: {log.read_text()}")
+    wait_healthy(proc, base, log)
+    return Server(proc, base, name, log)
 
 
 def flood(s: Server, n: int, max_tokens: int, timeout: float) -> list[httpx.Response]:

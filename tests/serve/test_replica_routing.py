@@ -6,7 +6,6 @@ from __future__ import annotations
 import random
 
 import pytest
-from conftest import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedhybrid.engine.core.pages import chain_hashes
@@ -21,6 +20,7 @@ from pagedhybrid.serve.replicas import (
     replica_spec,
     server_argv,
 )
+from server_process import free_port
 
 BS = 16
 
