@@ -38,7 +38,8 @@ Mixed steps split by sequence; rows of the two groups are disjoint, so they neve
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -206,6 +207,23 @@ def gdn_decode(qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Ten
     return out
 
 
+@functools.cache
+def _arguments(op: str) -> tuple[tuple[str, bool, Any], ...]:
+    """(name, has a default, the default) of each argument of the native op ``op``, in its
+    schema's order."""
+    return tuple((a.name, a.has_default_value(), a.default_value)
+                 for a in getattr(library(), op).default._schema.arguments)
+
+
+def _call(op: str, values: Mapping[str, Any]) -> Any:
+    """The native op ``op`` with its arguments ``values`` by name, passed in the schema's order
+    (an absent one with a default takes it): the fused layers' fields are named by
+    ``kernels/layer_spec.py``, and torch's own keyword binding costs ~5 us a call, once per
+    layer of every fused step."""
+    return getattr(library(), op)(*[values[n] if n in values or not has else default
+                                    for n, has, default in _arguments(op)])
+
+
 def gdn_decode_layer(h: torch.Tensor, w: LayerWeights, conv_pool: torch.Tensor,
                      pool: torch.Tensor, meta: StepMetadata,
                      matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
@@ -218,9 +236,9 @@ def gdn_decode_layer(h: torch.Tensor, w: LayerWeights, conv_pool: torch.Tensor,
     native = _native_product(h, meta, matmul, bool(w.quant))
     chunks = _chunks(meta, capsule)
     assert chunks is not None, "verify chunks need the layer's capsule"
-    out = library().gdn_decode_layer(  # type: ignore[attr-defined]
-        h, **w.args, conv_pool=conv_pool, pool=pool, slots=meta.state_slots, fresh=meta.fresh_t,
-        native_linear=native, quant=w.quant, quant_bits=w.quant_bits, **chunks)
+    out = _call("gdn_decode_layer", dict(
+        w.args, h=h, conv_pool=conv_pool, pool=pool, slots=meta.state_slots, fresh=meta.fresh_t,
+        native_linear=native, quant=w.quant, quant_bits=w.quant_bits, **chunks))
     _save_chunk_ends(conv_pool, pool, checkpoints, meta)
     return out
 
@@ -237,12 +255,12 @@ def attention_decode_layer(h: torch.Tensor, w: LayerWeights, cos: torch.Tensor,
     native = _native_product(h, meta, matmul, bool(w.quant))
     assert scales is None and key_cache.dtype == h.dtype, "pages in the model dtype"
     assert meta.write_slots is not None
-    return library().attention_decode_layer(  # type: ignore[attr-defined]
-        h, **w.args, cos=cos, sin=sin, key_cache=key_cache, value_cache=value_cache,
+    return _call("attention_decode_layer", dict(  # type: ignore[no-any-return]
+        w.args, h=h, cos=cos, sin=sin, key_cache=key_cache, value_cache=value_cache,
         write_slots=meta.write_slots, block_table=meta.block_table,
         cu_seqlens=meta.cu_seqlens_t, past_lens=meta.past_t,
         seqs=meta.seq_index(tuple(range(meta.batch))), split=KV_SPLIT, native_linear=native,
-        quant=w.quant, quant_bits=w.quant_bits)
+        quant=w.quant, quant_bits=w.quant_bits))
 
 
 def _held(weight: torch.Tensor, quant: QuantizedWeight | None
