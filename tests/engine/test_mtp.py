@@ -32,6 +32,7 @@ from pagedhybrid.models.qwen35 import (
     Qwen35ForCausalLM,
     load,
 )
+from pagedhybrid.models.qwen35.decoder import DenseStep
 from pagedhybrid.models.qwen35.rope import mrope_cos_sin
 from pagedhybrid.models.qwen35.synthetic import random_weights, tiny_byte_config, write_checkpoint
 
@@ -78,10 +79,9 @@ def _head_dense(model: Qwen35ForCausalLM, hidden: torch.Tensor, nxt: Sequence[in
     h = head.fc(x)
     layer, cfg = head.layer, model.config
     cos, sin = mrope_cos_sin(cfg, torch.arange(s).view(1, -1).expand(3, -1))
-    empty = torch.zeros(1, 0, cfg.num_key_value_heads, cfg.head_dim)
-    a, _, _ = layer.self_attn.forward_dense(layer.input_layernorm(h).view(1, s, -1), cos, sin,
-                                            empty, empty)
-    return head.norm(layer.feed_forward(h + a.reshape(s, -1)))
+    step = DenseStep(cos, sin, StepMetadata.dense(1, s, 0), 1, {}, {}, {}, {}, {}, {},
+                     model.backend)  # the layer's program, its attention over no past
+    return head.norm(layer(h, step))
 
 
 def reference_drafts(model: Qwen35ForCausalLM, tokens: Sequence[int], k: int) -> list[int]:

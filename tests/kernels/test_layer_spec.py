@@ -55,3 +55,25 @@ def test_fields_are_unique_and_sourced_where_the_layer_has_them() -> None:
             assert (f.kind == layer_spec.POOL) <= (not f.source), f  # pools: the caller's
             assert not f.derive or f.derive in layer_spec.DERIVE, f
     assert {s.kind for s in layer_spec.SPECS} == {0, 1}
+
+
+def test_each_field_is_read_by_an_op_of_its_program() -> None:
+    """A layer's order of operations is its program: every field has an op that reads it, and
+    the programs end in ``h``."""
+    for spec in layer_spec.SPECS:
+        read = {f for op in spec.program for f in op.fields}
+        assert read == {f.name for f in spec.fields}, spec.name
+        assert spec.registers[0] == "h" and "h" in spec.program[-1].outs
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda p: (layer_spec.Op("nrom", ("x",), ("h",), ("input_norm", "rms_eps")), *p[1:]),
+     "not one of"),
+    (lambda p: p[1:], "reads ['x'] before they are written"),
+    (lambda p: (p[0]._replace(fields=("rms_eps", "input_norm")), *p[1:]), "the op takes"),
+    (lambda p: (*p[:1], p[1]._replace(outs=p[1].outs[:2]), *p[2:]), "one output each"),
+    (lambda p: p[:-1], "must write h"),
+])
+def test_a_program_both_paths_cannot_run_is_refused(change, message: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        layer_spec.check_program(GDN._replace(program=change(GDN.program)))

@@ -74,3 +74,39 @@ def test_decode_weights_resolve_the_layers_own_tensors(tiny_checkpoint, product:
     _same(ints, [a.num_heads, a.num_kv_heads, 7])
     _same(floats, [a.head_dim ** -0.5, full.input_layernorm.eps])
     _same(w.quant, _quant(projections))
+
+
+@pytest.mark.parametrize("path", ["packed", "dense"])
+def test_the_modules_run_each_layers_program(tiny_checkpoint, monkeypatch, path: str) -> None:
+    """The eager path is the declaration: each layer runs its kind's program
+    (``layer_spec.GDN`` / ``ATTENTION``), op by op, in the program's order -- and a program
+    changed in the declaration changes what the modules compute."""
+    from pagedhybrid.models.qwen35 import decoder
+    from pagedhybrid.models.qwen35.packed import PackedBatch, PagedHybridCache
+
+    model = load(tiny_checkpoint.path, backend=backend("torch"))
+    cfg = model.config
+    ran: list[tuple[int, str]] = []
+    for name, impl in list(decoder.LAYER_OPS.items()):
+        def record(layer, step, fields, *ins, _name=name, _impl=impl):  # type: ignore[no-untyped-def]
+            ran.append((layer.index, _name))
+            return _impl(layer, step, fields, *ins)
+        monkeypatch.setitem(decoder.LAYER_OPS, name, record)
+    ids = [3, 1, 4, 1, 5]
+
+    def forward() -> torch.Tensor:
+        if path == "dense":
+            return model.forward_dense(torch.tensor([ids]))[0][0]
+        cache = PagedHybridCache.allocate(cfg, num_pages=1, block_size=16, num_slots=1)
+        return model.forward_packed(PackedBatch.from_sequences([ids], [0], [[0]], [0]), cache)
+
+    before = forward()
+    want = [(i, op.op) for i in range(cfg.num_hidden_layers)
+            for op in (ATTENTION if i in cfg.full_attention_layers else GDN).program]
+    assert ran == want
+    # a program without its layers' MLPs (norm, mlp, add dropped): the modules follow it
+    monkeypatch.setattr(decoder, "GDN", GDN._replace(program=GDN.program[:-3]))
+    monkeypatch.setattr(decoder, "ATTENTION", ATTENTION._replace(program=ATTENTION.program[:-3]))
+    ran.clear()
+    after = forward()
+    assert "mlp" not in {op for _, op in ran} and not torch.equal(before, after)

@@ -8,12 +8,16 @@ Per token ``x[hidden]``:
 2. OffsetRMSNorm ``q_norm`` / ``k_norm`` per head (``1 + w``).
 3. Interleaved partial MRoPE on the first ``rotary_dim`` channels (``rope.py``).
 4. Causal GQA attention, scale ``hd^-0.5``; query head ``h`` reads KV head ``h // (H/Hkv)``.
-   Dense path: plain torch over a contiguous cache ``[B, L, Hkv, hd]`` (fp32 math).
-   Packed path: the backend's paged attention on the step's ``StepMetadata`` (the
+   Dense path (``attend_dense``): plain torch over a contiguous cache ``[B, L, Hkv, hd]``
+   (fp32 math).
+   Packed path (``attend``): the backend's paged attention on the step's ``StepMetadata`` (the
    ``PagedAttention`` contract with norms and RoPE done outside the op, ``do_rotary=0``, exactly
    as the export does); the step's K/V are written into the pages in place (quantized by the
    contract's rule for int8 / float8 pages, with the layer's calibrated scales).
 5. ``o_proj(attn · sigmoid(gate))``.
+
+The layer's program (``kernels/layer_spec.py``) runs these steps: ``project`` (``q_proj``,
+``k_proj``, ``v_proj``), ``attend`` (2-4 and the gate) and ``project`` (``o_proj``).
 
 Tensor parallelism (``ParallelConfig``, world size ``W``): a rank owns contiguous query heads
 ``[r·H/W, +H/W)`` -- ``q_proj`` column-parallel by head (each head's ``query | gate`` rows stay
@@ -63,33 +67,33 @@ class FullAttention(nn.Module, UsesKernels):
         self.q_norm = OffsetRMSNorm(hd, config.rms_norm_eps, dtype)
         self.k_norm = OffsetRMSNorm(hd, config.rms_norm_eps, dtype)
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    def prepare(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q ``[T, H, hd]``, k ``[T, Hkv, hd]``, v ``[T, Hkv, hd]``, gate ``[T, H·hd]``."""
-        t = x.shape[0]
+        """The projections' outputs (``q_proj``'s ``[T, 2·H·hd]``, ``k_proj`` / ``v_proj``'s
+        ``[T, Hkv·hd]``) -> q ``[T, H, hd]``, k ``[T, Hkv, hd]`` (normed, rotated), v
+        ``[T, Hkv, hd]``, gate ``[T, H·hd]``."""
+        t = q.shape[0]
         h, hkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        query, gate = self.q_proj(x).view(t, h, 2 * hd).chunk(2, dim=-1)  # [T, H, hd] x2
+        query, gate = q.view(t, h, 2 * hd).chunk(2, dim=-1)  # [T, H, hd] x2
         gate = gate.reshape(t, h * hd)  # [T, H*hd]
         q = apply_rope(self.q_norm(query), cos, sin)  # [T, H, hd]
-        k = apply_rope(self.k_norm(self.k_proj(x).view(t, hkv, hd)), cos, sin)  # [T, Hkv, hd]
-        v = self.v_proj(x).view(t, hkv, hd)  # [T, Hkv, hd]
-        return q, k, v, gate
+        k = apply_rope(self.k_norm(k.view(t, hkv, hd)), cos, sin)  # [T, Hkv, hd]
+        return q, k, v.view(t, hkv, hd), gate
 
-    def output(self, attn: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return self.o_proj(attn * self.kernels.pointwise.sigmoid(gate))  # [T, hidden]
+    def gated(self, attn: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return attn * self.kernels.pointwise.sigmoid(gate)  # [T, H*hd]
 
-    def forward_dense(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        past_key: torch.Tensor | None,
-        past_value: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``x[B, S, hidden]`` -> (out ``[B, S, hidden]``, keys, values ``[B, L, Hkv, hd]``)."""
-        b, s, _ = x.shape
+    def attend_dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, batch: int, past_key: torch.Tensor | None,
+                     past_value: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The program's ``attend`` over a contiguous cache: the projections' outputs of
+        ``batch`` rows of ``S`` tokens -> (the gated attention ``[B*S, H·hd]``, keys, values
+        ``[B, L, Hkv, hd]``)."""
         h, hkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        q, k, v, gate = self.project(x.reshape(b * s, -1), cos, sin)
+        q, k, v, gate = self.prepare(q, k, v, cos, sin)
+        b, s = batch, q.shape[0] // batch
         q = q.view(b, s, h, hd)
         k = k.view(b, s, hkv, hd)
         v = v.view(b, s, hkv, hd)
@@ -101,29 +105,22 @@ class FullAttention(nn.Module, UsesKernels):
         kf = k.float().repeat_interleave(group, dim=2)  # [B, L, H, hd]
         vf = v.float().repeat_interleave(group, dim=2)
         scores = torch.einsum("bshd,blhd->bhsl", q.float(), kf) * hd ** -0.5  # [B, H, S, L]
-        allowed = (torch.arange(big_l, device=x.device)[None, :]
-                   <= torch.arange(s, device=x.device)[:, None] + past)  # [S, L]
+        allowed = (torch.arange(big_l, device=q.device)[None, :]
+                   <= torch.arange(s, device=q.device)[:, None] + past)  # [S, L]
         scores = scores.masked_fill(~allowed, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
-        attn = torch.einsum("bhsl,blhd->bshd", probs, vf).to(x.dtype)  # [B, S, H, hd]
-        out = self.output(attn.reshape(b * s, h * hd), gate)  # [B*S, hidden]
-        return out.view(b, s, -1), k, v
+        attn = torch.einsum("bhsl,blhd->bshd", probs, vf).to(gate.dtype)  # [B, S, H, hd]
+        return self.gated(attn.reshape(b * s, h * hd), gate), k, v
 
-    def forward_packed(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        meta: StepMetadata,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        backend: Backend,
-        scales: KVScales | None = None,
-    ) -> torch.Tensor:
-        """``x[N, hidden]`` -> ``[N, hidden]``; this layer's pages are written in place
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor, meta: StepMetadata, key_cache: torch.Tensor,
+               value_cache: torch.Tensor, backend: Backend, scales: KVScales | None = None
+               ) -> torch.Tensor:
+        """The program's ``attend`` on the pages: the projections' outputs of ``N`` packed
+        tokens -> the gated attention ``[N, H·hd]``; this layer's pages are written in place
         (quantized with ``scales`` when they are int8 / float8)."""
-        n = x.shape[0]
-        q, k, v, gate = self.project(x, cos, sin)
+        n = q.shape[0]
+        q, k, v, gate = self.prepare(q, k, v, cos, sin)
         attn = backend.step.attention(q, k, v, key_cache, value_cache, meta,
-                                 self.head_dim ** -0.5, scales)  # [N, H, hd]
-        return self.output(attn.reshape(n, -1), gate)  # [N, hidden]
+                                      self.head_dim ** -0.5, scales)  # [N, H, hd]
+        return self.gated(attn.reshape(n, -1), gate)

@@ -4,19 +4,33 @@ with its tensors gathered for a bundle's fused decode layer (``decode_weights``,
 ``fused_forward``) -- ``Qwen35TextModel`` (embedding, layers, final norm) and the checkpoint's
 ``MtpHead``; ``model.Qwen35ForCausalLM`` runs them.
 
+A layer's order of operations is its kind's program (``kernels/layer_spec.py``), declared once:
+``DecoderLayer.forward`` runs it with ``LAYER_OPS`` (each op one module call), the fused layer
+(``decode_layer.cpp``) with a native call per op. What differs between a packed paged step and
+the dense path is only where the mixers' state lives: a ``PackedStep`` or a ``DenseStep``
+(``attend`` and ``mix``).
+
 ``PARAMETER_EPOCH`` counts parameter registrations: what is gathered from the modules for the
 native calls (a layer's weights, ``stack.bind_stack``'s binding) is reused while it is unchanged.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from pagedhybrid.kernels.backend import Backend
-from pagedhybrid.kernels.layer_spec import ATTENTION, GDN, LayerWeights, resolve
+from pagedhybrid.kernels.layer_spec import (
+    ATTENTION,
+    GDN,
+    PROJECTION,
+    LayerSpec,
+    LayerWeights,
+    resolve,
+)
 from pagedhybrid.kernels.step import MtpHeadInput, StepMetadata
 from pagedhybrid.models.qwen35.attention import FullAttention
 from pagedhybrid.models.qwen35.config import FULL_ATTENTION, Qwen35Config
@@ -36,6 +50,85 @@ def _parameter_registered(module: nn.Module, name: str, param: nn.Parameter | No
 
 
 nn.modules.module.register_module_parameter_registration_hook(_parameter_registered)
+
+
+class PackedStep(NamedTuple):
+    """A packed paged step, as each layer's mixer op reads it: the rope rows, the step's
+    metadata, the cache (pages, state pools, checkpoints, capsules) and the bundle."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    meta: StepMetadata
+    cache: PagedHybridCache
+    backend: Backend
+
+    def attend(self, layer: DecoderLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+               ) -> torch.Tensor:
+        i, c = layer.index, self.cache
+        return layer.self_attn.attend(q, k, v, self.cos, self.sin, self.meta, c.key_cache[i],
+                                      c.value_cache[i], self.backend, c.kv_scales.get(i))
+
+    def mix(self, layer: DecoderLayer, qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor,
+            b: torch.Tensor) -> torch.Tensor:
+        i, c = layer.index, self.cache
+        return layer.linear_attn.mix(qkv, z, a, b, self.meta, c.conv_state[i],
+                                     c.recurrent_state[i], self.backend, c.checkpoint_pools(i),
+                                     c.capsules.get(i))
+
+
+class DenseStep(NamedTuple):
+    """A dense step of ``batch`` rows of ``S`` tokens: the past keys / values of each full layer
+    (``past_keys`` / ``past_values``, None at the start) and where this step's go (``keys`` /
+    ``values``), each linear layer's conv / recurrent state (advanced in place)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    meta: StepMetadata
+    batch: int
+    past_keys: dict[int, torch.Tensor | None]
+    past_values: dict[int, torch.Tensor | None]
+    keys: dict[int, torch.Tensor]
+    values: dict[int, torch.Tensor]
+    conv: dict[int, torch.Tensor]
+    recurrent: dict[int, torch.Tensor]
+    backend: Backend
+
+    def attend(self, layer: DecoderLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+               ) -> torch.Tensor:
+        i = layer.index
+        out, self.keys[i], self.values[i] = layer.self_attn.attend_dense(
+            q, k, v, self.cos, self.sin, self.batch, self.past_keys.get(i),
+            self.past_values.get(i))
+        return out
+
+    def mix(self, layer: DecoderLayer, qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor,
+            b: torch.Tensor) -> torch.Tensor:
+        i = layer.index
+        return layer.linear_attn.mix(qkv, z, a, b, self.meta, self.conv[i], self.recurrent[i],
+                                     self.backend)
+
+
+Step = PackedStep | DenseStep
+
+
+def _module(layer: DecoderLayer, field: str) -> Any:
+    """The module of ``layer`` that holds ``field``: a projection's own, a weight's owner."""
+    f = layer.spec.field(field)
+    return layer.get_submodule(f.source if f.kind == PROJECTION else f.source.rpartition(".")[0])
+
+
+# The modules' implementation of each op of a program (layer_spec.OPS): (layer, step, the op's
+# fields, its input registers) -> its output register (a tuple of them where it writes several).
+LAYER_OPS: dict[str, Callable[..., Any]] = {
+    "norm": lambda layer, step, fields, x: _module(layer, fields[0])(x),
+    "project": lambda layer, step, fields, x: (
+        _module(layer, fields[0])(x) if len(fields) == 1
+        else tuple(_module(layer, f)(x) for f in fields)),
+    "gdn_mixer": lambda layer, step, fields, qkv, z, a, b: step.mix(layer, qkv, z, a, b),
+    "attend": lambda layer, step, fields, q, k, v: step.attend(layer, q, k, v),
+    "add": lambda layer, step, fields, a, b: a + b,
+    "mlp": lambda layer, step, fields, x: layer.mlp(x),  # a mixture of experts too
+}
 
 
 class DecoderLayer(nn.Module):
@@ -63,8 +156,20 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps,
                                                       dtype)
 
-    def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h + self.mlp(self.post_attention_layernorm(h))
+    @property
+    def spec(self) -> LayerSpec:
+        return ATTENTION if self.is_full else GDN
+
+    def forward(self, h: torch.Tensor, step: Step) -> torch.Tensor:
+        """``h [T, hidden]`` after this layer: its kind's program, one module call an op."""
+        regs = {"h": h}
+        for op in self.spec.program:
+            out = LAYER_OPS[op.op](self, step, op.fields, *(regs[r] for r in op.ins))
+            if len(op.outs) == 1:
+                regs[op.outs[0]] = out
+            else:
+                regs.update(zip(op.outs, out, strict=True))
+        return regs["h"]
 
     def decode_weights(self) -> LayerWeights:
         """This layer's fields for a bundle's ``gdn_decode_layer`` / ``attention_decode_layer``
@@ -73,7 +178,7 @@ class DecoderLayer(nn.Module):
         cached = self._weights
         if cached is not None and cached[0] == PARAMETER_EPOCH[0]:
             return cached[1]
-        w = resolve(ATTENTION if self.is_full else GDN, self)
+        w = resolve(self.spec, self)
         self._weights = (PARAMETER_EPOCH[0], w)
         return w
 
@@ -122,11 +227,7 @@ class DecoderLayer(nn.Module):
         fused = backend.fused
         if (not fuse or fused is None or self.fused_why_not(backend, cache) is not None
                 or fused.why_not(meta, h.shape[0], h.dtype, *self.product()) is not None):
-            a = self.self_attn.forward_packed(self.input_layernorm(h), cos, sin, meta,
-                                              cache.key_cache[self.index],
-                                              cache.value_cache[self.index], backend,
-                                              cache.kv_scales.get(self.index))
-            return self.feed_forward(h + a)
+            return self(h, PackedStep(cos, sin, meta, cache, backend))
         return self.fused_forward(h, cos, sin, cache, meta, backend)
 
 

@@ -19,6 +19,9 @@ Tokens come packed ``x[T, hidden]`` with ``cu_seqlens int32[B+1]`` (the dense pa
    fp32, ``A_log``/``dt_bias`` are fp32 parameters; the output is cast back to the model dtype.
 6. Gated RMSNorm per value head with the raw weight, ``silu(z)`` gate; ``out_proj``.
 
+The layer's program (``kernels/layer_spec.py``) runs them: ``project`` (1), ``gdn_mixer``
+(``mix``: 2-6 before ``out_proj``) and ``project`` (``out_proj``).
+
 Tensor parallelism (``ParallelConfig``, world size ``W``): a rank owns contiguous value heads
 ``[r·Hv/W, +Hv/W)`` and the key heads they read, ``[r·Hk/W, +Hk/W)`` (when ``Hk < W`` and
 ``W % Hk == 0``: the one key head ``r·Hk // W``, replicated), which keeps ``hv // (Hv/Hk)``
@@ -94,9 +97,12 @@ class GatedDeltaNet(nn.Module, UsesKernels):  # its kernels' L2 norm of q / k
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps, dtype)
         self.out_proj = RowParallelLinear(v, hidden, dtype, parallel)
 
-    def forward(
+    def mix(
         self,
-        x: torch.Tensor,
+        qkv: torch.Tensor,
+        z: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
         meta: StepMetadata,
         conv_pool: torch.Tensor,
         recurrent_pool: torch.Tensor,
@@ -104,24 +110,23 @@ class GatedDeltaNet(nn.Module, UsesKernels):  # its kernels' L2 norm of q / k
         checkpoints: tuple[torch.Tensor, torch.Tensor] | None = None,
         capsule: Capsule | None = None,
     ) -> torch.Tensor:
-        """``x[T, hidden]`` -> ``[T, hidden]``; rows ``meta.state_slots`` of the conv pool
-        ``[S, conv_dim, K-1]`` and the fp32 recurrent pool ``[S, Hv, Dv, Dk]`` advance in place
-        (fresh sequences start from zero state); ``checkpoints`` -- this layer's (conv,
-        recurrent) checkpoint pools, written where ``meta.checkpoints`` asks; ``capsule`` --
-        this layer's verify-step capsules: the rows of ``meta.verify`` sequences stay as they
-        were and their compact state updates go there (``kernels/capsule.py``)."""
+        """The program's ``gdn_mixer`` (steps 2-6 before ``out_proj``): the projections'
+        outputs ``qkv [T, conv_dim]``, ``z [T, Hv·Dv]``, ``a``, ``b [T, Hv]`` -> ``y [T,
+        Hv·Dv]``; rows ``meta.state_slots`` of the conv pool ``[S, conv_dim, K-1]`` and the
+        fp32 recurrent pool ``[S, Hv, Dv, Dk]`` advance in place (fresh sequences start from
+        zero state); ``checkpoints`` -- this layer's (conv, recurrent) checkpoint pools, written
+        where ``meta.checkpoints`` asks; ``capsule`` -- this layer's verify-step capsules: the
+        rows of ``meta.verify`` sequences stay as they were and their compact state updates go
+        there (``kernels/capsule.py``)."""
         ck_conv, ck_rec = checkpoints if checkpoints is not None else (None, None)
-        t = x.shape[0]
-        qkv = self.in_proj_qkv(x)  # [T, conv_dim]
-        z = self.in_proj_z(x)  # [T, Hv*Dv]
-        b, a = self.in_proj_b(x), self.in_proj_a(x)  # [T, Hv]
+        t = qkv.shape[0]
         if backend.fused is not None:  # the mixer in one call, for a step of decodes
             y = backend.fused.mixer(qkv, z, a, b, self.conv1d.weight, conv_pool, self.A_log,
                                     self.dt_bias, recurrent_pool, self.norm.weight, meta,
                                     self.num_k_heads, self.head_k_dim ** -0.5, QK_L2_NORM_EPS,
                                     self.norm.eps, (ck_conv, ck_rec), capsule)  # [T, Hv*Dv] / None
             if y is not None:
-                return self.out_proj(y)
+                return y
         z = z.view(t, self.num_v_heads, self.head_v_dim)  # [T, Hv, Dv]
         b, a = b.float(), a.float()
         mixed = capsules.causal_conv(backend.step.causal_conv, qkv, self.conv1d.weight, conv_pool,
@@ -135,5 +140,4 @@ class GatedDeltaNet(nn.Module, UsesKernels):  # its kernels' L2 norm of q / k
         core = capsules.gated_delta(backend.step.gated_delta, backend.capture, q, k, v, a, b,
                                     self.A_log, self.dt_bias, recurrent_pool, meta,
                                     self.head_k_dim ** -0.5, ck_rec, capsule)  # fp32 [T, Hv, Dv]
-        y = self.norm(core.to(x.dtype), z).reshape(t, self.value_dim)  # [T, Hv*Dv]
-        return self.out_proj(y)
+        return self.norm(core.to(qkv.dtype), z).reshape(t, self.value_dim)  # [T, Hv*Dv]

@@ -64,7 +64,13 @@ from pagedhybrid.kernels.registry import UsesKernels
 from pagedhybrid.kernels.step import StepMetadata, int_tensor
 from pagedhybrid.kvquant import is_quantized
 from pagedhybrid.models.qwen35.config import Qwen35Config
-from pagedhybrid.models.qwen35.decoder import PARAMETER_EPOCH, MtpHead, Qwen35TextModel
+from pagedhybrid.models.qwen35.decoder import (
+    PARAMETER_EPOCH,
+    DenseStep,
+    MtpHead,
+    PackedStep,
+    Qwen35TextModel,
+)
 from pagedhybrid.models.qwen35.layers import SparseMoE
 from pagedhybrid.models.qwen35.packed import OP, PackedBatch, PagedHybridCache
 from pagedhybrid.models.qwen35.rope import RopeTable, mrope_cos_sin
@@ -296,23 +302,16 @@ class Qwen35ForCausalLM(nn.Module):
         position_ids = positions.repeat(b).view(1, -1).expand(3, -1)  # [3, B*S]
         cos, sin = mrope_cos_sin(self.config, position_ids)  # [B*S, rd] x2
         h = self.model.embed_tokens(input_ids).reshape(b * s, -1)  # [B*S, hidden]
-        meta = StepMetadata.dense(b, s, past.seq_len)
-        keys, values = {}, {}
-        conv = {i: t.clone() for i, t in past.conv.items()}  # advanced in place below
-        recurrent = {i: t.clone() for i, t in past.recurrent.items()}
-        backend = self.backend
+        keys: dict[int, torch.Tensor] = {}
+        values: dict[int, torch.Tensor] = {}
+        step = DenseStep(cos, sin, StepMetadata.dense(b, s, past.seq_len), b, past.keys,
+                         past.values, keys, values,
+                         {i: t.clone() for i, t in past.conv.items()},  # advanced in place
+                         {i: t.clone() for i, t in past.recurrent.items()}, self.backend)
         for layer in self.model.layers:
-            i = layer.index
-            x = layer.input_layernorm(h)
-            if layer.is_full:
-                out, keys[i], values[i] = layer.self_attn.forward_dense(
-                    x.view(b, s, -1), cos, sin, past.keys[i], past.values[i])
-                out = out.reshape(b * s, -1)
-            else:
-                out = layer.linear_attn(x, meta, conv[i], recurrent[i], backend)
-            h = layer.feed_forward(h + out)
+            h = layer(h, step)
         logits = self.lm_head(self.model.norm(h)).float().view(b, s, -1)  # [B, S, V]
-        return logits, DenseCache(past.seq_len + s, keys, values, conv, recurrent)
+        return logits, DenseCache(past.seq_len + s, keys, values, step.conv, step.recurrent)
 
     # -- packed paged path ------------------------------------------------------------------------
     @torch.no_grad()
@@ -351,21 +350,12 @@ class Qwen35ForCausalLM(nn.Module):
         reach = max(meta.total_lens) if given else None
         cos, sin = self.rope.step(batch.position_ids, reach)  # [N, rd] x2
         h = self.model.embed_tokens(batch.input_ids)  # [N, hidden]
+        step = PackedStep(cos, sin, meta, cache, backend)
         for n, layer in enumerate(self.model.layers):
-            i = layer.index
             if fused and fused[n]:  # the whole layer in one native call
                 h = layer.fused_forward(h, cos, sin, cache, meta, backend)
-                continue
-            x = layer.input_layernorm(h)
-            if layer.is_full:
-                out = layer.self_attn.forward_packed(x, cos, sin, meta, cache.key_cache[i],
-                                                     cache.value_cache[i], backend,
-                                                     cache.kv_scales.get(i))
-            else:
-                out = layer.linear_attn(x, meta, cache.conv_state[i], cache.recurrent_state[i],
-                                        backend, cache.checkpoint_pools(i),
-                                        cache.capsules.get(i))
-            h = layer.feed_forward(h + out)
+            else:  # its program, one module call an op
+                h = layer(h, step)
         if hidden is not None:
             hidden.append(self.model.norm(h))
         if logits_rows is not None:

@@ -14,6 +14,35 @@
 
 namespace pagedhybrid {
 
+// One layer's fields (kernels/layer_spec.py), each list in the spec's order (layer_spec.h's
+// indices): its tensors (weights, projections' weights or codes, cache pools), its projections'
+// int8 / int4 tensors (`quant`, `bits`), its ints and floats.
+struct PH_LOCAL LayerFields {
+  at::TensorList t, quant;
+  int64_t bits;
+  at::IntArrayRef ints;
+  at::ArrayRef<double> floats;
+};
+
+// What a step gives each layer: the products' form (`native`: the native linear, else torch's);
+// a full-attention layer's rope rows (cos, sin [N, rotary_dim]) and pages (the slots its K/V
+// are written to, the sequences' tables and lengths); a Gated DeltaNet layer's state slots and
+// fresh flags and gdn_decode_mixer's verify-step arguments (absent in a decode step).
+struct PH_LOCAL StepArgs {
+  bool native = true;
+  const at::Tensor *cos = nullptr, *sin = nullptr, *write_slots = nullptr,
+                   *block_table = nullptr, *cu_seqlens = nullptr, *past_lens = nullptr,
+                   *seqs = nullptr;
+  const at::Tensor *slots = nullptr, *fresh = nullptr;
+  c10::optional<at::Tensor> gdn_cu_seqlens, verify, capsule_conv, decay, key, delta;
+};
+
+// A decoder layer of `kind` (gdn::kKind or attention::kKind): its fields checked, then its
+// program run (decode_layer.cpp run_layer). The registered gdn_decode_layer /
+// attention_decode_layer ops and DecodeStack call it.
+PH_LOCAL at::Tensor decode_layer(int64_t kind, const at::Tensor& h, const LayerFields& L,
+                                 const StepArgs& s);
+
 // One projection: its weight, or -- a model with int8 / int4 weights (`quant`, 3 tensors per
 // projection in the layer's order: codes, scales, zeros (empty: symmetric); `bits`) -- its codes
 // (which the Python side passes in the weight's argument).

@@ -54,7 +54,7 @@ class DecodeStack : public torch::CustomClassHolder {
       PH_CHECK(t + nt <= tensors.size() && q + nq <= quant.size() && i + ni <= ints.size() &&
                    f + nf <= floats.size(), op, "tensors",
                "too few tensors, quantised tensors, ints or floats for layer ", layers_.size());
-      layers_.push_back(Layer{full,
+      layers_.push_back(Layer{kind,
                               {tensors.begin() + t, tensors.begin() + t + nt},
                               {quant.begin() + q, quant.begin() + q + nq},
                               {ints.begin() + i, ints.begin() + i + ni},
@@ -96,29 +96,13 @@ class DecodeStack : public torch::CustomClassHolder {
       const at::Tensor cos = cos_table.index_select(0, positions);
       const at::Tensor sin = sin_table.index_select(0, positions);
       at::Tensor h = embed_.index_select(0, ids);
-      for (const Layer& l : layers_) {
-        const std::vector<at::Tensor>& w = l.t;
-        const std::vector<int64_t>& n = l.ints;
-        const std::vector<double>& x = l.floats;
-        if (l.full) {
-          namespace a = attention;
-          h = attention_decode_layer(
-              h, w[a::input_norm], w[a::q_proj], w[a::k_proj], w[a::v_proj], w[a::q_norm],
-              w[a::k_norm], cos, sin, w[a::key_cache], w[a::value_cache], write_slots,
-              block_table, cu_seqlens, past_lens, seqs, w[a::o_proj], w[a::post_norm],
-              w[a::gate_proj], w[a::up_proj], w[a::down_proj], n[a::heads], n[a::kv_heads],
-              x[a::scale], x[a::rms_eps], n[a::split], native, l.quant, quant_bits_);
-        } else {
-          h = gdn_decode_layer(
-              h, w[gdn::input_norm], w[gdn::in_proj_qkv], w[gdn::in_proj_z], w[gdn::in_proj_b],
-              w[gdn::in_proj_a], w[gdn::conv_weight], w[gdn::conv_pool], w[gdn::a_log],
-              w[gdn::dt_bias], w[gdn::pool], slots, fresh, w[gdn::gated_norm], w[gdn::out_proj],
-              w[gdn::post_norm], w[gdn::gate_proj], w[gdn::up_proj], w[gdn::down_proj],
-              n[gdn::key_heads], x[gdn::scale], x[gdn::l2_eps], x[gdn::gated_eps],
-              x[gdn::rms_eps], native, l.quant, quant_bits_, c10::nullopt, c10::nullopt,
-              c10::nullopt, c10::nullopt, c10::nullopt, c10::nullopt);
-        }
-      }
+      StepArgs s;  // every layer's part of the step
+      s.native = native;
+      s.cos = &cos, s.sin = &sin, s.write_slots = &write_slots, s.block_table = &block_table;
+      s.cu_seqlens = &cu_seqlens, s.past_lens = &past_lens, s.seqs = &seqs;
+      s.slots = &slots, s.fresh = &fresh;
+      for (const Layer& l : layers_)
+        h = decode_layer(l.kind, h, LayerFields{l.t, l.quant, quant_bits_, l.ints, l.floats}, s);
       check_quant(op, lm_quant_, 1);
       const Proj lm = proj(lm_head_, lm_quant_, lm_bits_, 0);
       check_head_output(op, h, final_norm_, lm);
@@ -139,7 +123,7 @@ class DecodeStack : public torch::CustomClassHolder {
 
  private:
   struct Layer {
-    bool full;
+    int64_t kind;
     std::vector<at::Tensor> t, quant;
     std::vector<int64_t> ints;
     std::vector<double> floats;
