@@ -88,9 +88,9 @@ def test_the_modules_run_each_layers_program(tiny_checkpoint, monkeypatch, path:
     cfg = model.config
     ran: list[tuple[int, str]] = []
     for name, impl in list(decoder.LAYER_OPS.items()):
-        def record(layer, step, fields, *ins, _name=name, _impl=impl):  # type: ignore[no-untyped-def]
+        def record(layer, step, mods, *ins, _name=name, _impl=impl):  # type: ignore[no-untyped-def]
             ran.append((layer.index, _name))
-            return _impl(layer, step, fields, *ins)
+            return _impl(layer, step, mods, *ins)
         monkeypatch.setitem(decoder.LAYER_OPS, name, record)
     ids = [3, 1, 4, 1, 5]
 

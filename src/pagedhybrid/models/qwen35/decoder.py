@@ -29,6 +29,7 @@ from pagedhybrid.kernels.layer_spec import (
     PROJECTION,
     LayerSpec,
     LayerWeights,
+    Op,
     resolve,
 )
 from pagedhybrid.kernels.step import MtpHeadInput, StepMetadata
@@ -117,18 +118,19 @@ def _module(layer: DecoderLayer, field: str) -> Any:
     return layer.get_submodule(f.source if f.kind == PROJECTION else f.source.rpartition(".")[0])
 
 
-# The modules' implementation of each op of a program (layer_spec.OPS): (layer, step, the op's
-# fields, its input registers) -> its output register (a tuple of them where it writes several).
+# The modules' implementation of each op of a program (layer_spec.OPS): (layer, step, the
+# modules the op's fields name -- resolved once per layer for the ops in CALLS_FIELDS --, its
+# input registers) -> its output register (a tuple of them where it writes several).
 LAYER_OPS: dict[str, Callable[..., Any]] = {
-    "norm": lambda layer, step, fields, x: _module(layer, fields[0])(x),
-    "project": lambda layer, step, fields, x: (
-        _module(layer, fields[0])(x) if len(fields) == 1
-        else tuple(_module(layer, f)(x) for f in fields)),
-    "gdn_mixer": lambda layer, step, fields, qkv, z, a, b: step.mix(layer, qkv, z, a, b),
-    "attend": lambda layer, step, fields, q, k, v: step.attend(layer, q, k, v),
-    "add": lambda layer, step, fields, a, b: a + b,
-    "mlp": lambda layer, step, fields, x: layer.mlp(x),  # a mixture of experts too
+    "norm": lambda layer, step, mods, x: mods[0](x),
+    "project": lambda layer, step, mods, x: (
+        mods[0](x) if len(mods) == 1 else tuple(m(x) for m in mods)),
+    "gdn_mixer": lambda layer, step, mods, qkv, z, a, b: step.mix(layer, qkv, z, a, b),
+    "attend": lambda layer, step, mods, q, k, v: step.attend(layer, q, k, v),
+    "add": lambda layer, step, mods, a, b: a + b,
+    "mlp": lambda layer, step, mods, x: layer.mlp(x),  # a mixture of experts too
 }
+CALLS_FIELDS = {"norm": 1, "project": None}  # ops that call the modules of their fields (how many)
 
 
 class DecoderLayer(nn.Module):
@@ -141,6 +143,7 @@ class DecoderLayer(nn.Module):
         head's full-attention layer, past the stack)."""
         super().__init__()
         self._weights: tuple[int, LayerWeights] | None = None
+        self._bound: tuple[LayerSpec, list[tuple[Op, tuple[Any, ...]]]] | None = None
         self.index = index
         self.is_full = config.layer_types[index] == FULL_ATTENTION if full is None else full
         if self.is_full:
@@ -163,13 +166,22 @@ class DecoderLayer(nn.Module):
     def forward(self, h: torch.Tensor, step: Step) -> torch.Tensor:
         """``h [T, hidden]`` after this layer: its kind's program, one module call an op."""
         regs = {"h": h}
-        for op in self.spec.program:
-            out = LAYER_OPS[op.op](self, step, op.fields, *(regs[r] for r in op.ins))
+        for op, mods in self._program():
+            out = LAYER_OPS[op.op](self, step, mods, *[regs[r] for r in op.ins])
             if len(op.outs) == 1:
                 regs[op.outs[0]] = out
             else:
                 regs.update(zip(op.outs, out, strict=True))
         return regs["h"]
+
+    def _program(self) -> list[tuple[Op, tuple[Any, ...]]]:
+        """The program's ops with the modules they call, resolved once per program."""
+        spec = self.spec
+        if self._bound is None or self._bound[0] is not spec:
+            self._bound = (spec, [
+                (op, tuple(_module(self, f) for f in op.fields[:CALLS_FIELDS[op.op]])
+                 if op.op in CALLS_FIELDS else ()) for op in spec.program])
+        return self._bound[1]
 
     def decode_weights(self) -> LayerWeights:
         """This layer's fields for a bundle's ``gdn_decode_layer`` / ``attention_decode_layer``
