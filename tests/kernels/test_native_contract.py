@@ -95,6 +95,30 @@ def test_paged_attention_head_sizes_beyond_whole_vectors(name: str, head_size: i
         assert contract.last_path("paged_attention") == "native", (name, head_size, dtype)
 
 
+@pytest.mark.parametrize("cache", [None, "int8"])
+@pytest.mark.parametrize("name", ["bidirectional_block", "bidirectional_window_long",
+                                  "local_window", "local_window_decode_long"])
+def test_paged_attention_masks_run_natively(name: str, cache: str | None) -> None:
+    """``is_causal=0`` (a block drafter's bidirectional block) and ``local_window_size`` run in
+    the native tile -- not delegated, never causal in their place -- and agree with the
+    reference; a window that leaves whole KV splits out skips them (``_long``: 300 keys of
+    history, splits of ``KV_SPLIT``)."""
+    recipe = _recipe(name)
+    if cache:
+        recipe = {**recipe, "dims": {**recipe["dims"], "cache_dtype": cache},
+                  "attrs": {**recipe["attrs"], "k_quant_type": "PER_CHANNEL",
+                            "v_quant_type": "PER_TENSOR"}}
+    for dtype in (torch.float32, torch.bfloat16):
+        inputs, attrs = pa_ref.make_inputs(recipe, dtype, seed=3)
+        _run("paged_attention", pa_ref.paged_attention, contract.paged_attention, inputs, attrs,
+             dtype)
+        assert contract.last_path("paged_attention") == "native", (name, dtype)
+        causal = {**attrs, "is_causal": 1, "local_window_size": -1}
+        assert not torch.allclose(contract.paged_attention(*_clone(inputs), **attrs)[0].float(),
+                                  pa_ref.paged_attention(*_clone(inputs), **causal)[0].float(),
+                                  atol=1e-3)  # the mask takes effect
+
+
 def test_model_form_runs_natively_and_the_rest_is_declared() -> None:
     ins, attrs = _decode_case()
     _run("gated_delta_net", gdn_ref.gated_delta_net, contract.gated_delta_net, ins, attrs,

@@ -145,11 +145,11 @@ def build_default_registry(kernels: KernelRegistry = REGISTRY) -> AttentionRegis
     """A fresh contract-dispatch registry over ``kernels`` (see the module docstring)."""
     reg = AttentionRegistry()
     webgpu = _optional("pagedhybrid.kernels.webgpu", "paged_attention")
-    if webgpu is not None:  # float16, is_causal=1 only, no rotary input (its manifest)
+    if webgpu is not None:  # float16, no rotary input (its manifest)
         reg.register_op("webgpu_paged_attention", webgpu)
         reg.register_attention_backend(
             "webgpu_paged_attention", webgpu,
-            _fast_capability("webgpu_paged_attention", ("fp16",), non_causal=False,
+            _fast_capability("webgpu_paged_attention", ("fp16",), non_causal=True,
                              what="WGSL kernel package on wgpu"),
             platform="webgpu", available=_webgpu_available)
     production = [b for b in kernels if b.capability.implementation_kind == "production"]

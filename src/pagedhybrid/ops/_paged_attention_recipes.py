@@ -78,6 +78,11 @@ def conformance_recipes() -> list[dict[str, Any]]:
            attrs={"do_rotary": 1, "rotary_offset": 16}, backends=_REF),
         _r("bidirectional_block", [[12, 4], [3, 4]], 4, 2, 32, attrs={"is_causal": 0},
            backends=_REF),
+        # a block drafter's shapes (DFlash2: a non-causal block over a long history, windowed)
+        _r("bidirectional_window_long", [[300, 8], [40, 8], [0, 6]], 8, 2, 64, bs=32,
+           attrs={"is_causal": 0, "local_window_size": 20}, backends=_REF),
+        _r("local_window_decode_long", [[500, 1], [64, 1], [3, 1]], 4, 1, 128,
+           attrs={"local_window_size": 64}, backends=_REF),
         _r("attention_metadata_loose_2", [[14, 2], [2, 7]], 4, 2, 32,
            attention_metadata="loose"),
         _r("rotary_sink_scale_metadata_gqa4", [[19, 3], [0, 8], [47, 1]], 8, 2, 64, bs=32,

@@ -30,6 +30,10 @@ def test_cases_cover_the_issue(package: KernelPackage) -> None:
     assert any(len({p for p, _ in r["seqs"]}) >= 3 for r in recipes)  # several past lengths
     assert any(any(p % 16 in (0, 15) and p > 0 for p, _ in r["seqs"]) for r in recipes)
     assert sum("splitk" in c.get("expectVariant", "") for c in _SPEC["cases"]) >= 2
+    # a block drafter's masks: a bidirectional block, a local window, both
+    assert any(r.get("is_causal") == 0 for r in recipes)
+    assert any(r.get("local_window_size", -1) > 0 for r in recipes)
+    assert any(r.get("is_causal") == 0 and r.get("local_window_size", -1) > 0 for r in recipes)
 
 
 @pytest.mark.parametrize("case", _SPEC["cases"], ids=[c["name"] for c in _SPEC["cases"]])
@@ -41,7 +45,8 @@ def test_case(kernel, case) -> None:
 
 # (test.json itself also holds portable-body cases: head size 24, decode split-K, packed prefill)
 PORTABLE = ["several-sequences-gqa4-d64", "slot-mapping-skips-minus-one",
-            "decode-splitk-gqa4-d128", "gqa8-d128"]
+            "decode-splitk-gqa4-d128", "gqa8-d128", "bidirectional-block-gqa4-d64",
+            "local-window-prefill-gqa2-d128", "local-window-decode-splitk"]
 
 
 @pytest.mark.parametrize("name", PORTABLE)

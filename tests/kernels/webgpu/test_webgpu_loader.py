@@ -118,7 +118,7 @@ def test_typed_rejections_before_gpu_work(kernel) -> None:
     bf16 = {**t, **{k: t[k].to(torch.bfloat16) for k in ("queryT", "keyT", "valueT",
                                                            "keyCacheT", "valueCacheT")}}
     _rejects(kernel, bf16, attrs, UnsupportedConfiguration, "bfloat16")
-    _rejects(kernel, t, {**attrs, "is_causal": 0}, UnsupportedConfiguration, "is_causal")
+    _rejects(kernel, t, {**attrs, "is_causal": 2}, UnsupportedConfiguration, "is_causal")
     _rejects(kernel, t, {**attrs, "do_rotary": 1}, UnsupportedConfiguration, "do_rotary")
     _rejects(kernel, t, {**attrs, "kv_cache_layout": "LATENT"}, UnsupportedConfiguration,
              "kv_cache_layout")
@@ -162,4 +162,4 @@ def test_backend_capability() -> None:
     cap = backend_capability()
     assert cap["op"] == "com.microsoft.PagedAttention" and cap["dtypes"] == ["float16"]
     assert "slot_mapping" in cap["inputs"] and "cos_cache" not in cap["inputs"]
-    assert cap["attribute_values"] == {"is_causal": [1]}
+    assert cap["attribute_values"] == {"is_causal": [0, 1]}

@@ -48,7 +48,7 @@ def test_ports_dtypes_attributes_follow_the_spec(package: KernelPackage) -> None
         a = SPEC.attribute(name)
         assert attr.get("default", "required") == ("required" if a.required else a.default)
     assert m["attributeConstraints"]["num_heads"] == {"required": True}
-    assert m["attributeConstraints"]["is_causal"] == {"values": [1]}
+    assert m["attributeConstraints"]["is_causal"] == {"values": [0, 1]}
     assert m["typeConstraints"] == {"T": ["float16"], "S": ["int32"]}
     assert set(m["onnx"]["unsupportedInputs"]) == set(spec_inputs) - {
         p["onnx"] for p in m["inputs"].values()}

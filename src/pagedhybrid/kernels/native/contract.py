@@ -38,10 +38,10 @@ COVERAGE: dict[str, OpCoverage] = {
         op="com.microsoft.PagedAttention", dtypes=NATIVE_DTYPES,
         features=("decode", "short_query", "gqa", "packed_qkv", "attention_metadata",
                   "split_kv", "int8_cache", "fp8_e4m3_cache", "per_tensor_scales",
-                  "per_channel_scales"),
+                  "per_channel_scales", "is_causal=0", "local_window_size"),
         delegated={"prefill": f"more than {MAX_NATIVE_QUERY} new tokens: the torch SDPA path "
                               "(GEMM-shaped, compute-bound)",
-                   "softcap/local_window_size/head_sink/is_causal=0": "not in the native tile",
+                   "softcap/head_sink": "not in the native tile",
                    "qk_norm/do_rotary/slot_mapping": "the model does these outside the op",
                    "head_size > 256": "the tile holds at most 256 dims",
                    "float64": "verification dtype only"},
@@ -83,7 +83,7 @@ def paged_attention(call: BoundCall) -> tuple[torch.Tensor, torch.Tensor, torch.
     native = ((dims.dtype == dims.cache_dtype or quant) and dims.dtype in NATIVE_DTYPES
               and dims.head_size <= 256
               and dims.max_query_len <= MAX_NATIVE_QUERY and a["softcap"] == 0
-              and a["local_window_size"] == -1 and a["is_causal"] == 1 and not a["do_rotary"]
+              and not a["do_rotary"]
               and not dims.has_slot_mapping and not dims.has_head_sink and not dims.has_qk_norm)
     if not native or dims.num_tokens == 0:
         _note("paged_attention", "torch")
@@ -109,7 +109,8 @@ def paged_attention(call: BoundCall) -> tuple[torch.Tensor, torch.Tensor, torch.
     library().paged_attention(  # type: ignore[attr-defined]
         qf.contiguous(), key_cache, value_cache,
         table.to(torch.int32).contiguous(), cu.to(torch.int32).contiguous(),
-        past.to(torch.int32).contiguous(), seqs, out, dims.scale, KV_SPLIT)
+        past.to(torch.int32).contiguous(), seqs, out, dims.scale, KV_SPLIT,
+        a["local_window_size"], bool(a["is_causal"]))
     if quant:
         out *= vs
     _note("paged_attention", "native")

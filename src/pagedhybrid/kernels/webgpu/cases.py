@@ -6,6 +6,8 @@ A recipe is JSON-able::
      "head_size": 64, "block_size": 16, "packed_qkv": false, "slot_mapping": "none",
      "shuffle_blocks": true, "spare_blocks": 2, "scale": 0.0, "seed": 0}
 
+(``is_causal`` and ``local_window_size``, when given, are passed as attributes too.)
+
 ``seqs`` lists each sequence's cached history length and this step's new-token count.
 ``slot_mapping`` is ``"none"`` (port absent, slots derived from ``past_seqlens``), ``"derived"``
 (port present with the derived slots) or ``"skip"`` (every third token gets ``-1``, so its K/V
@@ -81,6 +83,9 @@ def make_case(recipe: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], dict[st
     attrs: dict[str, Any] = {"num_heads": hq, "kv_num_heads": hkv}
     if "scale" in recipe:
         attrs["scale"] = float(recipe["scale"])
+    for name in ("is_causal", "local_window_size"):
+        if name in recipe:
+            attrs[name] = int(recipe[name])
     return inputs, attrs
 
 

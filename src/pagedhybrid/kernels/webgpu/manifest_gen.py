@@ -22,8 +22,8 @@ from pagedhybrid.ops.spec import OpSpec
 SUPPORTED_INPUTS = ("query", "key", "value", "key_cache", "value_cache",
                     "cumulative_sequence_length", "past_seqlens", "block_table", "slot_mapping")
 REQUIRED_HERE = ("value_cache",)  # optional in ORT (LATENT layout), required for SEPARATE
-SUPPORTED_ATTRIBUTES = ("is_causal", "kv_num_heads", "num_heads", "scale")
-SUPPORTED_VALUES: dict[str, list[Any]] = {"is_causal": [1]}
+SUPPORTED_ATTRIBUTES = ("is_causal", "kv_num_heads", "local_window_size", "num_heads", "scale")
+SUPPORTED_VALUES: dict[str, list[Any]] = {"is_causal": [0, 1]}
 DTYPES = {"T": ("float16",), "T_CACHE": ("float16",), "S": ("int32",)}
 TYPE_VAR = {"T_CACHE": "T"}  # caches share the query's element type here
 STORAGE = {"S": "int32"}
@@ -56,8 +56,12 @@ DESCRIPTIONS = {
     "value_cache_out": "Optional return alias for the updated in-place value cache. The "
                        "runtime updates both caches together even when only this alias is "
                        "requested.",
-    "is_causal": "Whether to apply causal masking. This package supports only value 1. Older "
-                 "ORT schema revisions omit this attribute and are always causal.",
+    "is_causal": "1: a query at position `p` sees keys `[0, p]`; 0: it sees every key of its "
+                 "sequence (a block drafter's bidirectional block over its history). Older ORT "
+                 "schema revisions omit this attribute and are always causal.",
+    "local_window_size": "`w > 0`: a query at position `p` sees only keys `>= p - w` (`w + 1` "
+                         "keys with itself when causal; the left side only otherwise); -1: "
+                         "no window.",
     "kv_num_heads": "Number of key/value heads.",
     "num_heads": "Number of query heads.",
     "scale": "Scale applied to query-key products; zero or omission selects "
@@ -67,10 +71,11 @@ OP_DESCRIPTION = (
     "Attention over a block-based (paged) KV cache: `cumulative_sequence_length` marks the "
     "sequence boundaries and `block_table` maps a sequence's history onto scattered blocks. This "
     "step's K/V are scattered into the cache, then attended with that history. Grouped-query "
-    "heads, `scale`, packed `[Q|K|V]`, `slot_mapping`, and float16 cache storage are supported; "
-    "the cache outputs alias the input caches and are updated in place. Rotary embeddings, "
-    "softcap, local windows, LATENT layout, narrower value heads, quantized KV, head sinks, q/k "
-    "normalization, scales, and attention metadata are not implemented.")
+    "heads, `scale`, `is_causal` 0 / 1, `local_window_size`, packed `[Q|K|V]`, `slot_mapping`, "
+    "and float16 cache storage are supported; the cache outputs alias the input caches and are "
+    "updated in place. Rotary embeddings, softcap, LATENT layout, narrower value heads, "
+    "quantized KV, head sinks, q/k normalization, scales, and attention metadata are not "
+    "implemented.")
 
 TUNABLES = {
     "useSubgroups": (1, "1: use the subgroup-lanes attention body where the device has "
@@ -186,7 +191,7 @@ def _attention_pass(splitk: bool) -> dict[str, Any]:
                else [_rw("outputT", "vec4<f16>")])
     return {
         "id": "paged-attention-splitk" if splitk else "paged-attention",
-        "name": "Split-K partials (out, lse)" if splitk else "Tiled causal paged attention",
+        "name": "Split-K partials (out, lse)" if splitk else "Tiled paged attention",
         "shader": "paged-attention.wgsl.jinja",
         "bindings": [_uniform(fields), _ro("queryT", "vec4<f16>"),
                      _ro("keyCacheT", "vec4<f16>"), _ro("valueCacheT", "vec4<f16>"), *_META,
@@ -248,6 +253,8 @@ def _variant(splitk: bool, packed: bool) -> dict[str, Any]:
         desc = "Prefill, mixed and short decode steps: the scatter pass and one tiled pass."
     if packed:
         desc += " Q, K and V share the query rows."
+    desc += (" Takes is_causal 0 and 1 and local_window_size (constants of the rendered "
+             "attention shader).")
     return {"id": vid, "description": desc, "priority": 20 if splitk else 10, "when": when,
             "requires": {"features": ["shader-f16"]}, "derive": derive,
             "intermediates": intermediates, "passes": passes}

@@ -76,15 +76,24 @@ TEST_CASES: list[dict[str, Any]] = [
     {"name": "portable-body-prefill-packed-skips",
      "recipe": _r([[5, 11], [20, 4]], 8, 4, 128, 21, packed_qkv=True, slot_mapping="skip"),
      "tunables": {"useSubgroups": 0}},
+    # a block drafter's masks (DFlash2): a bidirectional block over its history, windows
+    {"name": "bidirectional-block-gqa4-d64",
+     "recipe": _r([[40, 16], [0, 16], [9, 5]], 8, 2, 64, 22, is_causal=0)},
+    {"name": "bidirectional-block-window-portable",
+     "recipe": _r([[70, 16], [3, 8]], 4, 2, 64, 23, is_causal=0, local_window_size=20),
+     "tunables": {"useSubgroups": 0}},
+    {"name": "local-window-prefill-gqa2-d128",
+     "recipe": _r([[30, 12], [0, 40]], 4, 2, 128, 24, local_window_size=8)},
+    {"name": "local-window-decode-splitk",
+     "recipe": _r([[300, 1], [90, 1], [5, 1]], 8, 2, 64, 25, local_window_size=70),
+     "tunables": SPLITK_SMALL, "expectVariant": "flash-decode-splitk"},
 ]
 
 REJECTIONS: list[dict[str, Any]] = [
     {"name": "softcap-not-implemented", "edit": {"setAttrs": {"softcap": 1.0}},
      "error": "UnsupportedConfiguration"},
-    {"name": "bidirectional-not-implemented", "edit": {"setAttrs": {"is_causal": 0}},
-     "error": "UnsupportedConfiguration"},
-    {"name": "local-window-not-implemented", "edit": {"setAttrs": {"local_window_size": 8}},
-     "error": "UnsupportedConfiguration"},
+    {"name": "local-window-zero", "edit": {"setAttrs": {"local_window_size": 0}},
+     "error": "ContractViolation"},
     {"name": "unknown-attribute", "edit": {"setAttrs": {"window": 3}},
      "error": "ContractViolation"},
     {"name": "missing-required-attribute", "edit": {"dropAttrs": ["kv_num_heads"]},

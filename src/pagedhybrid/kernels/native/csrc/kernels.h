@@ -51,12 +51,14 @@ PH_LOCAL void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& allowed
 PH_LOCAL std::tuple<at::Tensor, at::Tensor> top_rows(const at::Tensor& logits,
                                                      at::IntArrayRef rows, int64_t k);
 
-// paged_attention.cpp: out float32 [N, Hq, D] = attention of q float32 over the pages
+// paged_attention.cpp: out float32 [N, Hq, D] = attention of q float32 over the pages (causal
+// unless is_causal is false; a local window where local_window_size > 0)
 PH_LOCAL void paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
                               const at::Tensor& value_cache, const at::Tensor& block_table,
                               const at::Tensor& cu_seqlens, const at::Tensor& past_lens,
                               const at::Tensor& seqs, at::Tensor out, double scale,
-                              int64_t split);
+                              int64_t split, int64_t local_window_size = -1,
+                              bool is_causal = true);
 
 // paged_attention's checks alone (before a caller writes the step's K/V into the pages)
 PH_LOCAL void check_paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
