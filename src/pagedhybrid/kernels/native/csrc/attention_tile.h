@@ -159,8 +159,9 @@ inline void pv_pairs_rows(const Tile& t, int k, int n, int d, float* acc) {
 #endif
 }
 
-// Scores, online-softmax update and P.V for NR rows (row k sees keys lo[k] .. hi[k]).
-template <int NR, bool Pairs>
+// Scores, online-softmax update and P.V for NR rows (row k sees keys lo[k] .. hi[k]; lo is
+// read only with a local window: without one every row's lo is 0).
+template <int NR, bool Pairs, bool Window>
 inline void tile_rows_n(const float* const* qrow, const uint32_t* const* qpair, const int* lo,
                         const int* hi, int t0, int n, int d, int dp, float scale, Tile& t,
                         float* acc, float* m, float* l) {
@@ -169,9 +170,15 @@ inline void tile_rows_n(const float* const* qrow, const uint32_t* const* qpair, 
   alignas(64) float mold[kLanes] = {}, mnew[kLanes] = {};
   bool visible[NR];
   for (int k = 0; k < NR; ++k) {
-    const int first = std::max(0, lo[k] - t0), end = std::min(n, hi[k] - t0 + 1);
-    visible[k] = end > first;
-    sc[k] = lanes_in(mul(sc[k], bcast(scale)), first, end);
+    const int end = std::min(n, hi[k] - t0 + 1);
+    if constexpr (Window) {
+      const int first = std::max(0, lo[k] - t0);
+      visible[k] = end > first;
+      sc[k] = lanes_in(mul(sc[k], bcast(scale)), first, end);
+    } else {
+      visible[k] = end > 0;
+      sc[k] = first_n(mul(sc[k], bcast(scale)), end);
+    }
     mold[k] = m[k];
     mnew[k] = visible[k] ? std::max(m[k], reduce_max(sc[k])) : m[k];
   }
@@ -196,14 +203,15 @@ inline void tile_rows_n(const float* const* qrow, const uint32_t* const* qpair, 
   }
 }
 
-template <bool Pairs>
+template <bool Pairs, bool Window>
 inline void tile_rows(int nr, const float* const* qrow, const uint32_t* const* qpair,
                       const int* lo, const int* hi, int t0, int n, int d, int dp, float scale,
                       Tile& t, float* acc, float* m, float* l) {
   switch (nr) {
 #define PH_CASE(N) \
   case N:          \
-    return tile_rows_n<N, Pairs>(qrow, qpair, lo, hi, t0, n, d, dp, scale, t, acc, m, l);
+    return tile_rows_n<N, Pairs, Window>(qrow, qpair, lo, hi, t0, n, d, dp, scale, t, acc, m, \
+                                         l);
     PH_CASE(1) PH_CASE(2) PH_CASE(3) PH_CASE(4) PH_CASE(5) PH_CASE(6) PH_CASE(7) PH_CASE(8)
 #undef PH_CASE
     default:

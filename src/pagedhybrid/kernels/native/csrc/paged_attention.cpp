@@ -72,7 +72,7 @@ struct Geometry {
   bool causal;  // is_causal: a query at p sees keys <= p (else every key of its sequence)
 };
 
-template <typename T, bool Pairs>
+template <typename T, bool Pairs, bool Window>
 void run_item(const Item& it, const float* q, const T* kc, const T* vc, const int32_t* table,
               const int32_t* cu, const int32_t* past, const Geometry& g, float* acc, float* m,
               float* l) {
@@ -172,9 +172,9 @@ void run_item(const Item& it, const float* q, const T* kc, const T* vc, const in
       const int nr = std::min(kRowBlock, rows - r0);
       bool live = false;  // a row of the block sees at least one key of the tile
       for (int k = 0; k < nr; ++k)
-        live |= t0 <= hi_all[r0 + k] && t0 + n > lo_all[r0 + k];
+        live |= t0 <= hi_all[r0 + k] && (!Window || t0 + n > lo_all[r0 + k]);
       if (!live) continue;
-      tile_rows<Pairs>(nr, qrow_all.data() + r0, qpair_all.data() + r0, lo_all.data() + r0,
+      tile_rows<Pairs, Window>(nr, qrow_all.data() + r0, qpair_all.data() + r0, lo_all.data() + r0,
                        hi_all.data() + r0, t0, n, d, dp, g.scale, t,
                        acc + static_cast<int64_t>(r0) * dp, m + r0, l + r0);
     }
@@ -268,14 +268,22 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& kcache, const a
     float* a = acc.data() + k * row_floats;
     float* mk = ms.data() + k * max_rows;
     float* lk = ls.data() + k * max_rows;
+    auto run = [&](auto pairs_tag, auto window_tag) {
+      run_item<T, decltype(pairs_tag)::value, decltype(window_tag)::value>(
+          items[k], qp, kp, vp, c.table, cu, past, g, a, mk, lk);
+    };
     bool done = false;
     if constexpr (pairs_path<T>()) {
       if (pairs) {
-        run_item<T, true>(items[k], qp, kp, vp, c.table, cu, past, g, a, mk, lk);
+        g.window > 0 ? run(std::true_type{}, std::true_type{})
+                     : run(std::true_type{}, std::false_type{});
         done = true;
       }
     }
-    if (!done) run_item<T, false>(items[k], qp, kp, vp, c.table, cu, past, g, a, mk, lk);
+    if (!done) {
+      g.window > 0 ? run(std::false_type{}, std::true_type{})
+                   : run(std::false_type{}, std::false_type{});
+    }
     const int grp = group_of[k];
     if (remaining[grp].fetch_sub(1, std::memory_order_acq_rel) == 1) merge(grp);
   });

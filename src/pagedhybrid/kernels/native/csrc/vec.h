@@ -10,7 +10,8 @@
 //   if_neg(x, a, b) a where x < 0, else b   keep_nan(x, r)  x where x is NaN, else r
 //   reduce_add/max  horizontal sum / max    exp(x)    Cody-Waite + degree-6 polynomial
 //                                                     (rel. error ~2e-7; -inf -> 0)
-//   lanes_in(x, a, b) lanes outside [a, b) set to -inf  transpose(rows[kLanes])  in registers
+//   first_n(x, n)   lanes >= n set to -inf  transpose(rows[kLanes])  in registers
+//   lanes_in(x, a, b) lanes outside [a, b) set to -inf
 //   activate<Silu>(x) silu / sigmoid lanes   silu_lanes(p, n)  silu of n floats in place
 //   load_first(p, n) / store_first(p, v, n)  the first n < kLanes elements only (the other
 //                   lanes load as 0; nothing past p + n is read or written)
@@ -86,6 +87,10 @@ inline VF vmax(VF a, VF b) { return _mm512_max_ps(a, b); }
 inline int first_equal(VF x, VF want) {
   const unsigned k = _mm512_cmp_ps_mask(x, want, _CMP_EQ_OQ);
   return k ? __builtin_ctz(k) : -1;
+}
+inline VF first_n(VF x, int n) {
+  const __mmask16 keep = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1u);
+  return _mm512_mask_blend_ps(keep, _mm512_set1_ps(-__builtin_inff()), x);
 }
 inline VF lanes_in(VF x, int first, int end) {  // lanes outside [first, end) set to -inf
   const __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -191,6 +196,11 @@ inline float reduce_max(VF v) {
   s = _mm_max_ps(s, _mm_movehl_ps(s, s));
   s = _mm_max_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+inline VF first_n(VF x, int n) {
+  const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), idx));
+  return _mm256_blendv_ps(_mm256_set1_ps(-__builtin_inff()), x, keep);
 }
 inline VF lanes_in(VF x, int first, int end) {  // lanes outside [first, end) set to -inf
   const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
